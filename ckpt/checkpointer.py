@@ -1,0 +1,340 @@
+"""The per-rank agent: `Checkpointer`, the context manager in the training loop.
+
+On enter it restores the newest committed checkpoint (falling back past incomplete or
+corrupt ones, saying why); `step_done()` counts optimizer steps and saves when the interval
+says so; a save blocks only while the state is copied to host buffers, then writes and
+commits in a background thread, one save in flight at a time. SIGTERM (a preemption) takes
+a checkpoint at the next step boundary, waits for its commit and exits.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import signal
+import threading
+import time
+from typing import Any, Literal
+
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+from . import catalog
+from .capture import TrainingState
+from .commit import Group, persist
+from .dcp_io import SafeLoadPlanner, make_reader
+from .errors import CheckpointError, RestoreFailed, SaveFailed, StorageError
+from .manifest import MANIFEST_NAME, Manifest
+from .policy import Every, Keep
+from .stage import Stager
+from .storage import Store, step_dir_name
+
+log = logging.getLogger(__name__)
+
+Restore = Literal["latest", "none"] | int
+OnError = Literal["raise", "log"]
+
+
+class Checkpointer:
+    """Saves and restores the whole training state of this rank, in step with the others.
+
+    Args:
+        root: where checkpoints live: a local path or any fsspec URL (``s3://bucket/prefix``).
+        model: the module (plain, DDP, FSDP2 ``fully_shard``, FSDP1, DTensor TP).
+        optimizer: an optimizer or a list of them, for ``model``.
+        scheduler: an LR scheduler or a list of them.
+        scaler: a ``torch.amp.GradScaler``.
+        extra: named objects with ``state_dict``/``load_state_dict`` (an EMA, a sampler, ...).
+            Their tensors may be DTensors (saved sharded) or equal on every rank (saved once).
+        interval: when ``step_done`` saves; None saves only when asked. Default: every
+            10 minutes of wall time (decided on rank 0 and shared by every rank).
+        keep: retention, applied by rank 0 after each commit, in the background.
+        storage_options: passed to fsspec (``{"endpoint_url": ...}`` for an S3-compatible store).
+        restore: "latest" (default) restores the newest committed checkpoint; "none" starts
+            fresh whatever the root holds; a step number restores exactly that step.
+        save_on_exit: leaving the block normally takes a final save if the last step is unsaved.
+        on_error: a failed background save raises ``SaveFailed`` at the next ``step_done``
+            ("raise", default) or is only logged ("log"); either way nothing half-written is
+            ever restored.
+        handle_sigterm: SIGTERM takes a checkpoint at the next step boundary and exits.
+        preempt_exit_code: the exit status after a SIGTERM checkpoint committed.
+        timeout_s: the longest a collective of a save may wait for another rank before the
+            save fails: a dead rank turns into an error, never a hang.
+        metadata: JSON values stored in every manifest (run id, git commit, ...).
+    """
+
+    def __init__(
+        self,
+        root: str = "./checkpoints",
+        *,
+        model: Any = None,
+        optimizer: Any = None,
+        scheduler: Any = None,
+        scaler: Any = None,
+        extra: dict[str, Any] | None = None,
+        interval: Every | None = Every(seconds=600),
+        keep: Keep = Keep(last=3),
+        storage_options: dict[str, Any] | None = None,
+        restore: Restore = "latest",
+        save_on_exit: bool = True,
+        on_error: OnError = "raise",
+        handle_sigterm: bool = True,
+        preempt_exit_code: int = 0,
+        timeout_s: float = 600.0,
+        metadata: dict[str, Any] | None = None,
+    ) -> None:
+        if on_error not in ("raise", "log"):
+            raise ValueError(f"on_error must be 'raise' or 'log', not {on_error!r}")
+        if not (restore in ("latest", "none") or (isinstance(restore, int) and restore >= 0)):
+            raise ValueError(f"restore must be 'latest', 'none' or a step number, not {restore!r}")
+        self.store = Store(root, storage_options)
+        self.state = TrainingState.of(model, optimizer, scheduler, scaler, extra)
+        self.interval = interval
+        self.keep = keep
+        self.restore_mode = restore
+        self.save_on_exit = save_on_exit
+        self.on_error = on_error
+        self.handle_sigterm = handle_sigterm
+        self.preempt_exit_code = preempt_exit_code
+        self.timeout_s = timeout_s
+        self.metadata = dict(metadata or {})
+        #: The user's own counters (epoch, tokens, ...): saved and restored with the step.
+        self.counters: dict[str, Any] = {}
+        #: The step the last restore resumed from, or None for a fresh start.
+        self.restored_step: int | None = None
+        #: The manifest of the last committed save of this process.
+        self.last_commit: Manifest | None = None
+        self._step = 0
+        self._last_saved_step = 0
+        self._last_save_time = time.monotonic()
+        self._stager = Stager()
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._inflight: concurrent.futures.Future[Manifest] | None = None
+        self._preempt = threading.Event()
+        self._prev_handler: Any = None
+        self._ctrl = self._io = Group(None, 0, 1)
+
+    # -- the loop's four touch points ---------------------------------------------------------
+    @property
+    def step(self) -> int:
+        """Completed optimizer steps: where the loop resumes."""
+        return self._step
+
+    def __enter__(self) -> Checkpointer:
+        # Two groups: the loop's collectives and the background writer's must never interleave.
+        self._ctrl = Group.new(self.timeout_s)
+        self._io = Group.new(self.timeout_s)
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ckpt-save")
+        if self.restore_mode != "none":
+            self._restore()
+        self._last_saved_step = self._step
+        self._last_save_time = time.monotonic()
+        if self.handle_sigterm:
+            self._install_sigterm()
+        return self
+
+    def step_done(self) -> None:
+        """Count one optimizer step; save if due; exit after a checkpoint if preempted."""
+        self._step += 1
+        if self._inflight is not None and self._inflight.done():
+            self.wait()
+        by_step = self.interval is not None and self.interval.due_by_step(self._step, self._last_saved_step)
+        by_time = (
+            self._ctrl.rank == 0
+            and self.interval is not None
+            and self.interval.due_by_time(time.monotonic() - self._last_save_time)
+        )
+        preempt = self._preempt.is_set()
+        if self._ctrl.world > 1 and (self.handle_sigterm or by_time or (self.interval and self.interval.seconds)):
+            # Every rank must save at the same step: share rank 0's clock and any rank's signal.
+            preempt, due = self._ctrl.max([int(preempt), int(by_step or by_time)])
+        else:
+            due = by_step or by_time
+        if preempt:
+            self._exit_for_preemption()
+        elif due:
+            self.save()
+
+    def save(self, blocking: bool = False) -> None:
+        """Checkpoint the current step now. Returns once the state is staged in host memory
+        (or, with `blocking`, committed). All ranks must call it at the same step."""
+        saved = self._inflight is not None or (
+            self.last_commit is not None and self.last_commit.step == self._step
+        )
+        if self._last_saved_step == self._step and saved:
+            if blocking:
+                self.wait()
+            return
+        # IMPORTANT: one save in flight at a time; the stager's buffers belong to it.
+        self.wait()
+        started = time.perf_counter()
+        counters = {"step": self._step, **self.counters}
+        staged = self._stager.stage(self.state.capture(counters, self._io.rank))
+        self._stager.synchronize()
+        blocking_s = time.perf_counter() - started
+        assert self._pool is not None, "use the Checkpointer as a context manager"
+        self._inflight = self._pool.submit(
+            self._save_in_background, self._step, staged, counters, blocking_s, started
+        )
+        self._last_saved_step = self._step
+        self._last_save_time = time.monotonic()
+        log.debug("step %d staged in %.1f ms", self._step, blocking_s * 1e3)
+        if blocking:
+            self.wait()
+
+    def wait(self) -> None:
+        """Wait for the save in flight, if any; report its failure as `on_error` says."""
+        fut, self._inflight = self._inflight, None
+        if fut is None:
+            return
+        try:
+            self.last_commit = fut.result()
+        except SaveFailed as e:
+            if self.on_error == "raise":
+                raise
+            log.error("%s", e)
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        try:
+            if exc_type is None and self.save_on_exit and self._last_saved_step != self._step:
+                self.save(blocking=True)
+            elif exc_type is None:
+                self.wait()
+            else:
+                try:
+                    self.wait()
+                except CheckpointError as e:  # keep the loop's own exception the one raised
+                    log.error("while leaving after %s: %s", exc_type.__name__, e)
+        finally:
+            self._uninstall_sigterm()
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+            self._ctrl.destroy()
+            self._io.destroy()
+
+    # -- background ---------------------------------------------------------------------------
+    def _save_in_background(
+        self, step: int, staged: Any, counters: dict[str, Any], blocking_s: float, started: float
+    ) -> Manifest:
+        try:
+            manifest = persist(
+                self.store,
+                self._io,
+                step,
+                staged,
+                counters=counters,
+                user=self.metadata,
+                blocking_s=blocking_s,
+                started=started,
+            )
+        except SaveFailed:
+            raise
+        except (Exception, CheckpointException) as e:  # DCP's error is a BaseException
+            raise SaveFailed(f"save of step {step} to {self.store.display} failed: {e}") from e
+        if self._io.rank == 0:
+            log.info(
+                "committed %s/%s (%.1f MB, blocked %.0f ms, persisted in %.2f s)",
+                self.store.display,
+                step_dir_name(step),
+                manifest.costs.bytes / 1e6,
+                manifest.costs.blocking_s * 1e3,
+                manifest.costs.persist_s,
+            )
+            self._apply_retention()
+        return manifest
+
+    def _apply_retention(self) -> None:
+        try:
+            entries = catalog.scan(self.store)
+            committed = [e.step for e in entries if e.state == catalog.COMMITTED]
+            incomplete = [e.step for e in entries if e.state != catalog.COMMITTED]
+            for step in self.keep.to_delete(committed, incomplete):
+                log.info("retention: deleting %s", step_dir_name(step))
+                self.store.remove_step(step)
+        except CheckpointError as e:  # retention is housekeeping: never fail a save for it
+            log.warning("retention skipped: %s", e)
+
+    # -- restore ------------------------------------------------------------------------------
+    def _restore(self) -> None:
+        plan: list[int] | str = []
+        if self._ctrl.rank == 0:
+            try:
+                plan = self._restore_plan()
+            except CheckpointError as e:
+                plan = f"{type(e).__name__}: {e}"
+        plan = self._ctrl.broadcast(plan)
+        if isinstance(plan, str):
+            raise (RestoreFailed if "NotFound" in plan or "Invalid" in plan else StorageError)(plan)
+        problems = []
+        for step in plan:
+            outcome, why = self._try_restore(step)
+            worst = self._ctrl.max([outcome])[0]
+            if worst == 0:
+                return
+            if worst == 2:
+                raise StorageError(f"restoring step {step} from {self.store.display}: {why}")
+            problems.append(f"{step_dir_name(step)}: {why}")
+            log.warning("could not restore %s (%s); falling back to the one before", step_dir_name(step), why)
+        if plan:
+            raise RestoreFailed(
+                f"no checkpoint under {self.store.display} could be restored ("
+                + "; ".join(problems)
+                + "). Nothing was changed; pass restore='none' or a new root to start fresh."
+            )
+
+    def _restore_plan(self) -> list[int]:
+        """Rank 0: the steps to try, best first."""
+        if isinstance(self.restore_mode, int):
+            return [catalog.find(self.store, self.restore_mode).step]
+        good, skipped = catalog.restore_candidates(self.store)
+        for e in skipped:
+            log.warning("passing over %s/%s: %s", self.store.display, e.dir, e.problem)
+        if good:
+            log.info("restoring from %s/%s", self.store.display, good[0].dir)
+        return [e.step for e in good]
+
+    def _try_restore(self, step: int) -> tuple[int, str]:
+        """Load `step` into the objects. Returns (0 ok | 1 invalid | 2 storage error, why)."""
+        rel = step_dir_name(step)
+        rank = self._ctrl.rank
+        try:
+            manifest = Manifest.from_json(self.store.read_bytes(f"{rel}/{MANIFEST_NAME}"))
+            sd = self.state.template(has_rng=rank < manifest.world_size, rank=rank)
+            dcp.load(
+                sd,
+                storage_reader=make_reader(self.store, rel, manifest),
+                planner=SafeLoadPlanner(),
+                process_group=self._ctrl.pg,
+            )
+            counters = self.state.apply(sd, rank)
+        except StorageError as e:
+            return 2, str(e)
+        except CheckpointException as e:
+            causes = [f[0] if isinstance(f, tuple) else f for f in e.failures.values()]
+            if any(isinstance(c, StorageError) for c in causes):
+                return 2, "; ".join(map(str, causes))
+            return 1, "; ".join(map(str, causes))
+        except (CheckpointError, RuntimeError, KeyError, ValueError) as e:
+            return 1, f"{type(e).__name__}: {e}"
+        self._step = int(counters.pop("step"))
+        self.counters = counters
+        self.restored_step = self._step
+        self.last_commit = manifest
+        return 0, ""
+
+    # -- preemption ---------------------------------------------------------------------------
+    def _install_sigterm(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            log.warning("not in the main thread: SIGTERM will not trigger a checkpoint")
+            return
+        self._prev_handler = signal.signal(signal.SIGTERM, lambda *_: self._preempt.set())
+
+    def _uninstall_sigterm(self) -> None:
+        if self._prev_handler is not None:
+            signal.signal(signal.SIGTERM, self._prev_handler)
+            self._prev_handler = None
+
+    def _exit_for_preemption(self) -> None:
+        log.warning("preempted (SIGTERM): checkpointing step %d before exiting", self._step)
+        self.save(blocking=True)
+        raise SystemExit(self.preempt_exit_code)

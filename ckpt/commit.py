@@ -1,0 +1,145 @@
+"""Persist and commit one checkpoint from staged state; runs on every rank, in the background.
+
+The protocol: rank 0 claims a fresh step directory; every rank writes its DCP files (durable
+before `dcp.save` returns) and rank 0 writes `.metadata`; rank 0 gathers every rank's file
+sizes and checksums and writes `manifest.json` last, which is the commit. Anything that stops
+before the manifest leaves an incomplete directory that restore never picks.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from ._faults import fault_point
+from .dcp_io import Writer
+from .errors import SaveFailed
+from .manifest import MANIFEST_NAME, FileEntry, Manifest, SaveCosts
+from .storage import Store, step_dir_name
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Group:
+    """The ranks that save together, or one process alone when `pg` is None."""
+
+    pg: Any
+    rank: int
+    world: int
+
+    @classmethod
+    def new(cls, timeout_s: float) -> Group:
+        """A fresh gloo group over the default world (a collective: all ranks call it)."""
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return cls(None, 0, 1)
+        import datetime
+
+        pg = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+        return cls(pg, dist.get_rank(), dist.get_world_size())
+
+    def broadcast(self, obj: Any) -> Any:
+        if self.pg is None:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, group=self.pg)
+        return box[0]
+
+    def gather(self, obj: Any) -> list[Any] | None:
+        if self.pg is None:
+            return [obj]
+        out: list[Any] | None = [None] * self.world if self.rank == 0 else None
+        dist.gather_object(obj, out, dst=0, group=self.pg)
+        return out
+
+    def max(self, values: list[int]) -> list[int]:
+        """Element-wise maximum over ranks: "did any rank say yes"."""
+        if self.pg is None:
+            return values
+        t = torch.tensor(values, dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.pg)
+        return t.tolist()
+
+    def destroy(self) -> None:
+        if self.pg is not None:
+            dist.destroy_process_group(self.pg)
+            self.pg = None
+
+
+def claim_step_dir(store: Store, step: int) -> str | None:
+    """Rank 0: make sure step's directory is fresh. Returns why not, or None when it is.
+
+    A leftover without a manifest is debris of a crashed save and is removed; a committed
+    checkpoint at the same step is never overwritten."""
+    listing = store.list_step(step)
+    if listing is None:
+        return None
+    if listing.has_manifest:
+        return f"{store.display}/{step_dir_name(step)} is already committed; not overwriting it"
+    log.info("removing debris of an unfinished save at %s", step_dir_name(step))
+    store.remove_step(step)
+    return None
+
+
+def persist(
+    store: Store,
+    group: Group,
+    step: int,
+    staged: dict[str, Any],
+    *,
+    counters: dict[str, Any],
+    user: dict[str, Any],
+    blocking_s: float,
+    started: float,
+) -> Manifest:
+    """Write and commit `staged` as step `step`. Returns the manifest on every rank."""
+    rel = step_dir_name(step)
+    refusal = group.broadcast(claim_step_dir(store, step) if group.rank == 0 else None)
+    if refusal:
+        raise SaveFailed(refusal)
+    store.makedirs(rel)
+    writer = Writer(store, rel, step)
+    dcp.save(staged, storage_writer=writer, process_group=group.pg)
+    fault_point("before_manifest", group.rank, step)
+    all_files = group.gather(writer.files)
+    outcome: Manifest | str | None = None
+    if group.rank == 0:
+        try:
+            files: dict[str, FileEntry] = {k: v for fs in all_files or [] for k, v in fs.items()}
+            manifest = Manifest(
+                step=step,
+                world_size=group.world,
+                created=time.time(),
+                files=files,
+                costs=SaveCosts(blocking_s, time.perf_counter() - started, sum(f.size for f in files.values())),
+                counters=counters,
+                versions=versions(),
+                user=user,
+            )
+            # IMPORTANT: the commit. Written last, after every rank's files are durable.
+            store.put_atomic(f"{rel}/{MANIFEST_NAME}", manifest.to_json())
+            outcome = manifest
+        except Exception as e:  # reported to every rank below, not left to hang them
+            outcome = f"commit of {rel} failed: {type(e).__name__}: {e}"
+    outcome = group.broadcast(outcome)
+    if not isinstance(outcome, Manifest):
+        raise SaveFailed(str(outcome))
+    fault_point("after_manifest", group.rank, step)
+    return outcome
+
+
+def versions() -> dict[str, str]:
+    from . import __version__
+
+    return {
+        "ckpt": __version__,
+        "torch": torch.__version__,
+        "python": sys.version.split()[0],
+    }

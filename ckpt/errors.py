@@ -1,0 +1,27 @@
+"""The one error hierarchy of ckpt: every failure a user can act on is a CheckpointError."""
+
+from __future__ import annotations
+
+
+class CheckpointError(Exception):
+    """Base of every error ckpt raises on purpose."""
+
+
+class StorageError(CheckpointError):
+    """The root could not be reached or read: bad URL, credentials, network. Never "no checkpoint"."""
+
+
+class NotFound(CheckpointError):
+    """A step or root that was asked for does not exist."""
+
+
+class InvalidCheckpoint(CheckpointError):
+    """A checkpoint is incomplete or does not match its manifest (sizes, checksums, format)."""
+
+
+class SaveFailed(CheckpointError):
+    """A save did not commit; the previous checkpoint is untouched."""
+
+
+class RestoreFailed(CheckpointError):
+    """No committed checkpoint could be restored although at least one exists."""

@@ -1,0 +1,89 @@
+"""The manifest: the commit marker of a checkpoint and its table of contents.
+
+A checkpoint exists only when `<root>/step-<N>/manifest.json` exists. It lists every file
+of the checkpoint with its size and checksum, so that nothing is read (and nothing is
+unpickled) before it is known to be the bytes that were written. Plain dataclasses, no I/O.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import InvalidCheckpoint
+
+FORMAT = "ckpt"
+FORMAT_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+METADATA_NAME = ".metadata"  # DCP's pickled global metadata, written by rank 0
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    """One file of a checkpoint, relative to its step directory."""
+
+    size: int  # bytes
+    checksum: str  # "<algorithm>:<hex digest>", e.g. "xxh3_64:0f1e..."
+    rank: int  # the rank that wrote it (-1: written by the coordinator for all)
+
+
+@dataclass
+class SaveCosts:
+    """What the save cost, as measured on rank 0 (seconds) and summed over ranks (bytes)."""
+
+    blocking_s: float = 0.0  # the training loop waited this long (capture + stage)
+    persist_s: float = 0.0  # from the start of the save to the commit
+    bytes: int = 0  # all files of the checkpoint
+
+
+@dataclass
+class Manifest:
+    """The commit record of one checkpoint. Field order is the JSON order."""
+
+    step: int
+    world_size: int
+    created: float  # unix time of the commit
+    files: dict[str, FileEntry]
+    costs: SaveCosts = field(default_factory=SaveCosts)
+    counters: dict[str, Any] = field(default_factory=dict)  # step and user counters at save
+    versions: dict[str, str] = field(default_factory=dict)  # torch, ckpt, python
+    user: dict[str, Any] = field(default_factory=dict)  # user metadata, JSON values
+    format: str = FORMAT
+    format_version: int = FORMAT_VERSION
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.size for f in self.files.values())
+
+    def to_json(self) -> bytes:
+        return json.dumps(dataclasses.asdict(self), indent=1, sort_keys=False).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes, where: str = "manifest") -> Manifest:
+        """Parse and validate; any malformed manifest is an InvalidCheckpoint naming `where`."""
+        try:
+            doc = json.loads(raw)
+            if doc.get("format") != FORMAT:
+                raise ValueError(f"format is {doc.get('format')!r}, not {FORMAT!r}")
+            if doc.get("format_version", 0) > FORMAT_VERSION:
+                raise ValueError(
+                    f"format version {doc['format_version']} is newer than this ckpt "
+                    f"understands ({FORMAT_VERSION}); upgrade ckpt"
+                )
+            files = {name: FileEntry(**entry) for name, entry in doc["files"].items()}
+            return cls(
+                step=int(doc["step"]),
+                world_size=int(doc["world_size"]),
+                created=float(doc["created"]),
+                files=files,
+                costs=SaveCosts(**doc.get("costs", {})),
+                counters=dict(doc.get("counters", {})),
+                versions=dict(doc.get("versions", {})),
+                user=dict(doc.get("user", {})),
+                format=doc["format"],
+                format_version=int(doc["format_version"]),
+            )
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise InvalidCheckpoint(f"{where}: unreadable manifest ({e})") from e

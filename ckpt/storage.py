@@ -1,0 +1,254 @@
+"""The root: where checkpoints live, reached through fsspec (local paths, s3://, gs://, ...).
+
+It owns the layout of DESIGN.md (`<root>/step-<N:010d>/`, `<root>/events/`), checksums, the
+atomic put used for commits (rename on a filesystem, a single PUT on an object store), and
+the translation of backend errors into ckpt errors: an unreachable or forbidden root is a
+StorageError, never "no checkpoint".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, BinaryIO
+
+import fsspec
+import xxhash
+from fsspec.implementations.local import LocalFileSystem
+
+from .errors import CheckpointError, NotFound, StorageError
+
+CHECKSUM_ALGO = "xxh3_64"
+STEP_DIR = re.compile(r"^step-(\d{10})$")
+EVENTS_DIR = "events"
+
+
+def step_dir_name(step: int) -> str:
+    if not isinstance(step, int) or step < 0:
+        raise ValueError(f"a step is a non-negative integer, not {step!r}")
+    return f"step-{step:010d}"
+
+
+def redact(url: str) -> str:
+    """The URL without any `user:password@` part, safe to log."""
+    return re.sub(r"(?<=://)[^/@]*@", "***@", str(url))
+
+
+class Hasher:
+    """Running checksum of the bytes that pass through it."""
+
+    def __init__(self) -> None:
+        self._h = xxhash.xxh3_64()
+        self.size = 0
+
+    def update(self, data: bytes | memoryview) -> None:
+        self._h.update(data)
+        self.size += len(data)
+
+    def hexdigest(self) -> str:
+        return f"{CHECKSUM_ALGO}:{self._h.hexdigest()}"
+
+
+def checksum(data: bytes | memoryview) -> str:
+    return f"{CHECKSUM_ALGO}:{xxhash.xxh3_64(data).hexdigest()}"
+
+
+@contextlib.contextmanager
+def storage_errors(what: str) -> Iterator[None]:
+    """Turn a backend failure into a StorageError that says what was being done, and where."""
+    try:
+        yield
+    except (CheckpointError, FileNotFoundError):
+        raise
+    except Exception as e:  # botocore, aiohttp, OSError...: all mean "could not reach storage"
+        raise StorageError(f"{what}: {type(e).__name__}: {redact(str(e))}") from e
+
+
+@dataclass
+class StepListing:
+    """What a scan of the root found for one step directory: file names and sizes."""
+
+    step: int
+    files: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def has_manifest(self) -> bool:
+        return "manifest.json" in self.files
+
+
+class Store:
+    """A checkpoint root. All paths handed in and out are relative to it."""
+
+    def __init__(self, root: str | os.PathLike, storage_options: dict[str, Any] | None = None):
+        root = os.fspath(root)
+        self.url = root
+        with storage_errors(f"opening root {redact(root)}"):
+            protocol = fsspec.utils.get_protocol(root)
+            options = dict(storage_options or {})
+            if protocol == "s3":
+                # IMPORTANT: listings must never come from a cache; another process commits.
+                options.setdefault("use_listings_cache", False)
+                options.setdefault("skip_instance_cache", True)
+            self.fs, path = fsspec.core.url_to_fs(root, **options)
+        self.is_local = isinstance(self.fs, LocalFileSystem)
+        if self.is_local:
+            path = os.path.abspath(os.path.expanduser(path))
+        self.root = path.rstrip("/") or "/"
+
+    def __repr__(self) -> str:
+        return f"Store({self.display!r})"
+
+    @property
+    def display(self) -> str:
+        """The root's URL as it may be logged (no credentials)."""
+        return redact(self.url)
+
+    # -- paths ------------------------------------------------------------------------------
+    def path(self, *parts: str) -> str:
+        for p in parts:
+            if p.startswith("/") or ".." in p.split("/"):
+                raise ValueError(f"path {p!r} escapes the checkpoint root")
+        return "/".join([self.root, *parts])
+
+    def step_path(self, step: int, name: str | None = None) -> str:
+        return self.path(step_dir_name(step), *([name] if name else []))
+
+    # -- listing ----------------------------------------------------------------------------
+    def scan(self) -> dict[int, StepListing]:
+        """Every step directory under the root with its files, in one recursive listing."""
+        with storage_errors(f"listing {self.display}"):
+            self.fs.invalidate_cache()
+            try:
+                found = self.fs.find(self.root, detail=True, withdirs=True)
+            except FileNotFoundError:
+                return {}
+        steps: dict[int, StepListing] = {}
+        prefix = self.root.rstrip("/") + "/"
+        for full, info in found.items():
+            rel = full[len(prefix) :] if full.startswith(prefix) else full
+            head, _, tail = rel.partition("/")
+            m = STEP_DIR.match(head)
+            if not m:
+                continue
+            listing = steps.setdefault(int(m.group(1)), StepListing(int(m.group(1))))
+            if tail and info.get("type") != "directory":
+                listing.files[tail] = int(info.get("size") or 0)
+        return steps
+
+    def list_step(self, step: int) -> StepListing | None:
+        """The files of one step directory, or None if there is no such directory."""
+        with storage_errors(f"listing {self.display}/{step_dir_name(step)}"):
+            self.fs.invalidate_cache()
+            base = self.step_path(step)
+            try:
+                found = self.fs.find(base, detail=True)
+            except FileNotFoundError:
+                return None
+            if not found and not self.fs.exists(base):
+                return None
+        prefix = base + "/"
+        return StepListing(
+            step,
+            {p[len(prefix):]: int(i.get("size") or 0) for p, i in found.items() if p.startswith(prefix)},
+        )
+
+    def exists(self, rel: str) -> bool:
+        with storage_errors(f"checking {self.display}/{rel}"):
+            self.fs.invalidate_cache()
+            return self.fs.exists(self.path(rel))
+
+    # -- reading ----------------------------------------------------------------------------
+    def read_bytes(self, rel: str) -> bytes:
+        with storage_errors(f"reading {self.display}/{rel}"):
+            try:
+                return self.fs.cat_file(self.path(rel))
+            except FileNotFoundError as e:
+                raise NotFound(f"{self.display}/{rel} does not exist") from e
+
+    def open_read(self, rel: str) -> BinaryIO:
+        with storage_errors(f"opening {self.display}/{rel}"):
+            if self.is_local:
+                return open(self.path(rel), "rb")
+            return self.fs.open(self.path(rel), "rb")
+
+    # -- writing ----------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def open_write(self, rel: str) -> Iterator[BinaryIO]:
+        """A new file that is durable when the block exits: fsync'd locally, a completed PUT
+        (or multipart upload) on an object store. On error the partial file is removed."""
+        path = self.path(rel)
+        with storage_errors(f"writing {self.display}/{rel}"):
+            if self.is_local:
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                f: Any = open(path, "wb")
+            else:
+                f = self.fs.open(path, "wb")
+            try:
+                yield f
+                if self.is_local:
+                    f.flush()
+                    os.fsync(f.fileno())
+                f.close()
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    f.close() if self.is_local else f.discard()
+                with contextlib.suppress(Exception):
+                    self.fs.rm(path)
+                raise
+
+    def put_atomic(self, rel: str, data: bytes) -> None:
+        """Write `data` so that readers see all of it or nothing: the commit primitive."""
+        path = self.path(rel)
+        with storage_errors(f"committing {self.display}/{rel}"):
+            if not self.is_local:
+                self.fs.pipe_file(path, data)  # one PUT: atomic on object stores
+                return
+            directory = os.path.dirname(path)
+            os.makedirs(directory, exist_ok=True)
+            tmp = os.path.join(directory, f".{os.path.basename(path)}.{uuid.uuid4().hex}.tmp")
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+            fsync_dir(directory)
+
+    def makedirs(self, rel: str) -> None:
+        if self.is_local:
+            with storage_errors(f"creating {self.display}/{rel}"):
+                os.makedirs(self.path(rel), exist_ok=True)
+        # object stores have no directories
+
+    # -- deleting ---------------------------------------------------------------------------
+    def remove_step(self, step: int) -> None:
+        """Delete a checkpoint. IMPORTANT: the manifest goes first, so that a crash half-way
+        leaves an incomplete directory, never a committed checkpoint with files missing."""
+        with storage_errors(f"deleting {self.display}/{step_dir_name(step)}"):
+            self.fs.invalidate_cache()
+            manifest = self.step_path(step, "manifest.json")
+            if self.fs.exists(manifest):
+                self.fs.rm(manifest)
+            with contextlib.suppress(FileNotFoundError):
+                self.fs.rm(self.step_path(step), recursive=True)
+
+
+def fsync_dir(directory: str) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def hash_stream(f: BinaryIO, chunk: int = 8 << 20) -> Hasher:
+    h = Hasher()
+    while True:
+        buf = f.read(chunk)
+        if not buf:
+            return h
+        h.update(buf)
+
