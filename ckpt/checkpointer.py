@@ -209,8 +209,9 @@ class Checkpointer:
             self._uninstall_sigterm()
             if self._pool is not None:
                 self._pool.shutdown(wait=True)
-            self._ctrl.destroy()
-            self._io.destroy()
+            # The groups are not destroyed here: a peer may still be reading the last message
+            # of a collective, and gloo aborts that peer if the socket closes under it.
+            # `dist.destroy_process_group()` frees them with the rest.
 
     # -- background ---------------------------------------------------------------------------
     def _save_in_background(

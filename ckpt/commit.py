@@ -67,11 +67,6 @@ class Group:
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.pg)
         return t.tolist()
 
-    def destroy(self) -> None:
-        if self.pg is not None:
-            dist.destroy_process_group(self.pg)
-            self.pg = None
-
 
 def claim_step_dir(store: Store, step: int) -> str | None:
     """Rank 0: make sure step's directory is fresh. Returns why not, or None when it is.

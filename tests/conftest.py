@@ -1,0 +1,77 @@
+"""Shared fixtures: a real S3-protocol server (moto's server mode) on a free loopback port."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from launch import free_port  # noqa: E402
+
+S3_ENV = {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing-secret",
+    "AWS_DEFAULT_REGION": "us-east-1",
+}
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint(tmp_path_factory):
+    """URL of a moto S3 server started for this test session and stopped after it."""
+    port = free_port()
+    log = open(tmp_path_factory.mktemp("moto") / "moto.log", "wb")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 30
+    while True:
+        try:
+            urllib.request.urlopen(url + "/moto-api/", timeout=1)
+            break
+        except OSError:
+            if proc.poll() is not None or time.time() > deadline:
+                proc.kill()
+                raise RuntimeError("moto server did not start") from None
+            time.sleep(0.2)
+    yield url
+    proc.terminate()
+    proc.wait(timeout=10)
+
+
+@pytest.fixture
+def s3_env(s3_endpoint, monkeypatch):
+    """Standard AWS environment pointing at the moto server (child processes inherit it)."""
+    for k, v in {**S3_ENV, "AWS_ENDPOINT_URL": s3_endpoint}.items():
+        monkeypatch.setenv(k, v)
+    return {**S3_ENV, "AWS_ENDPOINT_URL": s3_endpoint}
+
+
+@pytest.fixture
+def s3_root(s3_env, s3_endpoint):
+    """A fresh bucket; returns the root URL `s3://<bucket>/run`."""
+    import boto3
+
+    bucket = f"ckpt-{uuid.uuid4().hex[:12]}"
+    boto3.client("s3", endpoint_url=s3_endpoint).create_bucket(Bucket=bucket)
+    return f"s3://{bucket}/run"
+
+
+@pytest.fixture
+def s3_options(s3_endpoint):
+    """storage_options that reach the moto server without relying on the environment."""
+    return {"endpoint_url": s3_endpoint, "key": S3_ENV["AWS_ACCESS_KEY_ID"], "secret": S3_ENV["AWS_SECRET_ACCESS_KEY"]}
+
+
+@pytest.fixture(autouse=True)
+def _quiet_threads(monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "1"))

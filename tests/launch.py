@@ -1,0 +1,68 @@
+"""Start a job of N real processes on loopback (gloo), like torchrun but with handles on
+each rank, so a test can kill one of them."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(nprocs: int, script: str | Path, *args: str, env: dict[str, str] | None = None, log_dir: Path | None = None) -> list[subprocess.Popen]:
+    port = free_port()
+    procs = []
+    for rank in range(nprocs):
+        penv = {
+            **os.environ,
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(nprocs),
+            "LOCAL_WORLD_SIZE": str(nprocs),
+            "PYTHONPATH": str(REPO),
+            "OMP_NUM_THREADS": "1",
+            **(env or {}),
+        }
+        out = open(log_dir / f"rank{rank}.log", "ab") if log_dir else subprocess.DEVNULL
+        procs.append(
+            subprocess.Popen([sys.executable, str(script), *args], env=penv, stdout=out, stderr=subprocess.STDOUT)
+        )
+    return procs
+
+
+def wait(procs: list[subprocess.Popen], timeout: float = 180) -> list[int]:
+    codes = []
+    for p in procs:
+        try:
+            codes.append(p.wait(timeout=timeout))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+    return codes
+
+
+def run(nprocs: int, script: str | Path, *args: str, env: dict[str, str] | None = None, log_dir: Path | None = None, timeout: float = 180) -> list[int]:
+    return wait(start(nprocs, script, *args, env=env, log_dir=log_dir), timeout)
+
+
+def run_worker(nprocs: int, *args: str, env: dict[str, str] | None = None, log_dir: Path | None = None, timeout: float = 180) -> None:
+    """Run tests/worker.py on N ranks; fail with the ranks' logs if any rank fails."""
+    codes = run(nprocs, HERE / "worker.py", *args, env=env, log_dir=log_dir, timeout=timeout)
+    if any(codes):
+        logs = ""
+        if log_dir:
+            logs = "\n".join(f"--- rank{r}\n" + (log_dir / f"rank{r}.log").read_text()[-3000:] for r in range(nprocs))
+        raise AssertionError(f"worker exit codes {codes}\n{logs}")
