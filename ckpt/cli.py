@@ -1,0 +1,266 @@
+"""`ckpt`: the admin CLI. List, show, verify and delete checkpoints under any root.
+
+A user's mistake (a bad URL, a missing step, credentials that do not work) is one line on
+stderr and exit code 2; a checkpoint that fails verification is exit code 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from typing import Any
+
+from . import catalog
+from .errors import CheckpointError, InvalidCheckpoint
+from .manifest import METADATA_NAME
+from .policy import Keep
+from .storage import Store, step_dir_name
+
+EXIT_OK, EXIT_INVALID, EXIT_USAGE = 0, 1, 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING if not args.verbose else logging.INFO, format="%(message)s")
+    try:
+        store = Store(args.root, _options(args.storage_option))
+        return args.func(store, args)
+    except InvalidCheckpoint as e:
+        print(f"ckpt: {e}", file=sys.stderr)
+        return EXIT_INVALID
+    except (CheckpointError, ValueError) as e:
+        print(f"ckpt: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:  # `ckpt show ... | head`: the reader left, nothing is wrong
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_OK
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ckpt", description="Inspect and manage ckpt checkpoints.")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("root", help="checkpoint root: a path or fsspec URL (s3://bucket/prefix)")
+    common.add_argument(
+        "--storage-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="fsspec storage option, e.g. endpoint_url=http://127.0.0.1:9000 (repeatable)",
+    )
+    common.add_argument("-v", "--verbose", action="store_true")
+    sub = p.add_subparsers(required=True, metavar="COMMAND")
+
+    ls = sub.add_parser("ls", parents=[common], help="list checkpoints")
+    ls.add_argument("--json", action="store_true")
+    ls.set_defaults(func=cmd_ls)
+
+    show = sub.add_parser("show", parents=[common], help="manifest and tensor inventory")
+    show.add_argument("--step", type=int, help="default: the newest committed")
+    show.add_argument("--json", action="store_true")
+    show.set_defaults(func=cmd_show)
+
+    verify = sub.add_parser("verify", parents=[common], help="check files against manifests")
+    verify.add_argument("--step", type=int, help="default: every checkpoint")
+    verify.add_argument("--deep", action="store_true", help="check every checksum, not only sizes")
+    verify.add_argument("--json", action="store_true")
+    verify.set_defaults(func=cmd_verify)
+
+    rm = sub.add_parser("rm", parents=[common], help="delete one checkpoint")
+    rm.add_argument("--step", type=int, required=True)
+    rm.add_argument("--force", action="store_true", help="allow deleting the newest committed one")
+    rm.set_defaults(func=cmd_rm)
+
+    gc = sub.add_parser("gc", parents=[common], help="apply retention")
+    gc.add_argument("--keep-last", type=int, required=True)
+    gc.add_argument("--keep-every", type=int, help="also keep steps that are multiples of this")
+    gc.add_argument("--dry-run", action="store_true")
+    gc.set_defaults(func=cmd_gc)
+    return p
+
+
+def _options(pairs: list[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--storage-option wants KEY=VALUE, got {pair!r}")
+        try:
+            out[key] = json.loads(value)  # true, 3, {"a": 1}
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
+
+
+def _require_root(store: Store) -> None:
+    if not store.exists(""):
+        raise catalog.NotFound(f"{store.display} does not exist")
+
+
+def _emit_json(doc: Any) -> None:
+    json.dump(doc, sys.stdout, indent=1, default=str)
+    sys.stdout.write("\n")
+
+
+def _table(rows: list[list[str]], header: list[str]) -> None:
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    for r in [header, *rows]:
+        print("  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} PB"
+
+
+def _when(t: float | None) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) if t else "-"
+
+
+def _entry_doc(e: catalog.Entry) -> dict[str, Any]:
+    m = e.manifest
+    return {
+        "step": e.step,
+        "state": e.state,
+        "time": m.created if m else None,
+        "bytes": m.total_bytes if m else e.bytes_on_store,
+        "world_size": m.world_size if m else None,
+        "problem": e.problem,
+    }
+
+
+def cmd_ls(store: Store, args: argparse.Namespace) -> int:
+    _require_root(store)
+    docs = [_entry_doc(e) for e in catalog.scan(store)]
+    if args.json:
+        _emit_json(docs)
+        return EXIT_OK
+    rows = [
+        [str(d["step"]), _when(d["time"]), human_bytes(d["bytes"]), str(d["world_size"] or "-"), d["state"]]
+        for d in docs
+    ]
+    _table(rows, ["STEP", "TIME", "SIZE", "WORLD", "STATE"])
+    return EXIT_OK
+
+
+def cmd_show(store: Store, args: argparse.Namespace) -> int:
+    from .dcp_io import read_verified
+
+    entry = catalog.find(store, args.step)
+    m = entry.manifest
+    assert m is not None
+    tensors = inventory(read_verified(store, entry.dir, METADATA_NAME, m))
+    if args.json:
+        _emit_json({"root": store.display, "dir": entry.dir, "manifest": json.loads(m.to_json()), "tensors": tensors})
+        return EXIT_OK
+    print(f"{store.display}/{entry.dir}")
+    print(f"  step {m.step}, world size {m.world_size}, committed {_when(m.created)}")
+    print(f"  {len(m.files)} files, {human_bytes(m.total_bytes)}")
+    print(
+        f"  save: blocked {m.costs.blocking_s * 1e3:.1f} ms, persisted in {m.costs.persist_s:.2f} s"
+    )
+    print(f"  counters: {json.dumps(m.counters)}")
+    print(f"  versions: {', '.join(f'{k} {v}' for k, v in m.versions.items())}")
+    if m.user:
+        print(f"  metadata: {json.dumps(m.user)}")
+    print()
+    _table(
+        [[t["key"], t["dtype"], "x".join(map(str, t["shape"])) or "scalar", human_bytes(t["bytes"]) if t["bytes"] is not None else "-", str(t["chunks"])] for t in tensors],
+        ["KEY", "DTYPE", "SHAPE", "SIZE", "CHUNKS"],
+    )
+    return EXIT_OK
+
+
+def inventory(metadata_blob: bytes) -> list[dict[str, Any]]:
+    """Tensors and objects of a checkpoint, from its checksum-verified `.metadata`."""
+    import pickle
+
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    md = pickle.loads(metadata_blob)  # verified against the manifest by the caller
+    out = []
+    for key, item in sorted(md.state_dict_metadata.items()):
+        if isinstance(item, TensorStorageMetadata):
+            dtype = item.properties.dtype
+            numel = 1
+            for s in item.size:
+                numel *= s
+            out.append(
+                {
+                    "key": key,
+                    "dtype": str(dtype).removeprefix("torch."),
+                    "shape": list(item.size),
+                    "bytes": numel * dtype.itemsize,
+                    "chunks": len(item.chunks),
+                }
+            )
+        else:
+            out.append({"key": key, "dtype": "object", "shape": [], "bytes": None, "chunks": 1})
+    return out
+
+
+def cmd_verify(store: Store, args: argparse.Namespace) -> int:
+    _require_root(store)
+    if args.step is not None:
+        listing = store.list_step(args.step)
+        if listing is None:
+            raise catalog.NotFound(f"no checkpoint at step {args.step} under {store.display}")
+        entries = [catalog.inspect(store, listing, metadata=True, deep=args.deep)]
+    else:
+        entries = catalog.scan(store, metadata=True, deep=args.deep)
+    newest = max((e.step for e in entries if e.state == catalog.COMMITTED), default=-1)
+    # A directory without a manifest newer than the newest commit may be a save in flight.
+    failed = [e for e in entries if e.state == catalog.CORRUPT or (e.state == catalog.INCOMPLETE and args.step is not None)]
+    if args.json:
+        _emit_json({"ok": not failed, "deep": args.deep, "checkpoints": [_entry_doc(e) for e in entries]})
+    else:
+        for e in entries:
+            note = "" if e.state == catalog.COMMITTED else f": {e.problem}"
+            if e.state == catalog.INCOMPLETE and e.step > newest and args.step is None:
+                note += " (may be a save in progress)"
+            print(f"{e.dir}  {'ok' if e.state == catalog.COMMITTED else e.state.upper()}{note}")
+        print(f"{len(entries) - len(failed)} ok, {len(failed)} failed ({'checksums' if args.deep else 'sizes'})")
+    return EXIT_INVALID if failed else EXIT_OK
+
+
+def cmd_rm(store: Store, args: argparse.Namespace) -> int:
+    listing = store.list_step(args.step)
+    if listing is None:
+        raise catalog.NotFound(f"no checkpoint at step {args.step} under {store.display}")
+    entries = catalog.scan(store)
+    committed = [e.step for e in entries if e.state == catalog.COMMITTED]
+    if committed and args.step == max(committed) and not args.force:
+        raise ValueError(
+            f"step {args.step} is the newest committed checkpoint; a restart would lose it. "
+            "Pass --force to delete it anyway."
+        )
+    store.remove_step(args.step)
+    print(f"deleted {store.display}/{step_dir_name(args.step)}")
+    return EXIT_OK
+
+
+def cmd_gc(store: Store, args: argparse.Namespace) -> int:
+    _require_root(store)
+    keep = Keep(last=args.keep_last, every_steps=args.keep_every)
+    entries = catalog.scan(store)
+    committed = [e.step for e in entries if e.state == catalog.COMMITTED]
+    others = [e.step for e in entries if e.state != catalog.COMMITTED]
+    doomed = keep.to_delete(committed, others)
+    for step in doomed:
+        if not args.dry_run:
+            store.remove_step(step)
+        print(f"{'would delete' if args.dry_run else 'deleted'} {store.display}/{step_dir_name(step)}")
+    print(f"{len(doomed)} {'to delete' if args.dry_run else 'deleted'}, {len(committed) - len([s for s in doomed if s in committed])} committed kept")
+    return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())
