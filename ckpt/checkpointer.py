@@ -113,6 +113,8 @@ class Checkpointer:
         self._preempt = threading.Event()
         self._prev_handler: Any = None
         self._ctrl = self._io = Group(None, 0, 1)
+        # A signal reaches one rank, a clock runs per rank: both need one small collective a step.
+        self._agree_each_step = handle_sigterm or (interval is not None and interval.seconds is not None)
 
     # -- the loop's four touch points ---------------------------------------------------------
     @property
@@ -145,7 +147,7 @@ class Checkpointer:
             and self.interval.due_by_time(time.monotonic() - self._last_save_time)
         )
         preempt = self._preempt.is_set()
-        if self._ctrl.world > 1 and (self.handle_sigterm or by_time or (self.interval and self.interval.seconds)):
+        if self._ctrl.world > 1 and self._agree_each_step:
             # Every rank must save at the same step: share rank 0's clock and any rank's signal.
             preempt, due = self._ctrl.max([int(preempt), int(by_step or by_time)])
         else:
@@ -190,9 +192,9 @@ class Checkpointer:
         try:
             self.last_commit = fut.result()
         except SaveFailed as e:
+            log.error("%s", e)
             if self.on_error == "raise":
                 raise
-            log.error("%s", e)
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         try:

@@ -28,7 +28,6 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-import ckpt  # noqa: E402
 from ckpt import catalog  # noqa: E402
 from ckpt.storage import Store  # noqa: E402
 
