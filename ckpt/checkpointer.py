@@ -267,7 +267,8 @@ class Checkpointer:
                 plan = f"{type(e).__name__}: {e}"
         plan = self._ctrl.broadcast(plan)
         if isinstance(plan, str):
-            raise (RestoreFailed if "NotFound" in plan or "Invalid" in plan else StorageError)(plan)
+            kind = plan.partition(":")[0]  # the error's type name, as rank 0 raised it
+            raise (RestoreFailed if kind in ("NotFound", "InvalidCheckpoint", "RestoreFailed") else StorageError)(plan)
         problems = []
         for step in plan:
             outcome, why = self._try_restore(step)
@@ -294,6 +295,13 @@ class Checkpointer:
             log.warning("passing over %s/%s: %s", self.store.display, e.dir, e.problem)
         if good:
             log.info("restoring from %s/%s", self.store.display, good[0].dir)
+        elif any(e.state == catalog.CORRUPT for e in skipped):
+            # Checkpoints were committed but none can be trusted: never silently start over.
+            raise RestoreFailed(
+                f"no checkpoint under {self.store.display} could be restored ("
+                + "; ".join(f"{e.dir}: {e.problem}" for e in skipped)
+                + "). Nothing was changed; pass restore='none' or a new root to start fresh."
+            )
         return [e.step for e in good]
 
     def _try_restore(self, step: int) -> tuple[int, str]:

@@ -18,7 +18,7 @@ from . import catalog
 from .errors import CheckpointError, InvalidCheckpoint
 from .manifest import METADATA_NAME
 from .policy import Keep
-from .storage import Store, step_dir_name
+from .storage import Store, redact, step_dir_name
 
 EXIT_OK, EXIT_INVALID, EXIT_USAGE = 0, 1, 2
 
@@ -30,16 +30,21 @@ def main(argv: list[str] | None = None) -> int:
         store = Store(args.root, _options(args.storage_option))
         return args.func(store, args)
     except InvalidCheckpoint as e:
-        print(f"ckpt: {e}", file=sys.stderr)
+        _error(e)
         return EXIT_INVALID
     except (CheckpointError, ValueError) as e:
-        print(f"ckpt: {e}", file=sys.stderr)
+        _error(e)
         return EXIT_USAGE
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:  # `ckpt show ... | head`: the reader left, nothing is wrong
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_OK
+
+
+def _error(e: Exception) -> None:
+    # One line even when a backend's message has several (botocore's validation errors).
+    print(f"ckpt: {redact(' '.join(str(e).split()))}", file=sys.stderr)
 
 
 def _parser() -> argparse.ArgumentParser:

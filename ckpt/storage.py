@@ -34,8 +34,9 @@ def step_dir_name(step: int) -> str:
 
 
 def redact(url: str) -> str:
-    """The URL without any `user:password@` part, safe to log."""
-    return re.sub(r"(?<=://)[^/@]*@", "***@", str(url))
+    """The URL without any `user:password@` part, safe to log; also a `user:password@host`
+    that a backend quotes without its scheme (botocore: `Invalid bucket name "key:secret@b"`)."""
+    return re.sub(r"(?<=://)[^/@\s]*@|[^\s/@'\":]+:[^\s/@'\"]*@", "***@", str(url))
 
 
 class Hasher:
@@ -155,6 +156,16 @@ class Store:
             step,
             {p[len(prefix):]: int(i.get("size") or 0) for p, i in found.items() if p.startswith(prefix)},
         )
+
+    def list_dir(self, rel: str) -> list[str]:
+        """Names of the files directly under `rel` (empty if it does not exist)."""
+        with storage_errors(f"listing {self.display}/{rel}"):
+            self.fs.invalidate_cache()
+            try:
+                found = self.fs.ls(self.path(rel), detail=True)
+            except FileNotFoundError:
+                return []
+        return sorted(i["name"].rstrip("/").rsplit("/", 1)[-1] for i in found if i.get("type") != "directory")
 
     def exists(self, rel: str) -> bool:
         with storage_errors(f"checking {self.display}/{rel}"):

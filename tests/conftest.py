@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
 import time
 import urllib.request
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -22,15 +24,16 @@ S3_ENV = {
 }
 
 
-@pytest.fixture(scope="session")
-def s3_endpoint(tmp_path_factory):
-    """URL of a moto S3 server started for this test session and stopped after it."""
+@contextlib.contextmanager
+def _moto_server(log_dir: Path, env: dict[str, str] | None = None) -> Iterator[str]:
+    """A moto S3 server on a free loopback port, up until the block exits; yields its URL."""
     port = free_port()
-    log = open(tmp_path_factory.mktemp("moto") / "moto.log", "wb")
+    log = open(log_dir / "moto.log", "wb")
     proc = subprocess.Popen(
         [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
         stdout=log,
         stderr=subprocess.STDOUT,
+        env={**os.environ, **(env or {})},
     )
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 30
@@ -43,9 +46,26 @@ def s3_endpoint(tmp_path_factory):
                 proc.kill()
                 raise RuntimeError("moto server did not start") from None
             time.sleep(0.2)
-    yield url
-    proc.terminate()
-    proc.wait(timeout=10)
+    try:
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint(tmp_path_factory):
+    """URL of a moto S3 server started for this test session and stopped after it."""
+    with _moto_server(tmp_path_factory.mktemp("moto")) as url:
+        yield url
+
+
+@pytest.fixture(scope="session")
+def s3_strict_endpoint(tmp_path_factory):
+    """URL of a moto S3 server that checks credentials: it issued none, so every request is
+    refused (403), as a real store refuses wrong credentials. The other server accepts any."""
+    with _moto_server(tmp_path_factory.mktemp("moto-strict"), {"INITIAL_NO_AUTH_ACTION_COUNT": "0"}) as url:
+        yield url
 
 
 @pytest.fixture

@@ -1,9 +1,11 @@
 """A training job for the tests, run as one process per rank (see launch.py).
 
-It trains a small MLP under one of the wrappings (plain, ddp, fsdp2, fsdp1) with AdamW, a
-StepLR schedule and per-rank random data, checkpointing with ckpt, and writes what a user
-would compare after the run to <out>.rank<R>.pt: full parameters, full optimizer state,
-scheduler state, step, and draws from every RNG.
+It trains a small MLP under one of the wrappings (plain, ddp, fsdp2, fsdp1; plain on several
+ranks all-reduces its gradients by hand) with AdamW, a StepLR schedule and per-rank random
+data, checkpointing with ckpt, and writes what a user would compare after the run to
+<out>.rank<R>.pt: full parameters, full optimizer state, scheduler state, step, the step it
+resumed from, whether it stopped for a SIGTERM, and draws from every RNG. A job stopped by
+SIGTERM writes <out> too, after its checkpoint committed, then exits as ckpt says.
 """
 
 from __future__ import annotations
@@ -13,38 +15,15 @@ import json
 import logging
 import os
 import random
+import time
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+from toy_model import build, optimizer
 
 import ckpt
-
-
-def build(mode: str, world: int) -> torch.nn.Module:
-    torch.manual_seed(1234)  # the same initial weights on every rank
-    model = torch.nn.Sequential(
-        torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8)
-    )
-    if mode == "ddp":
-        from torch.nn.parallel import DistributedDataParallel
-
-        return DistributedDataParallel(model)
-    if mode == "fsdp2":
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-
-        mesh = init_device_mesh("cpu", (world,))
-        for layer in model:
-            if isinstance(layer, torch.nn.Linear):
-                fully_shard(layer, mesh=mesh)
-        return fully_shard(model, mesh=mesh)
-    if mode == "fsdp1":
-        from torch.distributed.fsdp import FullyShardedDataParallel
-
-        return FullyShardedDataParallel(model, device_id=torch.device("cpu"), use_orig_params=True)
-    return model
 
 
 def main() -> None:
@@ -58,6 +37,7 @@ def main() -> None:
     p.add_argument("--no-save-on-exit", action="store_true")
     p.add_argument("--storage-options", default="{}", help="JSON")
     p.add_argument("--step-sleep", type=float, default=0.0)
+    p.add_argument("--timeout", type=float, default=60.0, help="the Checkpointer's timeout_s")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format=f"[rank{os.environ.get('RANK', 0)}] %(name)s %(message)s")
 
@@ -70,41 +50,49 @@ def main() -> None:
     torch.manual_seed(300 + rank)
 
     model = build(args.mode, world)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.5)
+    opt, sched = optimizer(model)
     restore = int(args.restore) if args.restore.isdigit() else args.restore
-    with ckpt.Checkpointer(
-        args.root,
-        model=model,
-        optimizer=opt,
-        scheduler=sched,
-        interval=ckpt.Every(steps=args.every),
-        keep=ckpt.Keep(last=100),
-        restore=restore,
-        save_on_exit=not args.no_save_on_exit,
-        storage_options=json.loads(args.storage_options),
-        timeout_s=60,
-    ) as cp:
-        for _ in range(cp.step, args.steps):
-            # Per-rank data from every RNG stream, so a wrong RNG restore changes the result.
-            x = torch.randn(8, 16) + float(np.random.rand()) + random.random()
-            loss = model(x).pow(2).mean()
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            sched.step()
-            cp.step_done()
-            if args.step_sleep:
-                import time
-
-                time.sleep(args.step_sleep)
-        final_step = cp.step
+    preempted: SystemExit | None = None
+    try:
+        with ckpt.Checkpointer(
+            args.root,
+            model=model,
+            optimizer=opt,
+            scheduler=sched,
+            interval=ckpt.Every(steps=args.every),
+            keep=ckpt.Keep(last=100),
+            restore=restore,
+            save_on_exit=not args.no_save_on_exit,
+            storage_options=json.loads(args.storage_options),
+            timeout_s=args.timeout,
+        ) as cp:
+            for _ in range(cp.step, args.steps):
+                # Per-rank data from every RNG stream, so a wrong RNG restore changes the result.
+                x = torch.randn(8, 16) + float(np.random.rand()) + random.random()
+                loss = model(x).pow(2).mean()
+                loss.backward()
+                if args.mode == "plain" and world > 1:
+                    # Hand-rolled data parallelism keeps the replicas equal: unsharded state
+                    # is saved once for all ranks (DCP keeps one copy of equal keys).
+                    for p in model.parameters():
+                        dist.all_reduce(p.grad)
+                        p.grad.div_(world)
+                opt.step()
+                opt.zero_grad()
+                sched.step()
+                cp.step_done()
+                if args.step_sleep:
+                    time.sleep(args.step_sleep)
+    except SystemExit as e:  # a SIGTERM checkpoint committed: record where we stopped, then exit
+        preempted = e
 
     if args.out:
         msd, osd = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
         torch.save(
             {
-                "step": final_step,
+                "step": cp.step,
+                "restored_step": cp.restored_step,
+                "preempted": preempted is not None,
                 "model": {k: v.clone() for k, v in msd.items()},
                 "optim": osd,
                 "sched": sched.state_dict(),
@@ -118,6 +106,8 @@ def main() -> None:
         )
     if world > 1:
         dist.destroy_process_group()
+    if preempted is not None:
+        raise preempted
 
 
 if __name__ == "__main__":

@@ -1,0 +1,84 @@
+"""Save on one world size / wrapping, load on another: the reshard tests' job, one process per rank.
+
+    --phase save: train a few steps, checkpoint, and write the full (unsharded) model and
+                  optimizer state to <out> (rank 0) as the reference.
+    --phase load: restore into a fresh model of this world size and wrapping, and write the
+                  full state that came back to <out> (rank 0), plus the restored step.
+
+Wrappings: fsdp2 and ddp (from toy_model), and tp2d: tensor parallel (colwise, rowwise) on the
+inner dimension of a 2-D mesh (dp x tp), FSDP2 on dp; `--mesh DPxTP` gives its shape.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+from toy_model import build
+
+import ckpt
+
+
+def build_tp2d(dp: int, tp: int) -> torch.nn.Module:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    torch.manual_seed(1234)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 16))
+    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+    parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    return fully_shard(model, mesh=mesh["dp"])
+
+
+def full_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict:
+    msd, osd = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return {"model": msd, "optim": osd.get("state", {})}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--phase", choices=["save", "load"], required=True)
+    p.add_argument("--mode", choices=["fsdp2", "ddp", "tp2d"], required=True)
+    p.add_argument("--mesh", default="", help="DPxTP for tp2d")
+    p.add_argument("--root", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--steps", type=int, default=3)
+    args = p.parse_args()
+
+    world = int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    if args.mode == "tp2d":
+        dp, tp = (int(x) for x in args.mesh.split("x"))
+        model = build_tp2d(dp, tp)
+    else:
+        model = build(args.mode if world > 1 or args.mode != "ddp" else "plain", world)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    torch.manual_seed(7)  # the same data on every rank: data parallel ranks see equal batches
+
+    with ckpt.Checkpointer(args.root, model=model, optimizer=opt, interval=None, save_on_exit=False) as cp:
+        if args.phase == "save":
+            for _ in range(args.steps):
+                model(torch.randn(4, 16)).pow(2).mean().backward()
+                opt.step()
+                opt.zero_grad()
+                cp.step_done()
+            cp.save(blocking=True)
+        state = full_state(model, opt)
+        state["step"] = cp.step
+        state["restored_step"] = cp.restored_step
+    if rank == 0:
+        torch.save(state, args.out)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,254 @@
+"""Distributed behaviour with real processes: 2 ranks over gloo on loopback, CPU only.
+
+Each job is tests/worker.py (one process per rank) and dumps what a user would compare:
+full parameters, full optimizer state, scheduler state and draws from every RNG, per rank.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import boto3
+import pytest
+import torch
+from launch import HERE, run, start, wait
+
+import ckpt
+
+pytestmark = pytest.mark.slow
+
+RANKS = 2
+WORKER = HERE / "worker.py"
+
+
+# -- helpers ------------------------------------------------------------------------------------
+def job(log_dir: Path, script: Path, *args: object, timeout: float = 180) -> None:
+    """Run `script` on RANKS ranks; fail with the ranks' logs unless every rank exits 0."""
+    codes = run(RANKS, script, *map(str, args), log_dir=log_dir, timeout=timeout)
+    assert codes == [0] * RANKS, f"exit codes {codes}\n{rank_logs(log_dir)}"
+
+
+def train(log_dir: Path, *args: object) -> None:
+    job(log_dir, WORKER, *args)
+
+
+def rank_logs(log_dir: Path) -> str:
+    return "\n".join(
+        f"--- rank{r}\n" + (log_dir / f"rank{r}.log").read_text()[-3000:]
+        for r in range(RANKS)
+        if (log_dir / f"rank{r}.log").exists()
+    )
+
+
+def dumps(out: Path) -> list[dict]:
+    """What each rank wrote to <out>.rank<R>.pt, by rank."""
+    return [torch.load(f"{out}.rank{r}.pt", weights_only=True) for r in range(RANKS)]
+
+
+def assert_bitwise_equal(got: object, want: object, where: str) -> None:
+    """Same structure, same values; tensors equal bit for bit, with the same dtype and shape."""
+    if isinstance(want, torch.Tensor):
+        assert isinstance(got, torch.Tensor), f"{where}: {type(got).__name__}, want a tensor"
+        assert (got.dtype, got.shape) == (want.dtype, want.shape), f"{where}: {got.dtype}{list(got.shape)} != {want.dtype}{list(want.shape)}"
+        diff = (got.double() - want.double()).abs().max().item() if got.numel() else 0.0
+        assert torch.equal(got, want), f"{where}: differs (max abs diff {diff})"
+    elif isinstance(want, dict):
+        assert isinstance(got, dict) and got.keys() == want.keys(), f"{where}: keys {sorted(got)} != {sorted(want)}"
+        for k in want:
+            assert_bitwise_equal(got[k], want[k], f"{where}.{k}")
+    elif isinstance(want, (list, tuple)):
+        assert isinstance(got, (list, tuple)) and len(got) == len(want), f"{where}: {got!r} != {want!r}"
+        for i, (g, w) in enumerate(zip(got, want, strict=True)):
+            assert_bitwise_equal(g, w, f"{where}[{i}]")
+    else:
+        assert got == want, f"{where}: {got!r} != {want!r}"
+
+
+TRAINING_STATE = ("step", "model", "optim", "sched", "rng")
+
+
+def assert_same_training_state(got: list[dict], want: list[dict]) -> None:
+    for rank, (g, w) in enumerate(zip(got, want, strict=True)):
+        for key in TRAINING_STATE:
+            assert_bitwise_equal(g[key], w[key], f"rank{rank}.{key}")
+
+
+def committed_steps(root: Path) -> list[int]:
+    return sorted(int(d.name.split("-")[1]) for d in root.glob("step-*") if (d / "manifest.json").is_file())
+
+
+@dataclass
+class Reference:
+    """An uninterrupted job: 20 steps, a checkpoint every 5, under `root`."""
+
+    root: Path
+    dumps: list[dict]  # the state after step 20, by rank
+
+
+@pytest.fixture(scope="session")
+def straight_run(tmp_path_factory):
+    """The reference job per wrapping (run once per session)."""
+    done: dict[str, Reference] = {}
+
+    def get(mode: str) -> Reference:
+        if mode not in done:
+            d = tmp_path_factory.mktemp(f"straight-{mode}")
+            train(d, "--mode", mode, "--root", d / "root", "--steps", 20, "--every", 5, "--out", d / "out")
+            done[mode] = Reference(d / "root", dumps(d / "out"))
+            assert [x["step"] for x in done[mode].dumps] == [20] * RANKS
+        return done[mode]
+
+    return get
+
+
+def stop_at_10_then_resume(tmp_path: Path, mode: str, root: object) -> list[dict]:
+    """Job 1 trains 10 steps and stops at its step-10 checkpoint (no extra save on exit);
+    job 2, fresh processes, restores and trains to 20. Returns job 2's dumps."""
+    common = ("--mode", mode, "--root", root, "--every", 5)
+    train(tmp_path, *common, "--steps", 10, "--no-save-on-exit", "--out", tmp_path / "first")
+    assert [d["step"] for d in dumps(tmp_path / "first")] == [10] * RANKS
+    train(tmp_path, *common, "--steps", 20, "--out", tmp_path / "resumed")
+    resumed = dumps(tmp_path / "resumed")
+    # Without this, a job that silently started from scratch would match the reference too.
+    assert [d["restored_step"] for d in resumed] == [10] * RANKS, rank_logs(tmp_path)
+    return resumed
+
+
+# -- 1. exact resume under every wrapping -------------------------------------------------------
+@pytest.mark.parametrize("mode", ["plain", "ddp", "fsdp2", "fsdp1"])
+def test_resume_after_restart_is_bitwise_identical(mode, tmp_path, straight_run):
+    resumed = stop_at_10_then_resume(tmp_path, mode, tmp_path / "root")
+    assert_same_training_state(resumed, straight_run(mode).dumps)
+
+
+# -- 2. the files are plain DCP -----------------------------------------------------------------
+def test_plain_dcp_load_reads_fsdp2_checkpoint_into_fresh_model(tmp_path, straight_run):
+    saved = straight_run("fsdp2")  # its newest checkpoint holds the state it ended with
+    assert committed_steps(saved.root) == [5, 10, 15, 20]
+
+    job(tmp_path, HERE / "plain_dcp_load.py", "fsdp2", saved.root / "step-0000000020", tmp_path / "loaded")
+    loaded = dumps(tmp_path / "loaded")
+    for rank, want in enumerate(saved.dumps):
+        assert not torch.equal(loaded[rank]["init"]["0.weight"], want["model"]["0.weight"])
+        assert_bitwise_equal(loaded[rank]["model"], want["model"], f"rank{rank}.model")
+        assert_bitwise_equal(loaded[rank]["optim"], want["optim"], f"rank{rank}.optim")
+
+
+# -- 3. the same on an S3-protocol store --------------------------------------------------------
+def test_fsdp2_resume_from_s3_after_restart_is_bitwise_identical(s3_root, s3_endpoint, tmp_path, straight_run):
+    # The ranks reach the moto server through the inherited AWS_* environment alone.
+    resumed = stop_at_10_then_resume(tmp_path, "fsdp2", s3_root)
+    assert_same_training_state(resumed, straight_run("fsdp2").dumps)
+
+    bucket, prefix = s3_root.removeprefix("s3://").split("/", 1)
+    listed = boto3.client("s3", endpoint_url=s3_endpoint).list_objects_v2(Bucket=bucket, Prefix=prefix)
+    keys = {o["Key"] for o in listed.get("Contents", [])}
+    assert {f"{prefix}/step-{s:010d}/manifest.json" for s in (5, 10, 15, 20)} <= keys
+
+
+# -- 4. preemption ------------------------------------------------------------------------------
+def test_sigterm_to_one_rank_checkpoints_all_ranks_at_the_same_step_and_exits_0(tmp_path, straight_run):
+    root = tmp_path / "root"
+    common = ("--mode", "fsdp2", "--root", str(root), "--steps", "20", "--every", "4")
+    procs = start(RANKS, WORKER, *common, "--step-sleep", "0.3", "--out", str(tmp_path / "stopped"), log_dir=tmp_path)
+    try:
+        first = root / "step-0000000004" / "manifest.json"
+        deadline = time.monotonic() + 120
+        while not first.exists():
+            assert all(p.poll() is None for p in procs), f"a rank exited early\n{rank_logs(tmp_path)}"
+            assert time.monotonic() < deadline, f"no checkpoint at step 4\n{rank_logs(tmp_path)}"
+            time.sleep(0.05)
+        procs[1].send_signal(signal.SIGTERM)  # rank 1 only: rank 0 must learn of it
+        codes = wait(procs, timeout=60)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert codes == [0] * RANKS, f"exit codes {codes}\n{rank_logs(tmp_path)}"
+
+    stopped = dumps(tmp_path / "stopped")
+    assert all(d["preempted"] for d in stopped), rank_logs(tmp_path)
+    stop = stopped[0]["step"]
+    assert [d["step"] for d in stopped] == [stop] * RANKS
+    assert 4 < stop < 20
+    newest = sorted(root.glob("step-*"))[-1]  # nothing newer, not even a half-written directory
+    assert json.loads((newest / "manifest.json").read_text())["step"] == stop
+    assert committed_steps(root)[-1] == stop
+
+    # The rerun resumes there, and finishes as if it had never been interrupted.
+    train(tmp_path, *common, "--out", tmp_path / "rerun")
+    rerun = dumps(tmp_path / "rerun")
+    assert [d["restored_step"] for d in rerun] == [stop] * RANKS
+    assert_same_training_state(rerun, straight_run("fsdp2").dumps)
+
+
+# -- 5. failed background saves (one process: nothing distributed is claimed) ------------------
+def break_root(root: Path) -> None:
+    """Put a regular file where the root directory was: no step directory can be made under
+    it (works as root too, which ignores permission bits)."""
+    os.rename(root, root.with_name("root.aside"))
+    root.write_text("not a directory")
+
+
+def mend_root(root: Path) -> None:
+    root.unlink()
+    os.rename(root.with_name("root.aside"), root)
+
+
+def tiny_job() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def train_until(cp: ckpt.Checkpointer, model: torch.nn.Module, opt: torch.optim.Optimizer, step: int) -> None:
+    for _ in range(cp.step, step):
+        model(torch.randn(2, 4)).pow(2).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        cp.step_done()
+
+
+def test_failed_background_save_raises_save_failed_at_next_step_done(tmp_path):
+    root = tmp_path / "root"
+    model, opt = tiny_job()
+    # A save every step: the next step_done either finds the failed save done or waits for
+    # it before saving again, so the failure surfaces there whatever the thread timing.
+    with ckpt.Checkpointer(root, model=model, optimizer=opt, interval=ckpt.Every(steps=1), on_error="raise") as cp:
+        train_until(cp, model, opt, 2)
+        cp.wait()  # step 2 committed
+        break_root(root)
+        train_until(cp, model, opt, 3)  # the save of step 3 fails in the background
+        with pytest.raises(ckpt.SaveFailed, match="step 3"):
+            train_until(cp, model, opt, 4)
+        assert cp.step == 4
+        mend_root(root)  # storage is back: the save on leaving commits step 4
+    assert committed_steps(root) == [1, 2, 4]
+    assert not (root / "step-0000000003").exists()
+
+
+def test_failed_background_save_is_logged_and_training_continues_with_on_error_log(tmp_path, caplog):
+    root = tmp_path / "root"
+    model, opt = tiny_job()
+    caplog.set_level(logging.ERROR, logger="ckpt")
+    with ckpt.Checkpointer(root, model=model, optimizer=opt, interval=ckpt.Every(steps=2), on_error="log") as cp:
+        train_until(cp, model, opt, 2)
+        cp.wait()  # step 2 committed
+        break_root(root)
+        train_until(cp, model, opt, 10)  # every save from step 4 on fails
+    assert cp.step == 10
+    failed = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR and r.name.startswith("ckpt")]
+    for step in (4, 6, 8, 10):
+        assert any(f"save of step {step} " in m for m in failed), failed
+
+    mend_root(root)
+    assert committed_steps(root) == [2]  # the last good checkpoint is untouched
+    model2, opt2 = tiny_job()
+    with ckpt.Checkpointer(root, model=model2, optimizer=opt2, save_on_exit=False) as cp2:
+        assert cp2.step == 2

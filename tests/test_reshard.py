@@ -1,0 +1,63 @@
+"""Restart on fewer or more ranks, or under another wrapping: model and optimizer reshard
+through DCP and come back bit for bit (resharding moves data, it computes nothing)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from launch import HERE, run
+
+WORKER = HERE / "reshard_worker.py"
+
+
+def _job(nprocs: int, tmp_path, phase: str, mode: str, out: str, mesh: str = "") -> dict:
+    args = ["--phase", phase, "--mode", mode, "--root", str(tmp_path / "root"), "--out", str(tmp_path / out)]
+    if mesh:
+        args += ["--mesh", mesh]
+    logs = tmp_path / f"logs-{out}"
+    logs.mkdir()
+    codes = run(nprocs, WORKER, *args, log_dir=logs, timeout=240)
+    assert not any(codes), (codes, [(logs / f"rank{r}.log").read_text()[-2000:] for r in range(nprocs)])
+    return torch.load(tmp_path / out, weights_only=False)
+
+
+def _assert_same_state(saved: dict, loaded: dict) -> None:
+    assert loaded["restored_step"] == saved["step"]
+    assert saved["model"].keys() == loaded["model"].keys()
+    for k, v in saved["model"].items():
+        assert torch.equal(v, loaded["model"][k]), k
+    assert saved["optim"].keys() == loaded["optim"].keys()
+    for fqn, st in saved["optim"].items():
+        for name, v in st.items():
+            assert torch.equal(torch.as_tensor(v), torch.as_tensor(loaded["optim"][fqn][name])), (fqn, name)
+
+
+@pytest.mark.parametrize(
+    ("save_ranks", "load_ranks"),
+    [(2, 1), (1, 2), (4, 2), (4, 3)],
+    ids=["2to1", "1to2", "4to2", "4to3"],
+)
+def test_fsdp2_checkpoint_restores_bitwise_on_another_world_size(tmp_path, save_ranks, load_ranks):
+    saved = _job(save_ranks, tmp_path, "save", "fsdp2", "saved.pt")
+    loaded = _job(load_ranks, tmp_path, "load", "fsdp2", "loaded.pt")
+    _assert_same_state(saved, loaded)
+
+
+def test_ddp_checkpoint_loads_under_fsdp2_and_back(tmp_path):
+    saved = _job(2, tmp_path, "save", "ddp", "ddp.pt")
+    as_fsdp2 = _job(2, tmp_path, "load", "fsdp2", "fsdp2.pt")
+    _assert_same_state(saved, as_fsdp2)
+    # and an FSDP2 checkpoint back into DDP, on another root
+    root2 = tmp_path / "second"
+    root2.mkdir()
+    saved2 = _job(2, root2, "save", "fsdp2", "fsdp2-saved.pt")
+    as_ddp = _job(2, root2, "load", "ddp", "ddp-loaded.pt")
+    _assert_same_state(saved2, as_ddp)
+
+
+def test_fsdp_x_tp_2d_mesh_checkpoint_loads_into_another_mesh(tmp_path):
+    saved = _job(4, tmp_path, "save", "tp2d", "tp-saved.pt", mesh="2x2")
+    loaded = _job(2, tmp_path, "load", "tp2d", "tp-loaded.pt", mesh="1x2")
+    _assert_same_state(saved, loaded)
+    loaded_dp = _job(2, tmp_path, "load", "tp2d", "dp-loaded.pt", mesh="2x1")
+    _assert_same_state(saved, loaded_dp)

@@ -1,0 +1,39 @@
+"""The small MLP the multi-rank tests train, under each wrapping (plain, ddp, fsdp2, fsdp1).
+
+Kept free of ckpt imports, so that a test can prove plain `torch.distributed.checkpoint`
+reads what ckpt wrote without ckpt anywhere in the process.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def build(mode: str, world: int, seed: int = 1234) -> torch.nn.Module:
+    torch.manual_seed(seed)  # the same initial weights on every rank
+    model = torch.nn.Sequential(
+        torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8)
+    )
+    if mode == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(model)
+    if mode == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (world,))
+        for layer in model:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        return fully_shard(model, mesh=mesh)
+    if mode == "fsdp1":
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        return FullyShardedDataParallel(model, device_id=torch.device("cpu"), use_orig_params=True)
+    return model
+
+
+def optimizer(model: torch.nn.Module) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    return opt, torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.5)
