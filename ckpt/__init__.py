@@ -6,7 +6,8 @@
             cp.step_done()
 """
 
-from .checkpointer import Checkpointer
+from typing import TYPE_CHECKING, Any
+
 from .errors import (
     CheckpointError,
     InvalidCheckpoint,
@@ -20,10 +21,32 @@ from .policy import Every, Keep
 
 __version__ = "0.1.0"
 
+if TYPE_CHECKING:
+    from .checkpointer import Checkpointer
+    from .data import ElasticSampler, accumulation_steps
+
+# The names that need torch load on first use, so that `ckpt ls` starts in a blink.
+_LAZY = {
+    "Checkpointer": "checkpointer",
+    "ElasticSampler": "data",
+    "accumulation_steps": "data",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module 'ckpt' has no attribute {name!r}")
+
+
 __all__ = [
     "Checkpointer",
     "Every",
     "Keep",
+    "ElasticSampler",
+    "accumulation_steps",
     "Manifest",
     "CheckpointError",
     "StorageError",

@@ -9,6 +9,8 @@ so they come out sharded the way they live and reshard on load. The layout of th
     scaler                GradScaler state dict
     extra.<name>          any object with state_dict/load_state_dict
     counters              JSON text: step and the user's counters (global, equal on all ranks)
+    data                  JSON text: the global data position (an ElasticSampler)
+    loader.rank_<r>       JSON text: a StatefulDataLoader's own state, per rank
     rng.rank_<r>          RNG of python, numpy, torch CPU and every CUDA device, per rank
 
 IMPORTANT: per-rank state is keyed by rank; DCP keeps one copy of equal keys across ranks.
@@ -25,6 +27,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import xxhash
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_state_dict,
@@ -50,10 +53,14 @@ class TrainingState:
     schedulers: list[Any] = field(default_factory=list)
     scaler: Any = None
     extra: dict[str, Any] = field(default_factory=dict)
+    data: Any = None  # global position: the same on every rank, valid on any world size
+    loader: Any = None  # per-rank loader state: valid only on the same world size
 
     @classmethod
-    def of(cls, model: Any, optimizer: Any, scheduler: Any, scaler: Any, extra: Any) -> TrainingState:
-        state = cls(model, _as_list(optimizer), _as_list(scheduler), scaler, dict(extra or {}))
+    def of(
+        cls, model: Any, optimizer: Any, scheduler: Any, scaler: Any, extra: Any, data: Any = None, loader: Any = None
+    ) -> TrainingState:
+        state = cls(model, _as_list(optimizer), _as_list(scheduler), scaler, dict(extra or {}), data, loader)
         if state.optimizers and state.model is None:
             raise ValueError("an optimizer needs its model: pass model= as well")
         for name, obj in state.extra.items():
@@ -75,19 +82,30 @@ class TrainingState:
             sd["scaler"] = self.scaler.state_dict()
         if self.extra:
             sd["extra"] = {name: obj.state_dict() for name, obj in self.extra.items()}
-        sd["counters"] = json.dumps(counters)
+        if self.data is not None:
+            sd["data"] = _json(self.data.state_dict(), "data")
+        if self.loader is not None:
+            sd["loader"] = {f"rank_{rank}": _json(self.loader.state_dict(), "dataloader")}
+        sd["counters"] = _json(counters, "counters")
         sd["rng"] = {f"rank_{rank}": rng_state()}
         return sd
 
     # -- restore ----------------------------------------------------------------------------
-    def template(self, has_rng: bool, rank: int) -> dict[str, Any]:
-        """A state dict of the current objects to load into; `has_rng`: the checkpoint holds
-        RNG state for this rank (it was saved by at least rank+1 ranks)."""
+    def template(self, rank: int, world: int, saved_world: int) -> dict[str, Any]:
+        """A state dict of the current objects to load into, limited to what the checkpoint,
+        saved by `saved_world` ranks, holds for this rank of `world`."""
         sd = self.capture({}, rank)
         sd["counters"] = ""
-        if not has_rng:
-            log.warning("checkpoint has no RNG state for rank %d; its RNG is left as seeded", rank)
-            del sd["rng"]
+        if "data" in sd:
+            sd["data"] = ""
+        if rank >= saved_world:
+            del sd["rng"]  # a new rank: apply() derives its streams
+        if "loader" in sd:
+            if world == saved_world:
+                sd["loader"] = {f"rank_{rank}": ""}
+                sd.pop("data", None)  # IMPORTANT: the loader restores its sampler; never both
+            else:
+                del sd["loader"]
         return sd
 
     def apply(self, sd: dict[str, Any], rank: int) -> dict[str, Any]:
@@ -107,9 +125,34 @@ class TrainingState:
             self.scaler.load_state_dict(sd["scaler"])
         for name, obj in self.extra.items():
             obj.load_state_dict(sd["extra"][name])
+        if "data" in sd:
+            self.data.load_state_dict(json.loads(sd["data"]))
+        if "loader" in sd:
+            self.loader.load_state_dict(json.loads(sd["loader"][f"rank_{rank}"]))
+        counters = json.loads(sd["counters"])
         if "rng" in sd:
             set_rng_state(sd["rng"][f"rank_{rank}"])
-        return json.loads(sd["counters"])
+        else:
+            derive_rng(int(counters["step"]), rank)
+        return counters
+
+
+def _json(obj: Any, what: str) -> str:
+    try:
+        return json.dumps(obj)
+    except TypeError as e:
+        raise TypeError(f"the {what} state must be JSON values (numbers, strings, lists, dicts): {e}") from e
+
+
+def derive_rng(step: int, rank: int) -> None:
+    """RNG policy for a rank the checkpoint has no streams for (the job grew): every stream is
+    seeded from (step, rank), so the new rank's randomness is reproducible and differs from
+    every other rank's. Ranks that existed before keep their own streams exactly."""
+    seed = xxhash.xxh64_intdigest(f"ckpt-rng:{step}:{rank}".encode()) & ((1 << 63) - 1)
+    random.seed(seed)
+    np.random.seed(seed % (1 << 32))
+    torch.manual_seed(seed)  # seeds every CUDA device too
+    log.info("rank %d is new to this checkpoint: its RNG streams are seeded from (step %d, rank %d)", rank, step, rank)
 
 
 def rng_state() -> dict[str, Any]:

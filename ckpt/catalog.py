@@ -12,14 +12,27 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from .dcp_io import read_verified
 from .errors import InvalidCheckpoint, NotFound
 from .manifest import MANIFEST_NAME, METADATA_NAME, Manifest
-from .storage import StepListing, Store, step_dir_name
+from .storage import StepListing, Store, checksum, step_dir_name
 
 log = logging.getLogger(__name__)
 
 COMMITTED, INCOMPLETE, CORRUPT = "committed", "incomplete", "corrupt"
+
+
+def read_verified(store: Store, step_dir: str, name: str, manifest: Manifest) -> bytes:
+    """The whole file, after its size and checksum matched the manifest's entry."""
+    where = f"{store.display}/{step_dir}/{name}"
+    entry = manifest.files.get(name)
+    if entry is None:
+        raise InvalidCheckpoint(f"{where}: not listed in the manifest")
+    data = store.read_bytes(f"{step_dir}/{name}")
+    if len(data) != entry.size:
+        raise InvalidCheckpoint(f"{where}: {len(data)} bytes, manifest says {entry.size}")
+    if checksum(data) != entry.checksum:
+        raise InvalidCheckpoint(f"{where}: checksum mismatch (corrupt file)")
+    return data
 
 
 @dataclass

@@ -22,12 +22,14 @@ from torch.distributed.checkpoint.api import CheckpointException
 from . import catalog
 from .capture import TrainingState
 from .commit import Group, persist
+from .data import ElasticSampler
 from .dcp_io import SafeLoadPlanner, make_reader
 from .errors import CheckpointError, RestoreFailed, SaveFailed, StorageError
+from .events import History
 from .manifest import MANIFEST_NAME, Manifest
 from .policy import Every, Keep
 from .stage import Stager
-from .storage import Store, step_dir_name
+from .storage import Store, redact, step_dir_name
 
 log = logging.getLogger(__name__)
 
@@ -44,8 +46,14 @@ class Checkpointer:
         optimizer: an optimizer or a list of them, for ``model``.
         scheduler: an LR scheduler or a list of them.
         scaler: a ``torch.amp.GradScaler``.
-        extra: named objects with ``state_dict``/``load_state_dict`` (an EMA, a sampler, ...).
-            Their tensors may be DTensors (saved sharded) or equal on every rank (saved once).
+        extra: named objects with ``state_dict``/``load_state_dict`` (an EMA, ...). Their
+            tensors may be DTensors (saved sharded) or equal on every rank (saved once).
+        data: the data position: a ``ckpt.ElasticSampler`` (or any object whose JSON state is
+            global), restored on any world size.
+        dataloader: a DataLoader. Its ElasticSampler becomes ``data``; a torchdata
+            ``StatefulDataLoader`` is also restored itself, per rank, when the world size is
+            unchanged (its prefetch-exact position); after a world-size change the global
+            cursor rules.
         interval: when ``step_done`` saves; None saves only when asked. Default: every
             10 minutes of wall time (decided on rank 0 and shared by every rank).
         keep: retention, applied by rank 0 after each commit, in the background.
@@ -72,6 +80,8 @@ class Checkpointer:
         scheduler: Any = None,
         scaler: Any = None,
         extra: dict[str, Any] | None = None,
+        data: Any = None,
+        dataloader: Any = None,
         interval: Every | None = Every(seconds=600),
         keep: Keep = Keep(last=3),
         storage_options: dict[str, Any] | None = None,
@@ -88,7 +98,8 @@ class Checkpointer:
         if not (restore in ("latest", "none") or (isinstance(restore, int) and restore >= 0)):
             raise ValueError(f"restore must be 'latest', 'none' or a step number, not {restore!r}")
         self.store = Store(root, storage_options)
-        self.state = TrainingState.of(model, optimizer, scheduler, scaler, extra)
+        data, loader = _data_position(data, dataloader)
+        self.state = TrainingState.of(model, optimizer, scheduler, scaler, extra, data, loader)
         self.interval = interval
         self.keep = keep
         self.restore_mode = restore
@@ -113,6 +124,8 @@ class Checkpointer:
         self._preempt = threading.Event()
         self._prev_handler: Any = None
         self._ctrl = self._io = Group(None, 0, 1)
+        self._taken: set[int] = set()  # steps whose directories hold a manifest: never written into
+        self._deferred = False  # a due save found its step taken; save at the next step
         # A signal reaches one rank, a clock runs per rank: both need one small collective a step.
         self._agree_each_step = handle_sigterm or (interval is not None and interval.seconds is not None)
 
@@ -127,8 +140,13 @@ class Checkpointer:
         self._ctrl = Group.new(self.timeout_s)
         self._io = Group.new(self.timeout_s)
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ckpt-save")
+        self.history = History(self.store, self._ctrl.world, enabled=self._ctrl.rank == 0)
         if self.restore_mode != "none":
             self._restore()
+        else:
+            self._start_fresh()
+        #: The restart event this start wrote (rank 0, after a restore), for the curious.
+        self.restart_event = self.history.start(self._step, self.last_commit if self.restored_step is not None else None)
         self._last_saved_step = self._step
         self._last_save_time = time.monotonic()
         if self.handle_sigterm:
@@ -138,9 +156,12 @@ class Checkpointer:
     def step_done(self) -> None:
         """Count one optimizer step; save if due; exit after a checkpoint if preempted."""
         self._step += 1
+        self.history.progress(self._step)
         if self._inflight is not None and self._inflight.done():
             self.wait()
-        by_step = self.interval is not None and self.interval.due_by_step(self._step, self._last_saved_step)
+        by_step = self._deferred or (
+            self.interval is not None and self.interval.due_by_step(self._step, self._last_saved_step)
+        )
         by_time = (
             self._ctrl.rank == 0
             and self.interval is not None
@@ -160,13 +181,22 @@ class Checkpointer:
     def save(self, blocking: bool = False) -> None:
         """Checkpoint the current step now. Returns once the state is staged in host memory
         (or, with `blocking`, committed). All ranks must call it at the same step."""
-        saved = self._inflight is not None or (
-            self.last_commit is not None and self.last_commit.step == self._step
-        )
-        if self._last_saved_step == self._step and saved:
+        # IMPORTANT: decided from what every rank knows alike (never from whether this rank's
+        # background save has finished yet), so all ranks take the same branch.
+        if self._last_saved_step == self._step and (self._step > 0 or self.last_commit is not None):
             if blocking:
                 self.wait()
             return
+        if self._step in self._taken:
+            log.warning(
+                "%s/%s holds a checkpoint already (passed over at restore); it is left as it is "
+                "and this save moves to the next step",
+                self.store.display,
+                step_dir_name(self._step),
+            )
+            self._deferred = True
+            return
+        self._deferred = False
         # IMPORTANT: one save in flight at a time; the stager's buffers belong to it.
         self.wait()
         started = time.perf_counter()
@@ -197,6 +227,10 @@ class Checkpointer:
                 raise
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None or (exc_type is SystemExit and self._preempt.is_set()):
+            how, failure = ("preempted (SIGTERM)" if self._preempt.is_set() else "exited"), False
+        else:
+            how, failure = f"error: {exc_type.__name__}: {redact(str(exc))[:300]}", True
         try:
             if exc_type is None and self.save_on_exit and self._last_saved_step != self._step:
                 self.save(blocking=True)
@@ -208,12 +242,17 @@ class Checkpointer:
                 except CheckpointError as e:  # keep the loop's own exception the one raised
                     log.error("while leaving after %s: %s", exc_type.__name__, e)
         finally:
+            self.history.end(self._step, how, failure)
             self._uninstall_sigterm()
             if self._pool is not None:
                 self._pool.shutdown(wait=True)
             # The groups are not destroyed here: a peer may still be reading the last message
             # of a collective, and gloo aborts that peer if the socket closes under it.
-            # `dist.destroy_process_group()` frees them with the rest.
+            # `dist.destroy_process_group()` frees them with the rest, as long as nothing else
+            # holds them: a reference kept alive to interpreter exit (a traceback that holds
+            # this object does) tears gloo down in arbitrary order and aborts the process.
+            self._ctrl = Group(None, self._ctrl.rank, self._ctrl.world)
+            self._io = Group(None, self._io.rank, self._io.world)
 
     # -- background ---------------------------------------------------------------------------
     def _save_in_background(
@@ -244,6 +283,7 @@ class Checkpointer:
                 manifest.costs.persist_s,
             )
             self._apply_retention()
+            self.history.progress(step, force=True)
         return manifest
 
     def _apply_retention(self) -> None:
@@ -260,12 +300,13 @@ class Checkpointer:
     # -- restore ------------------------------------------------------------------------------
     def _restore(self) -> None:
         plan: list[int] | str = []
+        taken: set[int] = set()
         if self._ctrl.rank == 0:
             try:
-                plan = self._restore_plan()
+                plan, taken = self._restore_plan()
             except CheckpointError as e:
                 plan = f"{type(e).__name__}: {e}"
-        plan = self._ctrl.broadcast(plan)
+        plan, self._taken = self._ctrl.broadcast((plan, taken))
         if isinstance(plan, str):
             kind = plan.partition(":")[0]  # the error's type name, as rank 0 raised it
             raise (RestoreFailed if kind in ("NotFound", "InvalidCheckpoint", "RestoreFailed") else StorageError)(plan)
@@ -283,14 +324,37 @@ class Checkpointer:
             raise RestoreFailed(
                 f"no checkpoint under {self.store.display} could be restored ("
                 + "; ".join(problems)
-                + "). Nothing was changed; pass restore='none' or a new root to start fresh."
+                + "). Nothing was changed. To start fresh, pass restore='none' (the corrupt directories "
+                + "are kept and their steps skipped) or use a new root."
             )
 
-    def _restore_plan(self) -> list[int]:
-        """Rank 0: the steps to try, best first."""
+    def _start_fresh(self) -> None:
+        """restore='none': train from step 0, never writing into what the root already holds."""
+        taken: set[int] | str = set()
+        if self._ctrl.rank == 0:
+            try:
+                taken = {s for s, lst in self.store.scan().items() if lst.has_manifest}
+            except CheckpointError as e:
+                taken = str(e)
+        taken = self._ctrl.broadcast(taken)
+        if isinstance(taken, str):
+            raise StorageError(taken)
+        self._taken = taken
+        if taken and self._ctrl.rank == 0:
+            log.warning(
+                "restore='none' but %s holds checkpoints at steps %s: they are kept, this run skips "
+                "saving at those steps, and a later restore picks the newest valid one of either run",
+                self.store.display,
+                sorted(taken),
+            )
+
+    def _restore_plan(self) -> tuple[list[int], set[int]]:
+        """Rank 0: the steps to try, best first, and the steps that hold a manifest."""
         if isinstance(self.restore_mode, int):
-            return [catalog.find(self.store, self.restore_mode).step]
+            entry = catalog.find(self.store, self.restore_mode)
+            return [entry.step], {s for s, lst in self.store.scan().items() if lst.has_manifest}
         good, skipped = catalog.restore_candidates(self.store)
+        taken = {e.step for e in good} | {e.step for e in skipped if e.state == catalog.CORRUPT}
         for e in skipped:
             log.warning("passing over %s/%s: %s", self.store.display, e.dir, e.problem)
         if good:
@@ -300,9 +364,10 @@ class Checkpointer:
             raise RestoreFailed(
                 f"no checkpoint under {self.store.display} could be restored ("
                 + "; ".join(f"{e.dir}: {e.problem}" for e in skipped)
-                + "). Nothing was changed; pass restore='none' or a new root to start fresh."
+                + "). Nothing was changed. To start fresh, pass restore='none' (the corrupt directories "
+                + "are kept and their steps skipped) or use a new root."
             )
-        return [e.step for e in good]
+        return [e.step for e in good], taken
 
     def _try_restore(self, step: int) -> tuple[int, str]:
         """Load `step` into the objects. Returns (0 ok | 1 invalid | 2 storage error, why)."""
@@ -310,7 +375,7 @@ class Checkpointer:
         rank = self._ctrl.rank
         try:
             manifest = Manifest.from_json(self.store.read_bytes(f"{rel}/{MANIFEST_NAME}"))
-            sd = self.state.template(has_rng=rank < manifest.world_size, rank=rank)
+            sd = self.state.template(rank, self._ctrl.world, manifest.world_size)
             dcp.load(
                 sd,
                 storage_reader=make_reader(self.store, rel, manifest),
@@ -331,6 +396,16 @@ class Checkpointer:
         self.counters = counters
         self.restored_step = self._step
         self.last_commit = manifest
+        if rank == 0 and manifest.world_size != self._ctrl.world:
+            log.warning(
+                "resuming step %d on %d ranks (saved on %d): model and optimizer resharded%s",
+                self._step,
+                self._ctrl.world,
+                manifest.world_size,
+                "; the data loader's per-rank state is dropped and the global data position rules"
+                if self.state.loader is not None
+                else "",
+            )
         return 0, ""
 
     # -- preemption ---------------------------------------------------------------------------
@@ -349,3 +424,21 @@ class Checkpointer:
         log.warning("preempted (SIGTERM): checkpointing step %d before exiting", self._step)
         self.save(blocking=True)
         raise SystemExit(self.preempt_exit_code)
+
+
+def _data_position(data: Any, dataloader: Any) -> tuple[Any, Any]:
+    """(global position, per-rank loader state) from what the user passed."""
+    if dataloader is None:
+        return data, None
+    sampler = getattr(dataloader, "sampler", None)
+    if not isinstance(sampler, ElasticSampler):
+        sampler = getattr(getattr(dataloader, "batch_sampler", None), "sampler", None)
+    loader = dataloader if hasattr(dataloader, "state_dict") and hasattr(dataloader, "load_state_dict") else None
+    if data is None and isinstance(sampler, ElasticSampler):
+        data = sampler
+    if data is None and loader is None:
+        raise TypeError(
+            "this DataLoader has no position to save: give it a ckpt.ElasticSampler "
+            "(exact on any world size) or use torchdata's StatefulDataLoader"
+        )
+    return data, loader

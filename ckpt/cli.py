@@ -12,6 +12,7 @@ import logging
 import os
 import sys
 import time
+from dataclasses import asdict
 from typing import Any
 
 from . import catalog
@@ -86,6 +87,9 @@ def _parser() -> argparse.ArgumentParser:
     gc.add_argument("--keep-every", type=int, help="also keep steps that are multiples of this")
     gc.add_argument("--dry-run", action="store_true")
     gc.set_defaults(func=cmd_gc)
+    events = sub.add_parser("events", parents=[common], help="the job's runs, restarts and failures")
+    events.add_argument("--json", action="store_true")
+    events.set_defaults(func=cmd_events)
     return p
 
 
@@ -94,7 +98,7 @@ def _options(pairs: list[str]) -> dict[str, Any]:
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep or not key:
-            raise ValueError(f"--storage-option wants KEY=VALUE, got {pair!r}")
+            raise ValueError("--storage-option wants KEY=VALUE; one was given without '=' (not echoed: it may hold a secret)")
         try:
             out[key] = json.loads(value)  # true, 3, {"a": 1}
         except json.JSONDecodeError:
@@ -264,6 +268,28 @@ def cmd_gc(store: Store, args: argparse.Namespace) -> int:
             store.remove_step(step)
         print(f"{'would delete' if args.dry_run else 'deleted'} {store.display}/{step_dir_name(step)}")
     print(f"{len(doomed)} {'to delete' if args.dry_run else 'deleted'}, {len(committed) - len([s for s in doomed if s in committed])} committed kept")
+    return EXIT_OK
+
+
+def cmd_events(store: Store, args: argparse.Namespace) -> int:
+    _require_root(store)
+    from .events import read_all
+
+    runs, evs = read_all(store)
+    if args.json:
+        _emit_json({"runs": [asdict(r) for r in runs], "events": [asdict(e) for e in evs]})
+        return EXIT_OK
+    rows = []
+    for e in evs:
+        if e.kind == "restart":
+            what = f"resumed at step {e.step} from {e.restored_from}"
+            lost = "-" if e.steps_lost is None else str(e.steps_lost)
+            world = f"{e.world_size_before} -> {e.world_size}"
+        else:
+            what, lost, world = f"failed at step {e.step}", "-", str(e.world_size)
+        rows.append([_when(e.time), e.kind, what, lost, world, e.cause or "-"])
+    _table(rows, ["TIME", "EVENT", "WHAT", "STEPS LOST", "WORLD", "CAUSE"])
+    print(f"{len(runs)} runs, {sum(e.kind == 'restart' for e in evs)} restarts")
     return EXIT_OK
 
 

@@ -20,7 +20,7 @@ import torch.distributed.checkpoint as dcp
 
 from ._faults import fault_point
 from .dcp_io import Writer
-from .errors import SaveFailed
+from .errors import CheckpointError, SaveFailed
 from .manifest import MANIFEST_NAME, FileEntry, Manifest, SaveCosts
 from .storage import Store, step_dir_name
 
@@ -96,7 +96,13 @@ def persist(
 ) -> Manifest:
     """Write and commit `staged` as step `step`. Returns the manifest on every rank."""
     rel = step_dir_name(step)
-    refusal = group.broadcast(claim_step_dir(store, step) if group.rank == 0 else None)
+    refusal = None
+    if group.rank == 0:
+        try:
+            refusal = claim_step_dir(store, step)
+        except CheckpointError as e:  # told to every rank below, not left to hang them
+            refusal = str(e)
+    refusal = group.broadcast(refusal)
     if refusal:
         raise SaveFailed(refusal)
     store.makedirs(rel)

@@ -42,7 +42,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from ._faults import fault_point
-from .errors import InvalidCheckpoint
+from .catalog import read_verified
 from .manifest import METADATA_NAME, FileEntry, Manifest
 from .storage import Hasher, Store, checksum
 
@@ -198,20 +198,6 @@ class _VerifiedFiles(FileSystemBase):
 
     def rm_file(self, path: str | os.PathLike) -> None:
         raise PermissionError("a checkpoint is read-only once committed")
-
-
-def read_verified(store: Store, step_dir: str, name: str, manifest: Manifest) -> bytes:
-    """The whole file, after its size and checksum matched the manifest's entry."""
-    where = f"{store.display}/{step_dir}/{name}"
-    entry = manifest.files.get(name)
-    if entry is None:
-        raise InvalidCheckpoint(f"{where}: not listed in the manifest")
-    data = store.read_bytes(f"{step_dir}/{name}")
-    if len(data) != entry.size:
-        raise InvalidCheckpoint(f"{where}: {len(data)} bytes, manifest says {entry.size}")
-    if checksum(data) != entry.checksum:
-        raise InvalidCheckpoint(f"{where}: checksum mismatch (corrupt file)")
-    return data
 
 
 def make_reader(store: Store, step_dir: str, manifest: Manifest) -> FileSystemReader:

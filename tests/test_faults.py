@@ -438,39 +438,26 @@ def test_a_root_with_only_unfinished_saves_starts_fresh(tmp_path, two_checkpoint
 
 
 # -- an existing step directory is never written into ----------------------------------------
-def test_resume_never_writes_into_a_corrupt_committed_step(root_5_10, caplog):
+def test_resume_never_writes_into_a_corrupt_committed_step_and_saves_at_the_next_one(root_5_10, caplog):
     """Step 10 is committed but corrupt; the job resumes from 5 and reaches step 10 again.
-    Its save there must not touch the committed directory: today it fails with SaveFailed
-    ("already committed"), which on_error="raise" turns into an error for the loop."""
+    Its save there leaves the committed directory untouched (kept for a post-mortem) and moves
+    to step 11, with a warning, instead of failing the job into a crash loop."""
     root, seen = root_5_10
     flip_byte(root / sd(10) / "__0_0.distcp")
     before = tree(root / sd(10))
 
     caplog.set_level(logging.INFO, logger="ckpt")
-    with pytest.raises(ckpt.SaveFailed, match="already committed; not overwriting it"):
-        train(root, 12)
+    cp, model, seen_now = train(root, 13, save_on_exit=False)
+    assert cp.restored_step == 5 and cp.step == 13
     assert "could not restore " + sd(10) in caplog.text  # it did resume from 5
+    assert sd(10) + " holds a checkpoint already" in caplog.text
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR and r.name.startswith("ckpt")]
     assert tree(root / sd(10)) == before
-    assert states(root) == {5: "committed", 10: "committed"}  # shallow: the flip is only in data
-    assert states(root, deep=True) == {5: "committed", 10: "corrupt"}
-
-
-def test_resume_past_a_corrupt_committed_step_with_on_error_log_trains_on(root_5_10, caplog):
-    root, seen = root_5_10
-    flip_byte(root / sd(10) / "__0_0.distcp")
-    before = tree(root / sd(10))
-
-    caplog.set_level(logging.INFO, logger="ckpt")
-    cp, model, seen_now = train(root, 15, on_error="log")
-    assert cp.restored_step == 5 and cp.step == 15
-    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
-    assert any(sd(10) in m and "already committed" in m for m in errors), errors
-    assert tree(root / sd(10)) == before
-    assert states(root, deep=True) == {5: "committed", 10: "corrupt", 15: "committed"}
+    assert states(root, deep=True) == {5: "committed", 10: "corrupt", 11: "committed"}
 
     cp, restored = restore(root)
-    assert cp.restored_step == 15
-    assert_same(weights(restored), seen_now[15], "weights")
+    assert cp.restored_step == 11
+    assert_same(weights(restored), seen_now[11], "weights")
 
 
 def test_leftover_incomplete_step_dir_is_removed_and_rewritten_fresh(tmp_path, two_checkpoints, caplog):
@@ -496,16 +483,17 @@ def test_leftover_incomplete_step_dir_is_removed_and_rewritten_fresh(tmp_path, t
 
 def test_fresh_start_over_an_old_run_never_writes_into_its_checkpoints(root_5_10, caplog):
     """restore="none" over a root that holds committed steps: training starts from step 0,
-    and its saves at steps the root already holds are refused rather than mixed into them
-    (with on_error="log" the run goes on; its save at step 15 commits)."""
+    and its saves at steps the root already holds move to the next step rather than mix into
+    them; the old checkpoints stay byte for byte."""
     root, _ = root_5_10
     before = tree(root)
 
     caplog.set_level(logging.INFO, logger="ckpt")
-    cp, _, _ = train(root, 15, restore="none", on_error="log", seed=7)
+    cp, _, _ = train(root, 15, restore="none", seed=7)
     assert cp.restored_step is None and cp.step == 15
-    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
-    assert any(sd(5) in m and "already committed" in m for m in errors), errors
-    assert any(sd(10) in m and "already committed" in m for m in errors), errors
-    assert {k: v for k, v in tree(root).items() if not k.startswith(sd(15))} == before
-    assert states(root, deep=True) == {5: "committed", 10: "committed", 15: "committed"}
+    assert "restore='none' but" in caplog.text
+    assert sd(5) + " holds a checkpoint already" in caplog.text
+    assert sd(10) + " holds a checkpoint already" in caplog.text
+    new_steps = {6, 11, 15}
+    assert {k: v for k, v in tree(root).items() if not any(k.startswith(sd(n)) for n in new_steps)} == before
+    assert states(root, deep=True) == {5: "committed", 6: "committed", 10: "committed", 11: "committed", 15: "committed"}

@@ -1,0 +1,146 @@
+"""Data position that survives a change of world size.
+
+`ElasticSampler` keeps one global cursor, (epoch, samples consumed in the epoch), instead of
+a per-rank position. Each epoch is one global sequence of sample indices (a permutation
+seeded by (seed, epoch)); whatever ranks exist deal out the rest of it round-robin: rank r
+of W takes remaining[r], remaining[r+W], ... So when every rank consumes B samples per
+micro-batch and A micro-batches per optimizer step, optimizer step k reads exactly the global
+samples [k*G, (k+1)*G) with G = A*B*W, on any W that keeps G. This is Megatron's
+`consumed_samples` rule, for any map-style dataset behind a plain DataLoader.
+
+What is exact and what is not:
+- exact: which samples each global batch holds, and the order of the global stream, across
+  restarts on any world size that keeps the global batch (see `accumulation_steps`);
+- the order *within* a global batch differs across world sizes, so a loss summed in another
+  order differs in the last bits;
+- the cursor counts indices handed to the DataLoader. With `num_workers=0` that is what the
+  loop consumed. With worker processes the DataLoader fetches ahead (up to
+  num_workers * prefetch_factor batches per rank), and a checkpoint taken then skips those
+  samples on resume. For exact resume with workers use torchdata's StatefulDataLoader at the
+  same world size, or num_workers=0;
+- the tail: with drop_last=False the last W-1 or fewer positions are padded by wrapping to
+  the epoch's start (as DistributedSampler does); with drop_last=True they are dropped. Which
+  ones depends on W, so only the epoch's last global batch can differ across world sizes;
+- iterable datasets keep their own per-rank streams: give them to the Checkpointer through
+  `extra=` with their own state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import Sampler
+
+
+def accumulation_steps(global_batch: int, micro_batch: int, world_size: int) -> int:
+    """Micro-batches per optimizer step that keep `global_batch` on `world_size` ranks."""
+    per_step = micro_batch * world_size
+    if global_batch <= 0 or micro_batch <= 0 or world_size <= 0:
+        raise ValueError("global_batch, micro_batch and world_size must be positive")
+    if global_batch % per_step:
+        raise ValueError(
+            f"a global batch of {global_batch} cannot be kept on {world_size} ranks with micro-batches "
+            f"of {micro_batch}: {global_batch} is not a multiple of {micro_batch} x {world_size}. "
+            "Change the micro-batch size or run on a world size that divides it."
+        )
+    return global_batch // per_step
+
+
+class ElasticSampler(Sampler[int]):
+    """A DataLoader sampler whose position is global and independent of world size.
+
+    Args:
+        dataset_len: number of samples in the (map-style) dataset.
+        seed: seeds each epoch's permutation together with the epoch number.
+        shuffle: permute each epoch; False walks the dataset in order.
+        drop_last: drop the epoch's tail that does not divide evenly over the ranks,
+            instead of padding it by wrapping around.
+        rank, world_size: default to the current torch.distributed job (0 and 1 without one).
+    """
+
+    def __init__(
+        self,
+        dataset_len: int,
+        *,
+        seed: int = 0,
+        shuffle: bool = True,
+        drop_last: bool = False,
+        rank: int | None = None,
+        world_size: int | None = None,
+    ) -> None:
+        if dataset_len <= 0:
+            raise ValueError(f"dataset_len must be positive, not {dataset_len}")
+        initialized = dist.is_available() and dist.is_initialized()
+        self.world_size = world_size if world_size is not None else (dist.get_world_size() if initialized else 1)
+        self.rank = rank if rank is not None else (dist.get_rank() if initialized else 0)
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} is outside a world of {self.world_size}")
+        self.dataset_len = dataset_len
+        self.seed = seed
+        self.shuffle = shuffle
+        self.drop_last = drop_last
+        self.epoch = 0
+        self._start = 0  # global samples consumed in this epoch before the current iteration
+        self._yielded = 0  # indices this rank handed out in the current iteration
+
+    @property
+    def consumed(self) -> int:
+        """Global samples consumed in the current epoch (every rank yields the same count)."""
+        return min(self.dataset_len, self._start + self._yielded * self.world_size)
+
+    def order(self, epoch: int) -> list[int]:
+        """The global sequence of sample indices of `epoch`, the same on every world size."""
+        if not self.shuffle:
+            return list(range(self.dataset_len))
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        return torch.randperm(self.dataset_len, generator=g).tolist()
+
+    def _share(self) -> list[int]:
+        order = self.order(self.epoch)
+        remaining = order[self._start :]
+        w = self.world_size
+        if self.drop_last:
+            remaining = remaining[: len(remaining) - len(remaining) % w]
+        elif remaining and len(remaining) % w:
+            pad = w - len(remaining) % w
+            remaining = remaining + (order * (pad // len(order) + 1))[:pad]
+        return remaining[self.rank :: w]
+
+    def __len__(self) -> int:
+        return len(self._share())
+
+    def __iter__(self) -> Iterator[int]:
+        self._start = self.consumed
+        self._yielded = 0
+        for index in self._share():
+            self._yielded += 1
+            yield index
+        self.epoch += 1
+        self._start = self._yielded = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start `epoch` from its beginning (for loops that count epochs themselves)."""
+        if epoch != self.epoch:
+            self.epoch, self._start, self._yielded = epoch, 0, 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "epoch": self.epoch,
+            "consumed": self.consumed,
+            "dataset_len": self.dataset_len,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "world_size": self.world_size,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for key in ("dataset_len", "seed", "shuffle"):
+            if state[key] != getattr(self, key):
+                raise ValueError(
+                    f"the checkpoint's sampler has {key}={state[key]!r}, this one {getattr(self, key)!r}: "
+                    "resuming would not continue the same data order"
+                )
+        self.epoch, self._start, self._yielded = int(state["epoch"]), int(state["consumed"]), 0

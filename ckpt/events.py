@@ -1,0 +1,178 @@
+"""The job's history under `<root>/events/`: one small JSON object per run, restart or failure.
+
+Object stores cannot append, so nothing is appended: each run keeps one record of its own
+(`run-<id>.json`, rewritten as it progresses: world size, last step reached, how it ended),
+and each restore and each failure that a process lived to see writes a new object. A restart
+reads the previous run's record to tell how many steps were lost and why the run ended; a run
+whose record never says how it ended was killed (SIGKILL, a lost node, an OOM kill).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import json
+import logging
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from .errors import CheckpointError
+from .storage import EVENTS_DIR, Store
+
+log = logging.getLogger(__name__)
+
+UNKNOWN_CAUSE = "unknown: the process was killed or the node was lost"
+
+
+def new_run_id() -> str:
+    return time.strftime("%Y%m%dT%H%M%S", time.gmtime()) + "-" + uuid.uuid4().hex[:8]
+
+
+@dataclass
+class RunRecord:
+    """One run of the job, from its start to its end (or its last sign of life)."""
+
+    run_id: str
+    world_size: int
+    started: float
+    updated: float
+    first_step: int  # the step it started (or resumed) at
+    last_step: int  # the last completed step it reported
+    ended: str | None = None  # "completed", "preempted (SIGTERM)", "error: ..."; None: killed
+    kind: str = "run"
+
+
+@dataclass
+class Event:
+    """A restart or a failure."""
+
+    kind: str  # "restart" or "failure"
+    time: float
+    run_id: str
+    step: int  # restart: the step resumed at; failure: the step reached
+    world_size: int  # the world size of the run that writes the event
+    cause: str | None = None
+    steps_lost: int | None = None  # restart: steps the previous run completed past the restored step
+    world_size_before: int | None = None
+    restored_from: str | None = None
+    detail: dict[str, Any] = field(default_factory=dict)
+
+
+def _name(prefix: str, run_id: str, when: float) -> str:
+    stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(when)) + f"{when % 1:.3f}"[1:]
+    return f"{EVENTS_DIR}/{stamp}-{prefix}-{run_id}.json"
+
+
+def write_run(store: Store, record: RunRecord) -> None:
+    store.put_atomic(f"{EVENTS_DIR}/run-{record.run_id}.json", json.dumps(asdict(record)).encode())
+
+
+def write_event(store: Store, event: Event) -> None:
+    store.put_atomic(_name(event.kind, event.run_id, event.time), json.dumps(asdict(event)).encode())
+
+
+def read_all(store: Store) -> tuple[list[RunRecord], list[Event]]:
+    """Every run record and event under the root, oldest first. Unreadable objects are
+    skipped: the history informs decisions, it never blocks a restore."""
+    runs: list[RunRecord] = []
+    events: list[Event] = []
+    for name in store.list_dir(EVENTS_DIR):
+        if not name.endswith(".json"):
+            continue
+        try:
+            doc = json.loads(store.read_bytes(f"{EVENTS_DIR}/{name}"))
+            if doc.get("kind") == "run":
+                runs.append(RunRecord(**doc))
+            else:
+                events.append(Event(**doc))
+        except (CheckpointError, ValueError, TypeError):
+            continue
+    runs.sort(key=lambda r: r.started)
+    events.sort(key=lambda e: e.time)
+    return runs, events
+
+
+def previous_run(runs: list[RunRecord], current_run_id: str) -> RunRecord | None:
+    earlier = [r for r in runs if r.run_id != current_run_id]
+    return earlier[-1] if earlier else None
+
+
+class History:
+    """This run's entries under `<root>/events/`, written by rank 0 only (others hold a no-op).
+
+    Writes go through one background thread so that a slow store never delays a step; a
+    failed write is logged and forgotten: the history informs, it must never fail training."""
+
+    HEARTBEAT_S = 5.0  # how stale "last step reached" may be when a run is killed
+
+    def __init__(self, store: Store, world_size: int, enabled: bool) -> None:
+        self.store = store
+        self.enabled = enabled
+        now = time.time()
+        self.record = RunRecord(new_run_id(), world_size, now, now, 0, 0)
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ckpt-events") if enabled else None
+        self._last_beat = 0.0
+
+    def start(self, step: int, restored: Any = None) -> Event | None:
+        """Record the run's start; with `restored` (the manifest restored), a restart event
+        naming what the previous run lost and why it ended."""
+        if not self.enabled:
+            return None
+        self.record.first_step = self.record.last_step = step
+        event = None
+        if restored is not None:
+            try:
+                runs, _ = read_all(self.store)
+            except CheckpointError as e:
+                log.warning("could not read the job's history: %s", e)
+                runs = []
+            prev = previous_run(runs, self.record.run_id)
+            event = Event(
+                kind="restart",
+                time=time.time(),
+                run_id=self.record.run_id,
+                step=step,
+                world_size=self.record.world_size,
+                cause=(prev.ended or UNKNOWN_CAUSE) if prev else None,
+                steps_lost=max(0, prev.last_step - step) if prev else None,
+                world_size_before=prev.world_size if prev else restored.world_size,
+                restored_from=f"step-{restored.step:010d}",
+            )
+            self._submit(write_event, event)
+        self._submit(write_run, self.record)
+        return event
+
+    def progress(self, step: int, force: bool = False) -> None:
+        if not self.enabled:
+            return
+        self.record.last_step = step
+        now = time.monotonic()
+        if force or now - self._last_beat >= self.HEARTBEAT_S:
+            self._last_beat = now
+            self.record.updated = time.time()
+            self._submit(write_run, dataclasses.replace(self.record))
+
+    def end(self, step: int, how: str, failure: bool) -> None:
+        if not self.enabled:
+            return
+        self.record.last_step, self.record.ended, self.record.updated = step, how, time.time()
+        if failure:
+            self._submit(
+                write_event,
+                Event("failure", time.time(), self.record.run_id, step, self.record.world_size, cause=how),
+            )
+        self._submit(write_run, dataclasses.replace(self.record))
+        assert self._pool is not None
+        self._pool.shutdown(wait=True)
+
+    def _submit(self, fn: Any, obj: Any) -> None:
+        assert self._pool is not None
+        fut = self._pool.submit(fn, self.store, obj)
+        fut.add_done_callback(_log_failure)
+
+
+def _log_failure(fut: concurrent.futures.Future[None]) -> None:
+    if fut.exception() is not None:
+        log.warning("could not write to the job's history: %s", fut.exception())
