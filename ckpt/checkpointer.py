@@ -119,6 +119,7 @@ class Checkpointer:
         self._last_saved_step = 0
         self._last_save_time = time.monotonic()
         self._stager = Stager()
+        self.history = History(self.store, 1, enabled=False)  # the real one starts on enter
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._inflight: concurrent.futures.Future[Manifest] | None = None
         self._preempt = threading.Event()
@@ -215,7 +216,8 @@ class Checkpointer:
             self.wait()
 
     def wait(self) -> None:
-        """Wait for the save in flight, if any; report its failure as `on_error` says."""
+        """Wait for the save in flight, if any, and what it writes after its commit (retention,
+        the job's history); report its failure as `on_error` says."""
         fut, self._inflight = self._inflight, None
         if fut is None:
             return
@@ -225,6 +227,8 @@ class Checkpointer:
             log.error("%s", e)
             if self.on_error == "raise":
                 raise
+        finally:
+            self.history.flush()
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         if exc_type is None or (exc_type is SystemExit and self._preempt.is_set()):

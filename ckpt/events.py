@@ -166,6 +166,12 @@ class History:
         self._submit(write_run, dataclasses.replace(self.record))
         assert self._pool is not None
         self._pool.shutdown(wait=True)
+        self._pool, self.enabled = None, False
+
+    def flush(self) -> None:
+        """Wait for the writes already asked for."""
+        if self._pool is not None:
+            self._pool.submit(lambda: None).result()
 
     def _submit(self, fn: Any, obj: Any) -> None:
         assert self._pool is not None

@@ -107,10 +107,12 @@ class Root:
         return run_cli([[c[0], self.url, *c[1:], *self.cli_args] for c in calls], self.env)
 
     def files(self) -> dict[str, bytes]:
-        """Every file under the root and its bytes."""
+        """Every file of every checkpoint under the root and its bytes (the job's history under
+        events/ grows with every run and is not part of any checkpoint)."""
         self.fs.invalidate_cache()
         found = self.fs.find(self.path) if self.fs.exists(self.path) else []
-        return {p[len(self.path) + 1 :]: self.fs.cat_file(p) for p in found}
+        files = {p[len(self.path) + 1 :]: p for p in found}
+        return {rel: self.fs.cat_file(p) for rel, p in files.items() if rel.startswith("step-")}
 
     def steps(self) -> set[int]:
         return {int(rel.split("/")[0].removeprefix("step-")) for rel in self.files()}
