@@ -18,9 +18,11 @@ What is exact and what is not:
   num_workers * prefetch_factor batches per rank), and a checkpoint taken then skips those
   samples on resume. For exact resume with workers use torchdata's StatefulDataLoader at the
   same world size, or num_workers=0;
-- the tail: with drop_last=False the last W-1 or fewer positions are padded by wrapping to
-  the epoch's start (as DistributedSampler does); with drop_last=True they are dropped. Which
-  ones depends on W, so only the epoch's last global batch can differ across world sizes;
+- the epoch's tail: give `global_batch=G` and each epoch is padded by wrapping to its start
+  (drop_last=False) or cut (drop_last=True) to a multiple of G, so every epoch ends on a
+  global-batch boundary whatever W: then nothing depends on W. Without it the tail is padded
+  or cut to a multiple of W (as DistributedSampler does), so after an epoch boundary crossed
+  on another world size the global batches no longer line up with an uninterrupted run;
 - iterable datasets keep their own per-rank streams: give them to the Checkpointer through
   `extra=` with their own state.
 """
@@ -56,8 +58,11 @@ class ElasticSampler(Sampler[int]):
         dataset_len: number of samples in the (map-style) dataset.
         seed: seeds each epoch's permutation together with the epoch number.
         shuffle: permute each epoch; False walks the dataset in order.
-        drop_last: drop the epoch's tail that does not divide evenly over the ranks,
-            instead of padding it by wrapping around.
+        drop_last: drop the epoch's tail that does not divide evenly, instead of padding it
+            by wrapping around to the epoch's start.
+        global_batch: samples per optimizer step over all ranks. Given, every epoch holds a
+            whole number of global batches, which makes resume exact across epoch
+            boundaries on any world size that divides it.
         rank, world_size: default to the current torch.distributed job (0 and 1 without one).
     """
 
@@ -68,6 +73,7 @@ class ElasticSampler(Sampler[int]):
         seed: int = 0,
         shuffle: bool = True,
         drop_last: bool = False,
+        global_batch: int | None = None,
         rank: int | None = None,
         world_size: int | None = None,
     ) -> None:
@@ -82,6 +88,9 @@ class ElasticSampler(Sampler[int]):
         self.seed = seed
         self.shuffle = shuffle
         self.drop_last = drop_last
+        self.global_batch = global_batch
+        if global_batch is not None and (global_batch <= 0 or global_batch % self.world_size):
+            raise ValueError(f"global_batch={global_batch} must be a positive multiple of the world size {self.world_size}")
         self.epoch = 0
         self._start = 0  # global samples consumed in this epoch before the current iteration
         self._yielded = 0  # indices this rank handed out in the current iteration
@@ -89,7 +98,7 @@ class ElasticSampler(Sampler[int]):
     @property
     def consumed(self) -> int:
         """Global samples consumed in the current epoch (every rank yields the same count)."""
-        return min(self.dataset_len, self._start + self._yielded * self.world_size)
+        return self._start + self._yielded * self.world_size
 
     def order(self, epoch: int) -> list[int]:
         """The global sequence of sample indices of `epoch`, the same on every world size."""
@@ -98,15 +107,20 @@ class ElasticSampler(Sampler[int]):
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
         return torch.randperm(self.dataset_len, generator=g).tolist()
 
-    def _share(self) -> list[int]:
-        order = self.order(self.epoch)
-        remaining = order[self._start :]
-        w = self.world_size
+    def epoch_sequence(self, epoch: int) -> list[int]:
+        """The global sequence of `epoch`, its tail padded or cut to whole units (the global
+        batch when known, else the world size)."""
+        order = self.order(epoch)
+        unit = self.global_batch or self.world_size
         if self.drop_last:
-            remaining = remaining[: len(remaining) - len(remaining) % w]
-        elif remaining and len(remaining) % w:
-            pad = w - len(remaining) % w
-            remaining = remaining + (order * (pad // len(order) + 1))[:pad]
+            return order[: len(order) - len(order) % unit]
+        pad = -len(order) % unit
+        return order + (order * (pad // len(order) + 1))[:pad]
+
+    def _share(self) -> list[int]:
+        remaining = self.epoch_sequence(self.epoch)[self._start :]
+        w = self.world_size
+        remaining = remaining[: len(remaining) - len(remaining) % w]  # whole rounds only
         return remaining[self.rank :: w]
 
     def __len__(self) -> int:

@@ -44,7 +44,7 @@ def main() -> None:
     torch.manual_seed(0)
 
     data = TensorDataset(torch.arange(args.dataset))
-    sampler = ckpt.ElasticSampler(len(data), seed=5)
+    sampler = ckpt.ElasticSampler(len(data), seed=5, global_batch=args.global_batch)
     loader = DataLoader(data, batch_size=args.micro_batch, sampler=sampler)
     accum = ckpt.accumulation_steps(args.global_batch, args.micro_batch, world)
     model = build("fsdp2", world)

@@ -1,0 +1,114 @@
+"""ElasticSampler and the global-batch rule, rank by rank in one process (the sampler does no
+communication: every rank computes its share of one global sequence)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+import ckpt
+from ckpt import ElasticSampler, accumulation_steps
+
+
+def train_steps(world: int, steps: int, *, state=None, n=37, global_batch=12, micro=2, drop_last=False, **kw):
+    """Run `steps` optimizer steps on `world` simulated ranks; returns the global batch (as
+    a sorted list) of every step and the sampler state at the end."""
+    samplers = [
+        ElasticSampler(n, seed=3, rank=r, world_size=world, drop_last=drop_last, global_batch=global_batch, **kw)
+        for r in range(world)
+    ]
+    if state is not None:
+        for s in samplers:
+            s.load_state_dict(state)
+    accum = accumulation_steps(global_batch, micro, world)
+    iters = [iter(s) for s in samplers]
+    out = []
+    for _ in range(steps):
+        batch = []
+        for _ in range(accum):
+            for r in range(world):
+                for _ in range(micro):
+                    try:
+                        batch.append(next(iters[r]))
+                    except StopIteration:  # epoch over: every rank turns the page together
+                        iters[r] = iter(samplers[r])
+                        batch.append(next(iters[r]))
+        out.append(sorted(batch))
+    states = [s.state_dict() for s in samplers]
+    assert all(st == states[0] | {"world_size": world} for st in states)
+    return out, states[0]
+
+
+def test_global_batches_are_identical_across_world_size_changes_and_epochs():
+    reference, _ = train_steps(2, 12)  # 144 samples over a 37-sample dataset: 3+ epochs
+    a, st = train_steps(2, 2)
+    b, st = train_steps(1, 3, state=st)
+    c, st = train_steps(3, 1, state=st, global_batch=12)
+    d, st = train_steps(6, 2, state=st)
+    e, _ = train_steps(2, 4, state=st)
+    assert a + b + c + d + e == reference
+
+
+def test_every_epoch_is_a_permutation_of_the_dataset_and_differs_by_epoch():
+    s = ElasticSampler(50, seed=1)
+    e0, e1 = list(s), list(s)
+    assert sorted(e0) == sorted(e1) == list(range(50))
+    assert e0 != e1 and s.epoch == 2
+
+
+def test_ranks_split_the_epoch_without_overlap_and_pad_or_drop_the_tail():
+    padded = [list(ElasticSampler(10, seed=0, rank=r, world_size=3)) for r in range(3)]
+    assert [len(p) for p in padded] == [4, 4, 4]  # 10 + 2 wrapped from the epoch's start
+    assert set(sum(padded, [])) == set(range(10))
+    dropped = [list(ElasticSampler(10, seed=0, rank=r, world_size=3, drop_last=True)) for r in range(3)]
+    assert [len(d) for d in dropped] == [3, 3, 3] and len(set(sum(dropped, []))) == 9
+
+
+def test_unshuffled_sampler_walks_the_dataset_in_order():
+    assert list(ElasticSampler(6, shuffle=False, rank=1, world_size=2)) == [1, 3, 5]
+
+
+def test_loading_a_sampler_state_of_another_dataset_is_refused():
+    st = ElasticSampler(10, seed=0).state_dict()
+    with pytest.raises(ValueError, match="dataset_len"):
+        ElasticSampler(11, seed=0).load_state_dict(st)
+    with pytest.raises(ValueError, match="seed"):
+        ElasticSampler(10, seed=1).load_state_dict(st)
+
+
+def test_accumulation_steps_keep_the_global_batch_or_say_why_not():
+    assert accumulation_steps(64, 4, 8) == 2
+    assert accumulation_steps(64, 4, 4) == 4
+    assert accumulation_steps(64, 4, 16) == 1
+    with pytest.raises(ValueError, match="cannot be kept on 3 ranks"):
+        accumulation_steps(64, 4, 3)
+
+
+def test_a_plain_dataloader_without_a_position_is_refused():
+    loader = DataLoader(TensorDataset(torch.arange(10)), batch_size=2)
+    with pytest.raises(TypeError, match="ElasticSampler"):
+        ckpt.Checkpointer("unused", dataloader=loader)
+
+
+def test_dataloader_with_an_elastic_sampler_restores_the_position(tmp_path):
+    data = TensorDataset(torch.arange(30))
+
+    def make():
+        sampler = ElasticSampler(30, seed=9)
+        return sampler, DataLoader(data, batch_size=4, sampler=sampler)
+
+    sampler, loader = make()
+    with ckpt.Checkpointer(tmp_path, dataloader=loader, interval=None) as cp:
+        it = iter(loader)
+        first = [next(it)[0].tolist() for _ in range(3)]
+        for _ in range(3):
+            cp.step_done()
+    rest_reference = [b[0].tolist() for b in it]
+
+    sampler2, loader2 = make()
+    with ckpt.Checkpointer(tmp_path, dataloader=loader2, interval=None, save_on_exit=False) as cp:
+        assert cp.step == 3 and sampler2.consumed == 12
+        rest = [b[0].tolist() for b in loader2]
+    assert rest == rest_reference
+    assert sorted(sum(first + rest, [])) == list(range(30))
