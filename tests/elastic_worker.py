@@ -13,8 +13,10 @@ import argparse
 import json
 import logging
 import os
+import random
 import time
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -22,6 +24,21 @@ from torch.utils.data import DataLoader, TensorDataset
 from toy_model import build
 
 import ckpt
+
+
+def draws(prefix: str, when: str, rank: int) -> None:
+    """Record the next draws of every RNG stream (training here uses no randomness, so taking
+    them changes nothing the tests compare)."""
+    if prefix:
+        with open(f"{prefix}.{when}.rank{rank}.json", "w") as f:
+            json.dump(
+                {
+                    "torch": torch.rand(3).tolist(),
+                    "numpy": np.random.rand(3).tolist(),
+                    "python": [random.random() for _ in range(3)],
+                },
+                f,
+            )
 
 
 def main() -> None:
@@ -36,6 +53,9 @@ def main() -> None:
     p.add_argument("--die-at", type=int, default=0, help="rank 1 kills itself before this step ends")
     p.add_argument("--step-sleep", type=float, default=0.0)
     p.add_argument("--final", default="", help="rank 0 writes the final full weights here")
+    p.add_argument("--loader", choices=["plain", "stateful"], default="plain")
+    p.add_argument("--workers", type=int, default=0, help="DataLoader worker processes")
+    p.add_argument("--rng-out", default="", help="each rank writes RNG draws taken on entering and on leaving")
     args = p.parse_args()
 
     dist.init_process_group("gloo")
@@ -45,7 +65,12 @@ def main() -> None:
 
     data = TensorDataset(torch.arange(args.dataset))
     sampler = ckpt.ElasticSampler(len(data), seed=5, global_batch=args.global_batch)
-    loader = DataLoader(data, batch_size=args.micro_batch, sampler=sampler)
+    if args.loader == "stateful":
+        from torchdata.stateful_dataloader import StatefulDataLoader
+
+        loader = StatefulDataLoader(data, batch_size=args.micro_batch, sampler=sampler, num_workers=args.workers)
+    else:
+        loader = DataLoader(data, batch_size=args.micro_batch, sampler=sampler, num_workers=args.workers)
     accum = ckpt.accumulation_steps(args.global_batch, args.micro_batch, world)
     model = build("fsdp2", world)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -54,6 +79,7 @@ def main() -> None:
     with ckpt.Checkpointer(
         args.root, model=model, optimizer=opt, dataloader=loader, interval=ckpt.Every(steps=args.every), timeout_s=30
     ) as cp:
+        draws(args.rng_out, "enter", rank)
         it = iter(loader)
         for step in range(cp.step + 1, args.steps + 1):
             seen = []
@@ -75,6 +101,7 @@ def main() -> None:
             cp.step_done()
             if args.step_sleep:
                 time.sleep(args.step_sleep)
+    draws(args.rng_out, "exit", rank)
     if args.final:
         full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if rank == 0:

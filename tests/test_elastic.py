@@ -84,3 +84,44 @@ def test_restart_on_another_world_size_replays_the_same_global_batches(tmp_path,
         assert ev["cause"] == "exited" and ev["steps_lost"] == 0
     table = ckpt_cli("events", str(root))
     assert f"{before} -> {after}" in table.stdout and "1 restarts" in table.stdout
+
+
+def test_rng_policy_survivors_keep_their_streams_and_new_ranks_derive_theirs(tmp_path):
+    root = tmp_path / "root"
+    assert job(1, root, tmp_path / "one", "--steps", "4", "--rng-out", str(tmp_path / "one")) == [0]
+    assert job(2, root, tmp_path / "two", "--steps", "4", "--rng-out", str(tmp_path / "two")) == [0, 0]
+    assert job(2, root, tmp_path / "again", "--steps", "4", "--rng-out", str(tmp_path / "again")) == [0, 0]
+
+    def read(name: str) -> dict:
+        return json.loads((tmp_path / name).read_text())
+
+    # rank 0 existed when step 4 was saved: it continues its own streams exactly
+    assert read("two.enter.rank0.json") == read("one.exit.rank0.json")
+    # rank 1 is new: its streams come from (step, rank), the same on every restore...
+    assert read("two.enter.rank1.json") == read("again.enter.rank1.json")
+    # ...and they are its own, not a copy of rank 0's
+    r0, r1 = read("two.enter.rank0.json"), read("two.enter.rank1.json")
+    assert all(r0[k] != r1[k] for k in ("torch", "numpy", "python"))
+
+
+@pytest.mark.parametrize(
+    ("after", "workers"), [(2, 2), (1, 0)], ids=["same-world-2-workers", "2to1-global-cursor"]
+)
+def test_stateful_dataloader_resumes_exactly(tmp_path, after, workers):
+    """torchdata's StatefulDataLoader knows what its workers prefetched: at the same world size
+    its own state is restored (exact with worker processes); on another world size its
+    per-rank state cannot apply, and the ElasticSampler's global cursor takes over."""
+    loader = ("--loader", "stateful", "--workers", str(workers))
+    assert job(2, tmp_path / "ref-root", tmp_path / "ref", "--steps", "12", *loader) == [0, 0]
+    reference = global_batches(tmp_path / "ref")
+
+    root = tmp_path / "root"
+    assert any(job(2, root, tmp_path / "first", "--steps", "12", "--die-at", "8", *loader))
+    assert job(after, root, tmp_path / "second", "--steps", "12", *loader) == [0] * after
+    two = global_batches(tmp_path / "second")
+    assert sorted(two) == list(range(7, 13))
+    for step, batch in two.items():
+        assert batch == reference[step], f"step {step}: {sorted(batch)} != {sorted(reference[step])}"
+    log0 = (tmp_path / "second" / "rank0.log").read_text()
+    dropped = "per-rank state is dropped and the global data position rules" in log0
+    assert dropped == (after != 2)
