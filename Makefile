@@ -9,9 +9,8 @@ TORCH := torch==2.13.0
 
 $(VENV)/.ready: pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
-	$(VPY) -m pip install -q --upgrade pip
 	$(VPY) -m pip install -q $(TORCH)
-	$(VPY) -m pip install -q -e '.[test]'
+	$(VPY) -m pip install -q -e '.[test,demo]'
 	touch $@
 
 setup: $(VENV)/.ready

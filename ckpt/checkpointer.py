@@ -234,7 +234,7 @@ class Checkpointer:
         if exc_type is None or (exc_type is SystemExit and self._preempt.is_set()):
             how, failure = ("preempted (SIGTERM)" if self._preempt.is_set() else "exited"), False
         else:
-            how, failure = f"error: {exc_type.__name__}: {redact(str(exc))[:300]}", True
+            how, failure = f"error: {exc_type.__name__}: {_first_line(exc)}", True
         try:
             if exc_type is None and self.save_on_exit and self._last_saved_step != self._step:
                 self.save(blocking=True)
@@ -446,3 +446,12 @@ def _data_position(data: Any, dataloader: Any) -> tuple[Any, Any]:
             "(exact on any world size) or use torchdata's StatefulDataLoader"
         )
     return data, loader
+
+
+def _first_line(exc: BaseException) -> str:
+    """The gist of an error for the job's history: its first line, without a C++ source
+    location prefix (gloo's "[/path/pair.cc:537] "), without credentials, at most 200 chars."""
+    text = redact(str(exc)).strip().splitlines()[0] if str(exc).strip() else ""
+    if text.startswith("[") and "] " in text:
+        text = text.split("] ", 1)[1]
+    return text[:200]
