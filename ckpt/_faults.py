@@ -2,6 +2,7 @@
 
 `CKPT_FAULT=<point>:<rank>:<step>` (several separated by commas) SIGKILLs the process when
 rank <rank> reaches <point> while saving step <step>; `*` matches any rank or step.
+`<point>:<rank>:<step>:sleep=<seconds>` stalls there instead (a slow store).
 Points: `write_item` (between two items of a data file), `before_manifest` (all data files
 durable, manifest not yet written), `after_manifest`. Unset in production: one dict lookup.
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 
 def fault_point(point: str, rank: int, step: int) -> None:
@@ -17,7 +19,9 @@ def fault_point(point: str, rank: int, step: int) -> None:
     if not spec:
         return
     for rule in spec.split(","):
-        p, _, rest = rule.strip().partition(":")
-        r, _, s = rest.partition(":")
+        p, r, s, action = (rule.strip().split(":") + ["", "", ""])[:4]
         if p == point and r in ("*", str(rank)) and s in ("*", "", str(step)):
-            os.kill(os.getpid(), signal.SIGKILL)
+            if action.startswith("sleep="):
+                time.sleep(float(action.removeprefix("sleep=")))
+            else:
+                os.kill(os.getpid(), signal.SIGKILL)

@@ -68,6 +68,9 @@ class Checkpointer:
         preempt_exit_code: the exit status after a SIGTERM checkpoint committed.
         timeout_s: the longest a collective of a save may wait for another rank before the
             save fails: a dead rank turns into an error, never a hang.
+        if_busy: a save that comes due while the previous one is still writing waits for it
+            ("wait", the loop stalls until the store catches up) or is skipped and counted in
+            ``skipped_saves`` ("skip", the loop never waits on a slow store).
         metadata: JSON values stored in every manifest (run id, git commit, ...).
     """
 
@@ -91,6 +94,7 @@ class Checkpointer:
         handle_sigterm: bool = True,
         preempt_exit_code: int = 0,
         timeout_s: float = 600.0,
+        if_busy: Literal["wait", "skip"] = "wait",
         metadata: dict[str, Any] | None = None,
     ) -> None:
         if on_error not in ("raise", "log"):
@@ -108,6 +112,9 @@ class Checkpointer:
         self.handle_sigterm = handle_sigterm
         self.preempt_exit_code = preempt_exit_code
         self.timeout_s = timeout_s
+        if if_busy not in ("wait", "skip"):
+            raise ValueError(f"if_busy must be 'wait' or 'skip', not {if_busy!r}")
+        self.if_busy = if_busy
         self.metadata = dict(metadata or {})
         #: The user's own counters (epoch, tokens, ...): saved and restored with the step.
         self.counters: dict[str, Any] = {}
@@ -116,8 +123,11 @@ class Checkpointer:
         #: The manifest of the last committed save of this process.
         self.last_commit: Manifest | None = None
         self._step = 0
-        self._last_saved_step = 0
+        self._interval_anchor = 0  # the interval's anchor: the last save, or a skipped one
+        self._saved_step = 0  # the step of the last save actually started
         self._last_save_time = time.monotonic()
+        #: Saves that came due while the previous one was still writing, with if_busy="skip".
+        self.skipped_saves = 0
         self._stager = Stager()
         self.history = History(self.store, 1, enabled=False)  # the real one starts on enter
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
@@ -148,7 +158,7 @@ class Checkpointer:
             self._start_fresh()
         #: The restart event this start wrote (rank 0, after a restore), for the curious.
         self.restart_event = self.history.start(self._step, self.last_commit if self.restored_step is not None else None)
-        self._last_saved_step = self._step
+        self._interval_anchor = self._saved_step = self._step
         self._last_save_time = time.monotonic()
         if self.handle_sigterm:
             self._install_sigterm()
@@ -161,7 +171,7 @@ class Checkpointer:
         if self._inflight is not None and self._inflight.done():
             self.wait()
         by_step = self._deferred or (
-            self.interval is not None and self.interval.due_by_step(self._step, self._last_saved_step)
+            self.interval is not None and self.interval.due_by_step(self._step, self._interval_anchor)
         )
         by_time = (
             self._ctrl.rank == 0
@@ -176,15 +186,27 @@ class Checkpointer:
             due = by_step or by_time
         if preempt:
             self._exit_for_preemption()
+        elif due and self.if_busy == "skip" and self._busy_somewhere():
+            self.skipped_saves += 1
+            # The interval counts from the skipped point; the step stays unsaved, so a final
+            # save on exit still happens.
+            self._interval_anchor, self._last_save_time = self._step, time.monotonic()
+            log.info("step %d: a save is due but the last one is still writing; skipped", self._step)
         elif due:
             self.save()
+
+    def _busy_somewhere(self) -> bool:
+        """Is the previous save still writing on any rank? Asked of all ranks together, since
+        each rank's background thread finishes at its own time."""
+        busy = self._inflight is not None and not self._inflight.done()
+        return bool(self._ctrl.max([int(busy)])[0])
 
     def save(self, blocking: bool = False) -> None:
         """Checkpoint the current step now. Returns once the state is staged in host memory
         (or, with `blocking`, committed). All ranks must call it at the same step."""
         # IMPORTANT: decided from what every rank knows alike (never from whether this rank's
         # background save has finished yet), so all ranks take the same branch.
-        if self._last_saved_step == self._step and (self._step > 0 or self.last_commit is not None):
+        if self._saved_step == self._step and (self._step > 0 or self.last_commit is not None):
             if blocking:
                 self.wait()
             return
@@ -209,7 +231,7 @@ class Checkpointer:
         self._inflight = self._pool.submit(
             self._save_in_background, self._step, staged, counters, blocking_s, started
         )
-        self._last_saved_step = self._step
+        self._interval_anchor = self._saved_step = self._step
         self._last_save_time = time.monotonic()
         log.debug("step %d staged in %.1f ms", self._step, blocking_s * 1e3)
         if blocking:
@@ -236,7 +258,7 @@ class Checkpointer:
         else:
             how, failure = f"error: {exc_type.__name__}: {_first_line(exc)}", True
         try:
-            if exc_type is None and self.save_on_exit and self._last_saved_step != self._step:
+            if exc_type is None and self.save_on_exit and self._saved_step != self._step:
                 self.save(blocking=True)
             elif exc_type is None:
                 self.wait()

@@ -8,15 +8,18 @@ before the manifest leaves an incomplete directory that restore never picks.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from ._faults import fault_point
 from .dcp_io import Writer
@@ -34,6 +37,7 @@ class Group:
     pg: Any
     rank: int
     world: int
+    plan_key: str = dataclasses.field(default_factory=lambda: f"ckpt-{uuid.uuid4().hex}")
 
     @classmethod
     def new(cls, timeout_s: float) -> Group:
@@ -107,7 +111,10 @@ def persist(
         raise SaveFailed(refusal)
     store.makedirs(rel)
     writer = Writer(store, rel, step)
-    dcp.save(staged, storage_writer=writer, process_group=group.pg)
+    # The state's layout does not change between saves: rank 0's global planning is paid once.
+    planner = DefaultSavePlanner(enable_plan_caching=True)
+    planner._cached_plans_key = group.plan_key  # DCP keys its cache by class: one per Checkpointer
+    dcp.save(staged, storage_writer=writer, planner=planner, process_group=group.pg)
     fault_point("before_manifest", group.rank, step)
     all_files = group.gather(writer.files)
     outcome: Manifest | str | None = None

@@ -144,3 +144,36 @@ def test_run_with_keep_every_steps_keeps_the_multiples(tmp_path):
     model = torch.nn.Linear(8, 4)
     with ckpt.Checkpointer(str(root), model=model, interval=None, save_on_exit=False, restore=10) as cp:
         assert cp.restored_step == 10
+
+
+def _train_with_slow_store(tmp_path, monkeypatch, if_busy: str):
+    import time
+
+    import torch
+
+    monkeypatch.setenv("CKPT_FAULT", "before_manifest:*:*:sleep=0.3")  # every save commits slowly
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    started = time.perf_counter()
+    with ckpt.Checkpointer(tmp_path, model=model, optimizer=opt, interval=ckpt.Every(steps=1), if_busy=if_busy, keep=ckpt.Keep(last=100)) as cp:
+        for _ in range(10):
+            model(torch.randn(2, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            cp.step_done()
+        loop_s = time.perf_counter() - started
+    return cp, loop_s, sorted(int(p.name[5:]) for p in tmp_path.glob("step-*/manifest.json") for p in [p.parent])
+
+
+def test_if_busy_skip_never_waits_for_a_slow_store_and_counts_what_it_skipped(tmp_path, monkeypatch):
+    cp, loop_s, committed = _train_with_slow_store(tmp_path, monkeypatch, "skip")
+    assert cp.skipped_saves >= 5
+    assert committed[0] == 1 and committed[-1] == 10  # the first save, and the one on leaving
+    assert len(committed) <= 10 - cp.skipped_saves + 1  # nothing skipped was written
+    # Ten saves that each take 0.3 s to commit: waiting for them would take 3 s.
+    assert loop_s < 1.5, loop_s
+
+
+def test_if_busy_wait_saves_every_due_step(tmp_path, monkeypatch):
+    cp, loop_s, committed = _train_with_slow_store(tmp_path, monkeypatch, "wait")
+    assert cp.skipped_saves == 0 and committed == list(range(1, 11))
