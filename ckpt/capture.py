@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_state_dict,
 )
+from torch.distributed.tensor import DTensor
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +68,21 @@ class TrainingState:
             if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
                 raise TypeError(f"extra[{name!r}] has no state_dict/load_state_dict")
         return state
+
+    def deferrable(self) -> Callable[[tuple[Any, ...], torch.Tensor], bool]:
+        """Which tensors of a captured state may be copied after the loop goes on: those that
+        only `optimizer.step()` changes (parameters and optimizer state). Module buffers
+        (BatchNorm statistics change in forward), extras, RNG and the rest are copied at once."""
+        buffers = set()
+        if self.model is not None:
+            for b in self.model.buffers():
+                local = b._local_tensor if isinstance(b, DTensor) else b
+                buffers.add(local.untyped_storage().data_ptr())
+
+        def defer(path: tuple[Any, ...], tensor: torch.Tensor) -> bool:
+            return path[0] in ("model", "optim") and tensor.untyped_storage().data_ptr() not in buffers
+
+        return defer
 
     # -- save -------------------------------------------------------------------------------
     def capture(self, counters: dict[str, Any], rank: int) -> dict[str, Any]:

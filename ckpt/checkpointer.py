@@ -28,7 +28,7 @@ from .errors import CheckpointError, RestoreFailed, SaveFailed, StorageError
 from .events import History
 from .manifest import MANIFEST_NAME, Manifest
 from .policy import Every, Keep
-from .stage import Stager
+from .stage import Copies, Stager
 from .storage import Store, redact, step_dir_name
 
 log = logging.getLogger(__name__)
@@ -71,6 +71,10 @@ class Checkpointer:
         if_busy: a save that comes due while the previous one is still writing waits for it
             ("wait", the loop stalls until the store catches up) or is skipped and counted in
             ``skipped_saves`` ("skip", the loop never waits on a slow store).
+        overlap: a save returns as soon as its host buffers are set up and module buffers
+            copied; parameters and optimizer state are copied in the background while the
+            next forward and backward run, and the next ``optimizer.step()`` waits for that
+            copy (a step pre-hook). False copies everything before ``save`` returns.
         metadata: JSON values stored in every manifest (run id, git commit, ...).
     """
 
@@ -95,6 +99,7 @@ class Checkpointer:
         preempt_exit_code: int = 0,
         timeout_s: float = 600.0,
         if_busy: Literal["wait", "skip"] = "wait",
+        overlap: bool = True,
         metadata: dict[str, Any] | None = None,
     ) -> None:
         if on_error not in ("raise", "log"):
@@ -129,6 +134,12 @@ class Checkpointer:
         #: Saves that came due while the previous one was still writing, with if_busy="skip".
         self.skipped_saves = 0
         self._stager = Stager()
+        self.overlap = overlap
+        self._staged = threading.Event()  # set: no staging copy is pending
+        self._staged.set()
+        self._hooks: list[Any] = []
+        #: Seconds optimizer steps spent waiting for a staging copy to finish (overlap mode).
+        self.staging_wait_s = 0.0
         self.history = History(self.store, 1, enabled=False)  # the real one starts on enter
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._inflight: concurrent.futures.Future[Manifest] | None = None
@@ -162,6 +173,7 @@ class Checkpointer:
         self._last_save_time = time.monotonic()
         if self.handle_sigterm:
             self._install_sigterm()
+        self._hooks = [o.register_step_pre_hook(lambda *_: self.wait_for_staging()) for o in self.state.optimizers]
         return self
 
     def step_done(self) -> None:
@@ -224,18 +236,31 @@ class Checkpointer:
         self.wait()
         started = time.perf_counter()
         counters = {"step": self._step, **self.counters}
-        staged = self._stager.stage(self.state.capture(counters, self._io.rank))
-        self._stager.synchronize()
+        state = self.state.capture(counters, self._io.rank)
+        staged, copies = self._stager.prepare(state, defer=self.state.deferrable() if self.overlap else _now)
+        if self.overlap:
+            self._staged.clear()  # IMPORTANT: the next optimizer.step() waits for the copies
+        else:
+            copies.run()
         blocking_s = time.perf_counter() - started
         assert self._pool is not None, "use the Checkpointer as a context manager"
         self._inflight = self._pool.submit(
-            self._save_in_background, self._step, staged, counters, blocking_s, started
+            self._save_in_background, self._step, staged, copies, counters, blocking_s, started
         )
         self._interval_anchor = self._saved_step = self._step
         self._last_save_time = time.monotonic()
         log.debug("step %d staged in %.1f ms", self._step, blocking_s * 1e3)
         if blocking:
             self.wait()
+
+    def wait_for_staging(self) -> None:
+        """Block until the save in flight has copied the state it needs. Called by itself
+        before every optimizer.step(); call it by hand before anything else that changes
+        parameters or optimizer state in place outside optimizer.step()."""
+        if not self._staged.is_set():
+            t = time.perf_counter()
+            self._staged.wait()
+            self.staging_wait_s += time.perf_counter() - t
 
     def wait(self) -> None:
         """Wait for the save in flight, if any, and what it writes after its commit (retention,
@@ -268,6 +293,8 @@ class Checkpointer:
                 except CheckpointError as e:  # keep the loop's own exception the one raised
                     log.error("while leaving after %s: %s", exc_type.__name__, e)
         finally:
+            for hook in self._hooks:
+                hook.remove()
             self.history.end(self._step, how, failure)
             self._uninstall_sigterm()
             if self._pool is not None:
@@ -282,9 +309,13 @@ class Checkpointer:
 
     # -- background ---------------------------------------------------------------------------
     def _save_in_background(
-        self, step: int, staged: Any, counters: dict[str, Any], blocking_s: float, started: float
+        self, step: int, staged: Any, copies: Copies, counters: dict[str, Any], blocking_s: float, started: float
     ) -> Manifest:
         try:
+            try:
+                copies.run()
+            finally:
+                self._staged.set()
             manifest = persist(
                 self.store,
                 self._io,
@@ -477,3 +508,7 @@ def _first_line(exc: BaseException) -> str:
     if text.startswith("[") and "] " in text:
         text = text.split("] ", 1)[1]
     return text[:200]
+
+
+def _now(path: Any, tensor: Any) -> bool:
+    return False

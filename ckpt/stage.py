@@ -1,8 +1,12 @@
 """Staging: copy the captured state into host buffers that outlive the training step.
 
-This copy is the only part of a save the training loop waits for. Buffers are allocated on
-the first save and reused by every later one while shapes and dtypes stay the same (they do
-in training), pinned when the source lives on an accelerator so the copy can be a DMA.
+This copy is the only part of a save the training loop may wait for, and it need not wait at
+all: `prepare` allocates (or reuses) the buffers, copies what is small or could change before
+the next optimizer step, and returns the copies still to make, which `Copies.run` makes in
+the background while the next forward and backward run (parameters and optimizer state do
+not change until `optimizer.step()`). Buffers are allocated on the first save and reused by
+every later one while shapes and dtypes stay the same (they do in training), pinned when the
+source lives on an accelerator so the copy can be a DMA.
 Sharded tensors (DTensor from FSDP2/TP, ShardedTensor from FSDP1) keep their sharding
 metadata; only their local shards are copied.
 """
@@ -10,6 +14,7 @@ metadata; only their local shards are copied.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -27,8 +32,22 @@ class Stager:
         self.bytes_staged = 0  # host bytes held, for the memory ledger
 
     def stage(self, state: Any) -> Any:
-        """A copy of `state` whose tensors live in (reused) host memory."""
-        return self._stage(state, ())
+        """A copy of `state` whose tensors live in (reused) host memory, made now."""
+        staged, later = self.prepare(state, defer=lambda path, t: True)
+        later.run()
+        return staged
+
+    def prepare(self, state: Any, defer: Callable[[Path, torch.Tensor], bool]) -> tuple[Any, Copies]:
+        """The staged structure, and the tensor copies left to make.
+
+        Everything that is not a tensor is copied now, and so is every tensor for which
+        `defer(path, local_tensor)` is false; the other copies are returned, to be run."""
+        later = Copies()
+        self._later, self._defer = later, defer
+        try:
+            return self._stage(state, ()), later
+        finally:
+            del self._later, self._defer
 
     def _stage(self, obj: Any, path: Path) -> Any:
         if isinstance(obj, dict):
@@ -55,13 +74,29 @@ class Stager:
                 for c in self._cache.values()
             )
         for dst, s in zip(locals_of(cached), src_locals, strict=True):
-            dst.copy_(s.detach(), non_blocking=dst.is_pinned())
+            if self._defer(path, s):
+                self._later.pairs.append((dst, s.detach()))
+            else:
+                dst.copy_(s.detach(), non_blocking=dst.is_pinned())
         return cached
 
-    def synchronize(self) -> None:
-        """Wait for non-blocking device-to-host copies (no-op on CPU)."""
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
+
+class Copies:
+    """Tensor copies into staging buffers, made by whoever calls `run` (once)."""
+
+    def __init__(self) -> None:
+        self.pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    @property
+    def bytes(self) -> int:
+        return sum(d.numel() * d.element_size() for d, _ in self.pairs)
+
+    def run(self) -> None:
+        for dst, src in self.pairs:
+            dst.copy_(src, non_blocking=dst.is_pinned())
+        if any(d.is_pinned() for d, _ in self.pairs):
             torch.cuda.synchronize()
+        self.pairs = []
 
 
 def _same_layout(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
