@@ -86,20 +86,34 @@ def scan(store: Store, *, metadata: bool = False, deep: bool = False) -> list[En
     return [inspect(store, lst, metadata=metadata, deep=deep) for _, lst in sorted(store.scan().items())]
 
 
-def restore_candidates(store: Store) -> tuple[list[Entry], list[Entry]]:
-    """(committed checkpoints newest first, the newer directories that were passed over).
+def commit_order(entries: list[Entry]) -> list[int]:
+    """Committed steps, oldest commit first (by the manifest's commit time, then step)."""
+    done = [e for e in entries if e.state == COMMITTED and e.manifest is not None]
+    return [e.step for e in sorted(done, key=lambda e: (e.manifest.created, e.step))]  # type: ignore[union-attr]
 
-    Each candidate's `.metadata` checksum is checked lazily, newest first, stopping at the
-    first good one: listing a root of a thousand checkpoints reads one metadata file."""
+
+def restore_candidates(store: Store) -> tuple[list[Entry], list[Entry]]:
+    """(committed checkpoints newest commit first, the directories that were passed over).
+
+    Newest by commit time: after a restart from an older step, the new run's checkpoints come
+    before the abandoned run's higher steps. Manifests are read for every directory (they are
+    small); `.metadata` is checksummed only for the first candidate."""
     listings = store.scan()
-    good: list[Entry] = []
-    skipped: list[Entry] = []
-    for step in sorted(listings, reverse=True):
-        entry = inspect(store, listings[step], metadata=not good)
-        if entry.state == COMMITTED:
-            good.append(entry)
-        elif not good:
-            skipped.append(entry)
+    entries = [inspect(store, listings[step]) for step in sorted(listings)]
+    order = {step: i for i, step in enumerate(commit_order(entries))}
+    good = sorted((e for e in entries if e.state == COMMITTED), key=lambda e: order[e.step], reverse=True)
+    while good:
+        checked = inspect(store, listings[good[0].step], metadata=True)
+        if checked.state == COMMITTED:
+            break
+        entries[entries.index(good[0])] = checked
+        good.pop(0)
+    newest = order[good[0].step] if good else None
+    skipped = [
+        e
+        for e in entries
+        if e.state != COMMITTED and (newest is None or e.step > good[0].step or e.state == CORRUPT)
+    ]
     return good, skipped
 
 

@@ -339,16 +339,17 @@ class Checkpointer:
                 manifest.costs.blocking_s * 1e3,
                 manifest.costs.persist_s,
             )
-            self._apply_retention()
-            self.history.progress(step, force=True)
+            self._apply_retention(step)
+            self.history.beat()
         return manifest
 
-    def _apply_retention(self) -> None:
+    def _apply_retention(self, just_committed: int) -> None:
         try:
             entries = catalog.scan(self.store)
-            committed = [e.step for e in entries if e.state == catalog.COMMITTED]
-            incomplete = [e.step for e in entries if e.state != catalog.COMMITTED]
-            for step in self.keep.to_delete(committed, incomplete):
+            committed = catalog.commit_order(entries)
+            others = [e.step for e in entries if e.state != catalog.COMMITTED]
+            protect = {just_committed} | ({self.restored_step} if self.restored_step is not None else set())
+            for step in self.keep.to_delete(committed, others, protect=protect):
                 log.info("retention: deleting %s", step_dir_name(step))
                 self.store.remove_step(step)
         except CheckpointError as e:  # retention is housekeeping: never fail a save for it

@@ -260,7 +260,7 @@ def cmd_gc(store: Store, args: argparse.Namespace) -> int:
     _require_root(store)
     keep = Keep(last=args.keep_last, every_steps=args.keep_every)
     entries = catalog.scan(store)
-    committed = [e.step for e in entries if e.state == catalog.COMMITTED]
+    committed = catalog.commit_order(entries)
     others = [e.step for e in entries if e.state != catalog.COMMITTED]
     doomed = keep.to_delete(committed, others)
     for step in doomed:

@@ -144,15 +144,21 @@ class History:
         self._submit(write_run, self.record)
         return event
 
-    def progress(self, step: int, force: bool = False) -> None:
+    def progress(self, step: int) -> None:
+        """The loop completed `step` (main thread); written at most every HEARTBEAT_S."""
         if not self.enabled:
             return
         self.record.last_step = step
-        now = time.monotonic()
-        if force or now - self._last_beat >= self.HEARTBEAT_S:
-            self._last_beat = now
-            self.record.updated = time.time()
-            self._submit(write_run, dataclasses.replace(self.record))
+        if time.monotonic() - self._last_beat >= self.HEARTBEAT_S:
+            self.beat()
+
+    def beat(self) -> None:
+        """Write the run record now (the last step the loop reported, never an older one)."""
+        if not self.enabled:
+            return
+        self._last_beat = time.monotonic()
+        self.record.updated = time.time()
+        self._submit(write_run, dataclasses.replace(self.record))
 
     def end(self, step: int, how: str, failure: bool) -> None:
         if not self.enabled:

@@ -36,8 +36,9 @@ class Every:
 class Keep:
     """Retention: the newest `last` committed checkpoints, plus every multiple of `every_steps`.
 
-    The newest committed checkpoint and any checkpoint being written are never deleted.
-    Incomplete directories older than the newest commit are garbage from crashed saves.
+    "Newest" is by commit time. The newest committed checkpoint, any being written and any
+    protected one are never deleted. Incomplete directories below the newest commit's step
+    are debris of crashed saves (one above it may be a save in progress).
     """
 
     last: int = 3
@@ -54,14 +55,19 @@ class Keep:
         committed: Sequence[int],
         incomplete: Sequence[int] = (),
         in_flight: Collection[int] = (),
+        protect: Collection[int] = (),
     ) -> list[int]:
-        """Steps to delete, oldest first."""
+        """Steps to delete, ascending.
+
+        `committed` is in commit order, oldest first: step order, unless a run restarted from
+        an older step, whose new checkpoints are then the newest although their steps are
+        lower. `protect`: steps never deleted (the one just committed, the one restored)."""
         if not committed:
             return []
-        newest = max(committed)
-        keep = set(sorted(committed)[-self.last :])
+        keep = set(committed[-self.last :]) | {committed[-1]} | set(protect) | set(in_flight)
         if self.every_steps:
             keep |= {s for s in committed if s % self.every_steps == 0}
-        doomed = [s for s in committed if s not in keep]
-        doomed += [s for s in incomplete if s < newest]
-        return sorted(s for s in set(doomed) if s != newest and s not in in_flight)
+        newest = committed[-1]
+        doomed = {s for s in committed if s not in keep}
+        doomed |= {s for s in incomplete if s < newest and s not in keep}
+        return sorted(doomed)

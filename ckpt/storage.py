@@ -99,6 +99,9 @@ class Store:
         if self.is_local:
             path = os.path.abspath(os.path.expanduser(path))
         self.root = path.rstrip("/") or "/"
+        # IMPORTANT: a directory that cannot be read is an error, never an empty listing (a
+        # local walk omits unreadable directories by default: "no checkpoint", then "debris").
+        self._strict: dict[str, Any] = {"on_error": "raise"} if self.is_local else {}
 
     def __repr__(self) -> str:
         return f"Store({self.display!r})"
@@ -124,7 +127,7 @@ class Store:
         with storage_errors(f"listing {self.display}"):
             self.fs.invalidate_cache()
             try:
-                found = self.fs.find(self.root, detail=True, withdirs=True)
+                found = self.fs.find(self.root, detail=True, withdirs=True, **self._strict)
             except FileNotFoundError:
                 return {}
         steps: dict[int, StepListing] = {}
@@ -146,7 +149,7 @@ class Store:
             self.fs.invalidate_cache()
             base = self.step_path(step)
             try:
-                found = self.fs.find(base, detail=True)
+                found = self.fs.find(base, detail=True, **self._strict)
             except FileNotFoundError:
                 return None
             if not found and not self.fs.exists(base):

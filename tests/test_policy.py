@@ -17,9 +17,16 @@ from ckpt.storage import Store, step_dir_name
 # -- Keep.to_delete on plain lists ------------------------------------------------------------
 def test_keep_last_deletes_older_committed_oldest_first():
     assert ckpt.Keep(last=2).to_delete([5, 10, 15, 20]) == [5, 10]
-    assert ckpt.Keep(last=2).to_delete([20, 5, 15, 10]) == [5, 10]  # any input order
     assert ckpt.Keep(last=4).to_delete([5, 10, 15, 20]) == []
     assert ckpt.Keep(last=10).to_delete([5]) == []
+
+
+def test_keep_counts_by_commit_order_so_a_run_restarted_from_an_older_step_keeps_its_own():
+    # An old run committed 5..20; a new run restored step 5 and has committed 8 since:
+    # its checkpoints are the newest although their steps are lower.
+    assert ckpt.Keep(last=2).to_delete([5, 10, 15, 20, 8], protect={5, 8}) == [10, 15]
+    # and a save in progress above the newest commit's step is not debris
+    assert ckpt.Keep(last=1).to_delete([20, 6], incomplete=[8, 3]) == [3, 20]
 
 
 def test_keep_never_deletes_the_newest_committed():
