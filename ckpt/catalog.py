@@ -73,7 +73,11 @@ def inspect(store: Store, listing: StepListing, *, metadata: bool = False, deep:
                 raise InvalidCheckpoint(f"{where}/{name}: {size} bytes, manifest says {f.size}")
         names = manifest.files if deep else [METADATA_NAME] if metadata else []
         for name in names:
-            read_verified(store, entry.dir, name, manifest)
+            blob = read_verified(store, entry.dir, name, manifest)
+            if deep and name == METADATA_NAME:
+                from .dcp_io import load_metadata  # needs torch: only for deep checks
+
+                load_metadata(blob)
     except (InvalidCheckpoint, NotFound) as e:
         entry.state, entry.problem = CORRUPT, str(e)
         return entry

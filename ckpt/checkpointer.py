@@ -180,8 +180,10 @@ class Checkpointer:
         """Count one optimizer step; save if due; exit after a checkpoint if preempted."""
         self._step += 1
         self.history.progress(self._step)
-        if self._inflight is not None and self._inflight.done():
-            self.wait()
+        # A failed save is reported where every rank learns of it at the same step (each
+        # rank's background thread fails at its own time): here when the ranks agree each
+        # step, else when the next save waits for it.
+        failed = self._inflight is not None and self._inflight.done() and self._inflight.exception() is not None
         by_step = self._deferred or (
             self.interval is not None and self.interval.due_by_step(self._step, self._interval_anchor)
         )
@@ -193,9 +195,11 @@ class Checkpointer:
         preempt = self._preempt.is_set()
         if self._ctrl.world > 1 and self._agree_each_step:
             # Every rank must save at the same step: share rank 0's clock and any rank's signal.
-            preempt, due = self._ctrl.max([int(preempt), int(by_step or by_time)])
+            preempt, due, failed = self._ctrl.max([int(preempt), int(by_step or by_time), int(failed)])
         else:
-            due = by_step or by_time
+            due, failed = by_step or by_time, self._ctrl.world == 1 and failed
+        if failed:
+            self.wait()  # raises SaveFailed (or logs it) on every rank
         if preempt:
             self._exit_for_preemption()
         elif due and self.if_busy == "skip" and self._busy_somewhere():
@@ -376,14 +380,20 @@ class Checkpointer:
                 return
             if worst == 2:
                 raise StorageError(f"restoring step {step} from {self.store.display}: {why}")
+            if worst == 3:
+                raise RestoreFailed(
+                    f"{self.store.display}/{step_dir_name(step)} does not hold what this job has "
+                    f"(another model, optimizer, or objects added since it was saved): {why[:500]}"
+                )
             problems.append(f"{step_dir_name(step)}: {why}")
             log.warning("could not restore %s (%s); falling back to the one before", step_dir_name(step), why)
         if plan:
             raise RestoreFailed(
                 f"no checkpoint under {self.store.display} could be restored ("
                 + "; ".join(problems)
-                + "). Nothing was changed. To start fresh, pass restore='none' (the corrupt directories "
-                + "are kept and their steps skipped) or use a new root."
+                + "). The checkpoints are left as they are (the model may hold partly loaded "
+                + "values). To start fresh, pass restore='none' (the corrupt directories are kept "
+                + "and their steps skipped) or use a new root."
             )
 
     def _start_fresh(self) -> None:
@@ -422,18 +432,36 @@ class Checkpointer:
             raise RestoreFailed(
                 f"no checkpoint under {self.store.display} could be restored ("
                 + "; ".join(f"{e.dir}: {e.problem}" for e in skipped)
-                + "). Nothing was changed. To start fresh, pass restore='none' (the corrupt directories "
-                + "are kept and their steps skipped) or use a new root."
+                + "). The checkpoints are left as they are (the model may hold partly loaded "
+                + "values). To start fresh, pass restore='none' (the corrupt directories are kept "
+                + "and their steps skipped) or use a new root."
             )
         return [e.step for e in good], taken
 
     def _try_restore(self, step: int) -> tuple[int, str]:
-        """Load `step` into the objects. Returns (0 ok | 1 invalid | 2 storage error, why)."""
+        """Load `step` into the objects: 0 ok, 1 invalid (fall back), 2 storage error, 3 the
+        training state does not match the checkpoint's (no fallback can help). Every phase
+        ends with all ranks knowing its outcome, so no rank enters a collective alone."""
         rel = step_dir_name(step)
         rank = self._ctrl.rank
+        doc: bytes | str = b""
+        if rank == 0:  # one read of the manifest, the same for every rank
+            try:
+                doc = self.store.read_bytes(f"{rel}/{MANIFEST_NAME}")
+            except CheckpointError as e:
+                doc = f"{type(e).__name__}: {e}"
+        doc = self._ctrl.broadcast(doc)
+        if isinstance(doc, str):
+            return (2 if doc.startswith("StorageError") else 1), doc
+        prep: tuple[int, str] = (0, "")
         try:
-            manifest = Manifest.from_json(self.store.read_bytes(f"{rel}/{MANIFEST_NAME}"))
+            manifest = Manifest.from_json(doc, f"{self.store.display}/{rel}")
             sd = self.state.template(rank, self._ctrl.world, manifest.world_size)
+        except (CheckpointError, ValueError, TypeError, KeyError) as e:
+            prep = (1, f"{type(e).__name__}: {e}")
+        if self._ctrl.max([prep[0]])[0]:
+            return prep if prep[0] else (1, "another rank could not prepare the restore")
+        try:
             dcp.load(
                 sd,
                 storage_reader=make_reader(self.store, rel, manifest),
@@ -445,10 +473,13 @@ class Checkpointer:
             return 2, str(e)
         except CheckpointException as e:
             causes = [f[0] if isinstance(f, tuple) else f for f in e.failures.values()]
+            text = "; ".join(map(str, causes))
             if any(isinstance(c, StorageError) for c in causes):
-                return 2, "; ".join(map(str, causes))
-            return 1, "; ".join(map(str, causes))
-        except (CheckpointError, RuntimeError, KeyError, ValueError) as e:
+                return 2, text
+            if "Missing key in checkpoint" in text:
+                return 3, text
+            return 1, text
+        except (CheckpointError, RuntimeError, KeyError, ValueError, TypeError) as e:
             return 1, f"{type(e).__name__}: {e}"
         self._step = int(counters.pop("step"))
         self.counters = counters

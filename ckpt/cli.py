@@ -190,11 +190,11 @@ def cmd_show(store: Store, args: argparse.Namespace) -> int:
 
 def inventory(metadata_blob: bytes) -> list[dict[str, Any]]:
     """Tensors and objects of a checkpoint, from its checksum-verified `.metadata`."""
-    import pickle
-
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    md = pickle.loads(metadata_blob)  # verified against the manifest by the caller
+    from .dcp_io import load_metadata
+
+    md = load_metadata(metadata_blob)  # verified against the manifest by the caller
     out = []
     for key, item in sorted(md.state_dict_metadata.items()):
         if isinstance(item, TensorStorageMetadata):

@@ -109,18 +109,20 @@ def persist(
     refusal = group.broadcast(refusal)
     if refusal:
         raise SaveFailed(refusal)
-    store.makedirs(rel)
-    writer = Writer(store, rel, step)
+    writer = Writer(store, rel, step)  # local roots: directories are made as files are written
     # The state's layout does not change between saves: rank 0's global planning is paid once.
     planner = DefaultSavePlanner(enable_plan_caching=True)
     planner._cached_plans_key = group.plan_key  # DCP keys its cache by class: one per Checkpointer
     dcp.save(staged, storage_writer=writer, planner=planner, process_group=group.pg)
     fault_point("before_manifest", group.rank, step)
-    all_files = group.gather(writer.files)
+    all_files = group.gather((step, writer.files))
     outcome: Manifest | str | None = None
     if group.rank == 0:
         try:
-            files: dict[str, FileEntry] = {k: v for fs in all_files or [] for k, v in fs.items()}
+            steps = {s for s, _ in all_files or []}
+            if steps != {step}:  # IMPORTANT: never commit files that another step's save wrote
+                raise SaveFailed(f"ranks disagree on the step being saved: {sorted(steps)}")
+            files: dict[str, FileEntry] = {k: v for _, fs in all_files or [] for k, v in fs.items()}
             manifest = Manifest(
                 step=step,
                 world_size=group.world,

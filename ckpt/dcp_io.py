@@ -43,6 +43,7 @@ from torch.futures import Future
 
 from ._faults import fault_point
 from .catalog import read_verified
+from .errors import InvalidCheckpoint
 from .manifest import METADATA_NAME, FileEntry, Manifest
 from .storage import Hasher, Store, checksum
 
@@ -200,16 +201,65 @@ class _VerifiedFiles(FileSystemBase):
         raise PermissionError("a checkpoint is read-only once committed")
 
 
+class _MetadataUnpickler(pickle.Unpickler):
+    """DCP's `.metadata` is a pickle. A matching checksum proves the bytes are the ones
+    written, not who wrote them, so it is read with an allowlist: DCP's metadata types,
+    torch.Size, dtypes and layouts; anything else (os.system, eval, ...) is refused."""
+
+    _ALLOWED = {
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("torch.serialization", "_get_layout"),
+        ("torch", "Size"),
+        ("collections", "OrderedDict"),
+    }
+
+    def find_class(self, module: str, name: str) -> Any:
+        obj = super().find_class(module, name) if self._allowed(module, name) else None
+        if obj is None:
+            raise InvalidCheckpoint(f".metadata refers to {module}.{name}, which a checkpoint never holds")
+        return obj
+
+    def _allowed(self, module: str, name: str) -> bool:
+        if (module, name) in self._ALLOWED:
+            return True
+        if module == "torch":
+            return isinstance(getattr(torch, name, None), torch.dtype)
+        return module == "torch.distributed.checkpoint.metadata" and not name.startswith("__")
+
+
+def load_metadata(blob: bytes) -> Metadata:
+    """DCP metadata from checksum-verified bytes, through the allowlist."""
+    try:
+        md = _MetadataUnpickler(io.BytesIO(blob)).load()
+    except InvalidCheckpoint:
+        raise
+    except Exception as e:
+        raise InvalidCheckpoint(f".metadata does not parse: {type(e).__name__}: {e}") from e
+    if not isinstance(md, Metadata):
+        raise InvalidCheckpoint(f".metadata holds a {type(md).__name__}, not DCP metadata")
+    return md
+
+
+class _Reader(FileSystemReader):
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        with self.fs.create_stream(self._get_metadata_path(kwargs.get("rank")), "rb") as f:
+            md = load_metadata(f.read())
+        if md.storage_meta is None:
+            md.storage_meta = StorageMeta()
+        md.storage_meta.load_id = self.load_id
+        return md
+
+
 def make_reader(store: Store, step_dir: str, manifest: Manifest) -> FileSystemReader:
-    reader = FileSystemReader(step_dir)
+    reader = _Reader(step_dir)
     reader.fs = _VerifiedFiles(store, step_dir, manifest)
     reader.path = step_dir
     return reader
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
-    """DCP's load planner, but pickled values load with `weights_only=True` (the bytes are
-    checksum-verified already; this also keeps arbitrary code out of a restore)."""
+    """DCP's load planner, but pickled values load with `weights_only=True`: checksum-verified
+    bytes may still have been written by someone else, so no code runs from them."""
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         obj = torch.load(value, weights_only=True)

@@ -230,6 +230,7 @@ class Store:
                 os.fsync(f.fileno())
             os.replace(tmp, path)
             fsync_dir(directory)
+            fsync_dir(os.path.dirname(directory))  # and the step directory's own entry
 
     def makedirs(self, rel: str) -> None:
         if self.is_local:

@@ -498,3 +498,37 @@ def test_fresh_start_over_an_old_run_never_writes_into_its_checkpoints(root_5_10
     new_steps = {6, 11, 15}
     assert {k: v for k, v in tree(root).items() if not any(k.startswith(sd(n)) for n in new_steps)} == before
     assert states(root, deep=True) == {5: "committed", 6: "committed", 10: "committed", 11: "committed", 15: "committed"}
+
+
+def test_metadata_rewritten_with_a_matching_manifest_is_still_never_run(root_5_10, tmp_path, caplog):
+    """Someone with write access replaces .metadata by a pickle that runs code AND fixes its
+    size and checksum in the manifest: the checksum matches, yet nothing runs. .metadata is
+    read through an allowlist of DCP's own types; restore falls back, verify --deep fails."""
+    import json
+    import pickle
+    import subprocess
+    import sys
+
+    from ckpt.storage import checksum
+
+    root, seen = root_5_10
+    marker = tmp_path / "PWNED"
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    blob = pickle.dumps(Payload())
+    manifest_path = root / sd(10) / "manifest.json"
+    doc = json.loads(manifest_path.read_text())
+    (root / sd(10) / ".metadata").write_bytes(blob)
+    doc["files"][".metadata"].update(size=len(blob), checksum=checksum(blob))
+    manifest_path.write_text(json.dumps(doc))
+
+    caplog.set_level(logging.WARNING, logger="ckpt")
+    cp, restored = restore(root)
+    assert cp.restored_step == 5
+    assert "which a checkpoint never holds" in caplog.text
+    deep = subprocess.run([sys.executable, "-m", "ckpt.cli", "verify", str(root), "--deep"], capture_output=True, text=True)
+    assert deep.returncode == 1 and "never holds" in deep.stdout
+    assert not marker.exists()
