@@ -10,7 +10,7 @@ so they come out sharded the way they live and reshard on load. The layout of th
     extra.<name>          any object with state_dict/load_state_dict
     counters              JSON text: step and the user's counters (global, equal on all ranks)
     data                  JSON text: the global data position (an ElasticSampler)
-    loader.rank_<r>       JSON text: a StatefulDataLoader's own state, per rank
+    loader.rank_<r>       bytes: a StatefulDataLoader's own state (torch.save'd), per rank
     rng.rank_<r>          RNG of python, numpy, torch CPU and every CUDA device, per rank
 
 IMPORTANT: per-rank state is keyed by rank; DCP keeps one copy of equal keys across ranks.
@@ -18,6 +18,7 @@ IMPORTANT: per-rank state is keyed by rank; DCP keeps one copy of equal keys acr
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import random
@@ -101,7 +102,9 @@ class TrainingState:
         if self.data is not None:
             sd["data"] = _json(self.data.state_dict(), "data")
         if self.loader is not None:
-            sd["loader"] = {f"rank_{rank}": _json(self.loader.state_dict(), "dataloader")}
+            buf = io.BytesIO()
+            torch.save(self.loader.state_dict(), buf)  # it may hold tensors (a generator's state)
+            sd["loader"] = {f"rank_{rank}": buf.getvalue()}
         sd["counters"] = _json(counters, "counters")
         sd["rng"] = {f"rank_{rank}": rng_state()}
         return sd
@@ -118,7 +121,7 @@ class TrainingState:
             del sd["rng"]  # a new rank: apply() derives its streams
         if "loader" in sd:
             if world == saved_world:
-                sd["loader"] = {f"rank_{rank}": ""}
+                sd["loader"] = {f"rank_{rank}": b""}
                 sd.pop("data", None)  # IMPORTANT: the loader restores its sampler; never both
             else:
                 del sd["loader"]
@@ -144,7 +147,8 @@ class TrainingState:
         if "data" in sd:
             self.data.load_state_dict(json.loads(sd["data"]))
         if "loader" in sd:
-            self.loader.load_state_dict(json.loads(sd["loader"][f"rank_{rank}"]))
+            blob = sd["loader"][f"rank_{rank}"]
+            self.loader.load_state_dict(torch.load(io.BytesIO(blob), weights_only=True))
         counters = json.loads(sd["counters"])
         if "rng" in sd:
             set_rng_state(sd["rng"][f"rank_{rank}"])

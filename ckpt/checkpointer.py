@@ -491,9 +491,12 @@ class Checkpointer:
                 self._step,
                 self._ctrl.world,
                 manifest.world_size,
-                "; the data loader's per-rank state is dropped and the global data position rules"
-                if self.state.loader is not None
-                else "",
+                ""
+                if self.state.loader is None
+                else "; the data loader's per-rank state is dropped and the global data position rules"
+                if self.state.data is not None
+                else "; THE DATA POSITION IS LOST: the data loader's per-rank state cannot apply to "
+                "another world size and it has no ckpt.ElasticSampler; its data starts over",
             )
         return 0, ""
 
@@ -512,6 +515,11 @@ class Checkpointer:
     def _exit_for_preemption(self) -> None:
         log.warning("preempted (SIGTERM): checkpointing step %d before exiting", self._step)
         self.save(blocking=True)
+        if self.last_commit is None or self.last_commit.step != self._step:
+            # The save could not happen here (the step's directory holds an older checkpoint):
+            # say so by the exit status rather than claim a clean stop.
+            log.error("preempted at step %d without a checkpoint of it; exiting with status 1", self._step)
+            raise SystemExit(1)
         raise SystemExit(self.preempt_exit_code)
 
 

@@ -29,12 +29,15 @@ What is exact and what is not:
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.utils.data import Sampler
+
+log = logging.getLogger(__name__)
 
 
 def accumulation_steps(global_batch: int, micro_batch: int, world_size: int) -> int:
@@ -147,14 +150,24 @@ class ElasticSampler(Sampler[int]):
             "dataset_len": self.dataset_len,
             "seed": self.seed,
             "shuffle": self.shuffle,
+            "drop_last": self.drop_last,
+            "global_batch": self.global_batch,
             "world_size": self.world_size,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        for key in ("dataset_len", "seed", "shuffle"):
-            if state[key] != getattr(self, key):
+        for key in ("dataset_len", "seed", "shuffle", "drop_last", "global_batch"):
+            if key in state and state[key] != getattr(self, key):
                 raise ValueError(
                     f"the checkpoint's sampler has {key}={state[key]!r}, this one {getattr(self, key)!r}: "
                     "resuming would not continue the same data order"
                 )
+        if self.global_batch is None and state.get("world_size", self.world_size) != self.world_size:
+            log.warning(
+                "ElasticSampler without global_batch resumed on %d ranks (saved on %d): the rest of "
+                "this epoch is dealt out exactly, but its tail and later epochs pad to the world "
+                "size and no longer line up with an uninterrupted run; pass global_batch=",
+                self.world_size,
+                state["world_size"],
+            )
         self.epoch, self._start, self._yielded = int(state["epoch"]), int(state["consumed"]), 0

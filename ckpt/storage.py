@@ -33,10 +33,30 @@ def step_dir_name(step: int) -> str:
     return f"step-{step:010d}"
 
 
-def redact(url: str) -> str:
-    """The URL without any `user:password@` part, safe to log; also a `user:password@host`
-    that a backend quotes without its scheme (botocore: `Invalid bucket name "key:secret@b"`)."""
-    return re.sub(r"(?<=://)[^/@\s]*@|[^\s/@'\":]+:[^\s/@'\"]*@", "***@", str(url))
+_SECRET_PATTERNS = [
+    # user:password@ in a URL, or as a backend quotes it without the scheme
+    (re.compile(r"(?<=://)[^/\s]*@|[^\s/@'\":]+:[^\s/'\"]*@(?=[\w.-]+)"), "***@"),
+    # presigned-URL and token query parameters
+    (re.compile(r"(?i)([?&](?:x-amz-signature|x-amz-credential|x-amz-security-token|signature|sig|token|access_token|key)=)[^&\s\"']+"), r"\1***"),
+    (re.compile(r"(?i)(bearer\s+)[\w.~+/=-]+"), r"\1***"),
+    # secret=..., "password": "...", api_key: ...
+    (re.compile(r"(?i)((?:secret|token|password|passwd|api[_-]?key|access[_-]?key|signature|credential)s?[\"']?\s*[=:]\s*[\"']?)[^\s\"',}&]+"), r"\1***"),
+]
+_SECRET_ENV = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_ACCESS_KEY_ID", "CKPT_SIGNING_KEY")
+
+
+def redact(text: str) -> str:
+    """`text` (a URL, an error message) with credentials masked, safe to log or store:
+    `user:password@` parts, signature and token parameters, bearer tokens, `secret=...`
+    pairs, and the values of the credential variables of this process's environment."""
+    out = str(text)
+    for name in _SECRET_ENV:
+        value = os.environ.get(name)
+        if value and len(value) >= 4:
+            out = out.replace(value, "***")
+    for pattern, repl in _SECRET_PATTERNS:
+        out = pattern.sub(repl, out)
+    return out
 
 
 class Hasher:

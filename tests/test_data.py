@@ -112,3 +112,29 @@ def test_dataloader_with_an_elastic_sampler_restores_the_position(tmp_path):
         rest = [b[0].tolist() for b in loader2]
     assert rest == rest_reference
     assert sorted(sum(first + rest, [])) == list(range(30))
+
+
+def test_stateful_dataloader_with_its_own_shuffling_resumes_where_it_stopped(tmp_path):
+    """A StatefulDataLoader without an ElasticSampler (its RandomSampler's state holds a
+    generator tensor) is saved as it is and, at the same world size, resumes exactly."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    data = TensorDataset(torch.arange(40))
+
+    def make():
+        torch.manual_seed(4)
+        return StatefulDataLoader(data, batch_size=4, shuffle=True)
+
+    loader = make()
+    with ckpt.Checkpointer(tmp_path, dataloader=loader, interval=None) as cp:
+        it = iter(loader)
+        for _ in range(3):
+            next(it)
+            cp.step_done()
+    want = [b[0].tolist() for b in it]
+
+    loader2 = make()
+    with ckpt.Checkpointer(tmp_path, dataloader=loader2, interval=None, save_on_exit=False) as cp:
+        assert cp.step == 3
+        got = [b[0].tolist() for b in loader2]
+    assert got == want
