@@ -65,7 +65,9 @@ class Checkpointer:
             ("raise", default) or is only logged ("log"); either way nothing half-written is
             ever restored.
         handle_sigterm: SIGTERM takes a checkpoint at the next step boundary and exits.
-        preempt_exit_code: the exit status after a SIGTERM checkpoint committed.
+        preempt_exit_code: the exit status after a SIGTERM checkpoint committed. The default,
+            143 (terminated by SIGTERM), tells torchrun and schedulers the job is not done:
+            elastic agents restart the survivors, a Kubernetes Job retries. 0 would end it.
         timeout_s: the longest a collective of a save may wait for another rank before the
             save fails: a dead rank turns into an error, never a hang.
         if_busy: a save that comes due while the previous one is still writing waits for it
@@ -96,7 +98,7 @@ class Checkpointer:
         save_on_exit: bool = True,
         on_error: OnError = "raise",
         handle_sigterm: bool = True,
-        preempt_exit_code: int = 0,
+        preempt_exit_code: int = 143,
         timeout_s: float = 600.0,
         if_busy: Literal["wait", "skip"] = "wait",
         overlap: bool = True,
@@ -199,6 +201,9 @@ class Checkpointer:
         else:
             due, failed = by_step or by_time, self._ctrl.world == 1 and failed
         if failed:
+            # A failed collective can leave the writers' group unusable (gloo closes its pairs
+            # on a timeout): every rank is here at this step, so replace it together.
+            self._io = Group.new(self.timeout_s) if self._io.pg is not None else self._io
             self.wait()  # raises SaveFailed (or logs it) on every rank
         if preempt:
             self._exit_for_preemption()
@@ -401,6 +406,7 @@ class Checkpointer:
         taken: set[int] | str = set()
         if self._ctrl.rank == 0:
             try:
+                self.store.check_reachable()
                 taken = {s for s, lst in self.store.scan().items() if lst.has_manifest}
             except CheckpointError as e:
                 taken = str(e)
@@ -418,6 +424,7 @@ class Checkpointer:
 
     def _restore_plan(self) -> tuple[list[int], set[int]]:
         """Rank 0: the steps to try, best first, and the steps that hold a manifest."""
+        self.store.check_reachable()
         if isinstance(self.restore_mode, int):
             entry = catalog.find(self.store, self.restore_mode)
             return [entry.step], {s for s, lst in self.store.scan().items() if lst.has_manifest}

@@ -180,6 +180,17 @@ class Store:
             {p[len(prefix):]: int(i.get("size") or 0) for p, i in found.items() if p.startswith(prefix)},
         )
 
+    def check_reachable(self) -> None:
+        """Fail now, with a clear error, if the root's bucket (on an object store) does not
+        exist: an empty listing must mean "no checkpoint yet", never "wrong bucket"."""
+        if self.is_local:
+            return
+        bucket = self.root.split("/", 1)[0]
+        with storage_errors(f"checking {self.display}"):
+            self.fs.invalidate_cache()
+            if not self.fs.exists(bucket):
+                raise StorageError(f"{self.display}: bucket {bucket!r} does not exist (or is not visible with these credentials)")
+
     def list_dir(self, rel: str) -> list[str]:
         """Names of the files directly under `rel` (empty if it does not exist)."""
         with storage_errors(f"listing {self.display}/{rel}"):

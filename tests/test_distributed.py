@@ -153,7 +153,7 @@ def test_fsdp2_resume_from_s3_after_restart_is_bitwise_identical(s3_root, s3_end
 
 
 # -- 4. preemption ------------------------------------------------------------------------------
-def test_sigterm_to_one_rank_checkpoints_all_ranks_at_the_same_step_and_exits_0(tmp_path, straight_run):
+def test_sigterm_to_one_rank_checkpoints_all_ranks_at_the_same_step_and_exits_143(tmp_path, straight_run):
     root = tmp_path / "root"
     common = ("--mode", "fsdp2", "--root", str(root), "--steps", "20", "--every", "4")
     procs = start(RANKS, WORKER, *common, "--step-sleep", "0.3", "--out", str(tmp_path / "stopped"), log_dir=tmp_path)
@@ -170,7 +170,8 @@ def test_sigterm_to_one_rank_checkpoints_all_ranks_at_the_same_step_and_exits_0(
         for p in procs:
             if p.poll() is None:
                 p.kill()
-    assert codes == [0] * RANKS, f"exit codes {codes}\n{rank_logs(tmp_path)}"
+    # 143, "terminated by SIGTERM": the job is not done, so torchrun and schedulers restart it
+    assert codes == [143] * RANKS, f"exit codes {codes}\n{rank_logs(tmp_path)}"
 
     stopped = dumps(tmp_path / "stopped")
     assert all(d["preempted"] for d in stopped), rank_logs(tmp_path)

@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 import ckpt
@@ -18,3 +19,10 @@ def test_single_process_save_and_restore_on_s3(s3_root):
     with ckpt.Checkpointer(s3_root, model=m2, optimizer=torch.optim.SGD(m2.parameters(), lr=0.1)) as cp:
         assert cp.step == 4
     assert torch.equal(m2.weight, want)
+
+
+def test_a_bucket_that_does_not_exist_is_a_storage_error_not_a_fresh_start(s3_env):
+    m = torch.nn.Linear(2, 2)
+    with pytest.raises(ckpt.StorageError, match="does not exist"):
+        with ckpt.Checkpointer("s3://no-such-bucket-ckpt/run", model=m):
+            pass
