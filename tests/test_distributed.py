@@ -17,6 +17,7 @@ from pathlib import Path
 import boto3
 import pytest
 import torch
+from compare import assert_bitwise_equal
 from launch import HERE, run, start, wait
 
 import ckpt
@@ -49,25 +50,6 @@ def rank_logs(log_dir: Path) -> str:
 def dumps(out: Path) -> list[dict]:
     """What each rank wrote to <out>.rank<R>.pt, by rank."""
     return [torch.load(f"{out}.rank{r}.pt", weights_only=True) for r in range(RANKS)]
-
-
-def assert_bitwise_equal(got: object, want: object, where: str) -> None:
-    """Same structure, same values; tensors equal bit for bit, with the same dtype and shape."""
-    if isinstance(want, torch.Tensor):
-        assert isinstance(got, torch.Tensor), f"{where}: {type(got).__name__}, want a tensor"
-        assert (got.dtype, got.shape) == (want.dtype, want.shape), f"{where}: {got.dtype}{list(got.shape)} != {want.dtype}{list(want.shape)}"
-        diff = (got.double() - want.double()).abs().max().item() if got.numel() else 0.0
-        assert torch.equal(got, want), f"{where}: differs (max abs diff {diff})"
-    elif isinstance(want, dict):
-        assert isinstance(got, dict) and got.keys() == want.keys(), f"{where}: keys {sorted(got)} != {sorted(want)}"
-        for k in want:
-            assert_bitwise_equal(got[k], want[k], f"{where}.{k}")
-    elif isinstance(want, (list, tuple)):
-        assert isinstance(got, (list, tuple)) and len(got) == len(want), f"{where}: {got!r} != {want!r}"
-        for i, (g, w) in enumerate(zip(got, want, strict=True)):
-            assert_bitwise_equal(g, w, f"{where}[{i}]")
-    else:
-        assert got == want, f"{where}: {got!r} != {want!r}"
 
 
 TRAINING_STATE = ("step", "model", "optim", "sched", "rng")

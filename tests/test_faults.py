@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from compare import assert_bitwise_equal as assert_same
 
 import ckpt
 from ckpt import catalog
@@ -61,24 +62,6 @@ def flip_byte(path: Path) -> None:
     data[len(data) // 2] ^= 0x10
     with open(path, "r+b") as f:
         f.write(data)
-
-
-def assert_same(a, b, where: str = "state") -> None:
-    """Exact equality of nested dicts/lists of tensors and plain values."""
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor), where
-        assert a.dtype == b.dtype and a.shape == b.shape, where
-        assert torch.equal(a, b), f"{where} differs"
-    elif isinstance(a, dict):
-        assert isinstance(b, dict) and a.keys() == b.keys(), f"{where}: keys {a.keys()} != {b.keys()}"
-        for k in a:
-            assert_same(a[k], b[k], f"{where}.{k}")
-    elif isinstance(a, (list, tuple)):
-        assert isinstance(b, (list, tuple)) and len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            assert_same(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, f"{where}: {a!r} != {b!r}"
 
 
 def load_out(prefix: Path, rank: int) -> dict:
