@@ -108,7 +108,7 @@ def persist(
             refusal = str(e)
     refusal = group.broadcast(refusal)
     if refusal:
-        raise SaveFailed(refusal)
+        raise SaveFailed(f"save of step {step} to {store.display} failed: {refusal}")
     writer = Writer(store, rel, step)  # local roots: directories are made as files are written
     # The state's layout does not change between saves: rank 0's global planning is paid once.
     planner = DefaultSavePlanner(enable_plan_caching=True)
