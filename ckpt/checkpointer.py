@@ -22,13 +22,13 @@ from torch.distributed.checkpoint.api import CheckpointException
 from . import catalog
 from .capture import TrainingState
 from .commit import Group, persist
-from .data import ElasticSampler
+from .data import data_position
 from .dcp_io import SafeLoadPlanner, make_reader
 from .errors import CheckpointError, RestoreFailed, SaveFailed, StorageError
 from .events import History
 from .manifest import MANIFEST_NAME, Manifest
 from .policy import Every, Keep
-from .stage import Copies, Stager
+from .stage import Copies, Stager, default_host_budget, tensor_bytes
 from .storage import Store, redact, step_dir_name
 
 log = logging.getLogger(__name__)
@@ -77,6 +77,10 @@ class Checkpointer:
             copied; parameters and optimizer state are copied in the background while the
             next forward and backward run, and the next ``optimizer.step()`` waits for that
             copy (a step pre-hook). False copies everything before ``save`` returns.
+        host_memory_budget: bytes of host memory the staging buffers may take (default: the
+            memory available on the node divided by its local ranks). A save that would need
+            more is streamed from the live state instead, item by item, and the loop waits
+            for it; ckpt says so once.
         metadata: JSON values stored in every manifest (run id, git commit, ...).
     """
 
@@ -102,6 +106,7 @@ class Checkpointer:
         timeout_s: float = 600.0,
         if_busy: Literal["wait", "skip"] = "wait",
         overlap: bool = True,
+        host_memory_budget: int | None = None,
         metadata: dict[str, Any] | None = None,
     ) -> None:
         if on_error not in ("raise", "log"):
@@ -109,7 +114,7 @@ class Checkpointer:
         if not (restore in ("latest", "none") or (isinstance(restore, int) and restore >= 0)):
             raise ValueError(f"restore must be 'latest', 'none' or a step number, not {restore!r}")
         self.store = Store(root, storage_options)
-        data, loader = _data_position(data, dataloader)
+        data, loader = data_position(data, dataloader)
         self.state = TrainingState.of(model, optimizer, scheduler, scaler, extra, data, loader)
         self.interval = interval
         self.keep = keep
@@ -137,6 +142,8 @@ class Checkpointer:
         self.skipped_saves = 0
         self._stager = Stager()
         self.overlap = overlap
+        self.host_memory_budget = host_memory_budget if host_memory_budget is not None else default_host_budget()
+        self._warned_budget = False
         self._staged = threading.Event()  # set: no staging copy is pending
         self._staged.set()
         self._hooks: list[Any] = []
@@ -246,11 +253,29 @@ class Checkpointer:
         started = time.perf_counter()
         counters = {"step": self._step, **self.counters}
         state = self.state.capture(counters, self._io.rank)
-        staged, copies = self._stager.prepare(state, defer=self.state.deferrable() if self.overlap else _now)
-        if self.overlap:
-            self._staged.clear()  # IMPORTANT: the next optimizer.step() waits for the copies
+        need = tensor_bytes(state)
+        # All ranks must agree to stream: a collective-free save mixes with no other.
+        stream = need > self.host_memory_budget and need > self._stager.bytes_staged
+        if self._ctrl.world > 1:
+            stream = bool(self._ctrl.max([int(stream)])[0])
+        if stream:
+            # Over budget: no host copy. The write streams from the live tensors item by item,
+            # and the loop waits for it (nothing may change them meanwhile).
+            if not self._warned_budget:
+                log.warning(
+                    "staging %.2f GB would exceed the host memory budget of %.2f GB: saving "
+                    "without a host copy, streaming from the live state; the loop waits for the write",
+                    need / 1e9,
+                    self.host_memory_budget / 1e9,
+                )
+                self._warned_budget = True
+            staged, copies, blocking = state, Copies(), True
         else:
-            copies.run()
+            staged, copies = self._stager.prepare(state, defer=self.state.deferrable() if self.overlap else _now)
+            if self.overlap:
+                self._staged.clear()  # IMPORTANT: the next optimizer.step() waits for the copies
+            else:
+                copies.run()
         blocking_s = time.perf_counter() - started
         assert self._pool is not None, "use the Checkpointer as a context manager"
         self._inflight = self._pool.submit(
@@ -530,24 +555,6 @@ class Checkpointer:
         raise SystemExit(self.preempt_exit_code)
 
 
-def _data_position(data: Any, dataloader: Any) -> tuple[Any, Any]:
-    """(global position, per-rank loader state) from what the user passed."""
-    if dataloader is None:
-        return data, None
-    sampler = getattr(dataloader, "sampler", None)
-    if not isinstance(sampler, ElasticSampler):
-        sampler = getattr(getattr(dataloader, "batch_sampler", None), "sampler", None)
-    loader = dataloader if hasattr(dataloader, "state_dict") and hasattr(dataloader, "load_state_dict") else None
-    if data is None and isinstance(sampler, ElasticSampler):
-        data = sampler
-    if data is None and loader is None:
-        raise TypeError(
-            "this DataLoader has no position to save: give it a ckpt.ElasticSampler "
-            "(exact on any world size) or use torchdata's StatefulDataLoader"
-        )
-    return data, loader
-
-
 def _first_line(exc: BaseException) -> str:
     """The gist of an error for the job's history: its first line, without a C++ source
     location prefix (gloo's "[/path/pair.cc:537] "), without credentials, at most 200 chars."""
@@ -559,3 +566,4 @@ def _first_line(exc: BaseException) -> str:
 
 def _now(path: Any, tensor: Any) -> bool:
     return False
+

@@ -171,3 +171,22 @@ class ElasticSampler(Sampler[int]):
                 state["world_size"],
             )
         self.epoch, self._start, self._yielded = int(state["epoch"]), int(state["consumed"]), 0
+
+
+def data_position(data: Any, dataloader: Any) -> tuple[Any, Any]:
+    """(global position, per-rank loader state) from what the user passed."""
+    if dataloader is None:
+        return data, None
+    sampler = getattr(dataloader, "sampler", None)
+    if not isinstance(sampler, ElasticSampler):
+        sampler = getattr(getattr(dataloader, "batch_sampler", None), "sampler", None)
+    loader = dataloader if hasattr(dataloader, "state_dict") and hasattr(dataloader, "load_state_dict") else None
+    if data is None and isinstance(sampler, ElasticSampler):
+        data = sampler
+    if data is None and loader is None:
+        raise TypeError(
+            "this DataLoader has no position to save: give it a ckpt.ElasticSampler "
+            "(exact on any world size) or use torchdata's StatefulDataLoader"
+        )
+    return data, loader
+

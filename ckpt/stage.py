@@ -14,6 +14,7 @@ metadata; only their local shards are copied.
 from __future__ import annotations
 
 import copy
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -143,3 +144,33 @@ def _locals_any(obj: Any) -> list[torch.Tensor]:
     if isinstance(obj, ShardedTensor):
         return _locals_of_sharded(obj)
     return [obj]
+
+
+def tensor_bytes(state: Any) -> int:
+    """Bytes of the local tensor data in a captured state (what staging would copy)."""
+    if isinstance(state, dict):
+        return sum(tensor_bytes(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(tensor_bytes(v) for v in state)
+    if isinstance(state, DTensor):
+        state = state._local_tensor
+    if isinstance(state, ShardedTensor):
+        return sum(sh.tensor.numel() * sh.tensor.element_size() for sh in state.local_shards())
+    if isinstance(state, torch.Tensor):
+        return state.numel() * state.element_size()
+    return 0
+
+
+def default_host_budget() -> int:
+    """What the node has available now, shared by the ranks on it (LOCAL_WORLD_SIZE)."""
+    available = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    available = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    if available is None:  # not Linux: fall back to the physical memory
+        available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return available // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))

@@ -184,3 +184,24 @@ def test_if_busy_skip_never_waits_for_a_slow_store_and_counts_what_it_skipped(tm
 def test_if_busy_wait_saves_every_due_step(tmp_path, monkeypatch):
     cp, loop_s, committed = _train_with_slow_store(tmp_path, monkeypatch, "wait")
     assert cp.skipped_saves == 0 and committed == list(range(1, 11))
+
+
+def test_over_the_host_memory_budget_a_save_streams_from_the_live_state_and_says_so(tmp_path, caplog):
+    model = torch.nn.Linear(64, 64)
+    opt = torch.optim.AdamW(model.parameters())
+    caplog.set_level(logging.WARNING, logger="ckpt")
+    with ckpt.Checkpointer(tmp_path, model=model, optimizer=opt, interval=ckpt.Every(steps=2), host_memory_budget=1000) as cp:
+        for _ in range(4):
+            model(torch.randn(2, 64)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            cp.step_done()
+        want = {k: v.clone() for k, v in model.state_dict().items()}
+    assert caplog.text.count("would exceed the host memory budget") == 1  # said once
+    assert cp._stager.bytes_staged == 0  # no host copy was made
+
+    model2 = torch.nn.Linear(64, 64)
+    with ckpt.Checkpointer(tmp_path, model=model2, optimizer=torch.optim.AdamW(model2.parameters()), save_on_exit=False) as cp2:
+        assert cp2.step == 4
+    for k, v in model2.state_dict().items():
+        assert torch.equal(v, want[k])
