@@ -15,7 +15,7 @@ import json
 import logging
 import time
 import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from .errors import CheckpointError
@@ -57,7 +57,6 @@ class Event:
     steps_lost: int | None = None  # restart: steps the previous run completed past the restored step
     world_size_before: int | None = None
     restored_from: str | None = None
-    detail: dict[str, Any] = field(default_factory=dict)
 
 
 def _name(prefix: str, run_id: str, when: float) -> str:
@@ -83,10 +82,10 @@ def read_all(store: Store) -> tuple[list[RunRecord], list[Event]]:
             continue
         try:
             doc = json.loads(store.read_bytes(f"{EVENTS_DIR}/{name}"))
-            if doc.get("kind") == "run":
-                runs.append(RunRecord(**doc))
-            else:
-                events.append(Event(**doc))
+            cls = RunRecord if doc.get("kind") == "run" else Event
+            known = {f.name for f in dataclasses.fields(cls)}  # newer writers may add fields
+            obj = cls(**{k: v for k, v in doc.items() if k in known})
+            (runs if cls is RunRecord else events).append(obj)  # type: ignore[arg-type]
         except (CheckpointError, ValueError, TypeError):
             continue
     runs.sort(key=lambda r: r.started)

@@ -214,12 +214,6 @@ class Store:
             except FileNotFoundError as e:
                 raise NotFound(f"{self.display}/{rel} does not exist") from e
 
-    def open_read(self, rel: str) -> BinaryIO:
-        with storage_errors(f"opening {self.display}/{rel}"):
-            if self.is_local:
-                return open(self.path(rel), "rb")
-            return self.fs.open(self.path(rel), "rb")
-
     # -- writing ----------------------------------------------------------------------------
     @contextlib.contextmanager
     def open_write(self, rel: str) -> Iterator[BinaryIO]:
@@ -288,13 +282,3 @@ def fsync_dir(directory: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def hash_stream(f: BinaryIO, chunk: int = 8 << 20) -> Hasher:
-    h = Hasher()
-    while True:
-        buf = f.read(chunk)
-        if not buf:
-            return h
-        h.update(buf)
-
