@@ -68,12 +68,11 @@ class Stager:
         cached = self._cache.get(path)
         src_locals = locals_of(src)
         if cached is None or not _same_layout(locals_of(cached), src_locals):
+            if cached is not None:
+                self.bytes_staged -= _nbytes(locals_of(cached))
             cached = allocate(src)
             self._cache[path] = cached
-            self.bytes_staged = sum(
-                sum(t.numel() * t.element_size() for t in _locals_any(c))
-                for c in self._cache.values()
-            )
+            self.bytes_staged += _nbytes(locals_of(cached))  # a running total: O(1) a tensor
         for dst, s in zip(locals_of(cached), src_locals, strict=True):
             if self._defer(path, s):
                 self._later.pairs.append((dst, s.detach()))
@@ -138,12 +137,8 @@ def _new_host_sharded(t: ShardedTensor) -> ShardedTensor:
     return host
 
 
-def _locals_any(obj: Any) -> list[torch.Tensor]:
-    if isinstance(obj, DTensor):
-        return _local_of_dtensor(obj)
-    if isinstance(obj, ShardedTensor):
-        return _locals_of_sharded(obj)
-    return [obj]
+def _nbytes(tensors: list[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def tensor_bytes(state: Any) -> int:
