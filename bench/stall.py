@@ -582,7 +582,8 @@ class Peer:
         pass
 
     def save(self, i: int) -> None:
-        raise NotImplementedError
+        """Start (or make) save number `i`: every peer defines it."""
+        raise TypeError(f"{type(self).__name__} defines no save()")
 
     def opt_step(self) -> float:
         self.ctx.opt.step()
