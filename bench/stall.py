@@ -697,7 +697,15 @@ class DcpSync(Peer):
         dcp.save(self.state(), checkpoint_id=str(self.dir / f"s{i}"), process_group=self.g)
 
 
-class DcpThread(DcpSync):
+class _FuturePeer(Peer):
+    """A peer whose save returns a future that completes at the commit."""
+
+    def wait(self) -> float | None:
+        self.fut.result()
+        return self._e2e_from_stamp()
+
+
+class DcpThread(_FuturePeer, DcpSync):
     name = "dcp_thread"
 
     def save(self, i: int) -> None:
@@ -705,10 +713,6 @@ class DcpThread(DcpSync):
 
         self.fut = dcp.async_save(self.state(), checkpoint_id=str(self.dir / f"s{i}"), process_group=self.g)
         self._stamp(self.fut)
-
-    def wait(self) -> float | None:
-        self.fut.result()
-        return self._e2e_from_stamp()
 
 
 class _ShmPeer(Peer):
@@ -741,7 +745,7 @@ def _nofile() -> int:
     return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
 
 
-class DcpProcess(DcpSync, _ShmPeer):
+class DcpProcess(_FuturePeer, DcpSync, _ShmPeer):
     name = "dcp_process"
 
     def setup(self) -> None:
@@ -779,10 +783,6 @@ class DcpProcess(DcpSync, _ShmPeer):
         self.ctx.opt.step()
         return waited
 
-    def wait(self) -> float | None:
-        self.fut.result()
-        return self._e2e_from_stamp()
-
     def teardown(self) -> None:
         import torch.distributed.checkpoint._async_process_executor as ape
 
@@ -793,7 +793,7 @@ class DcpProcess(DcpSync, _ShmPeer):
         self.restore_sharing()
 
 
-class Tc(_ShmPeer):
+class Tc(_FuturePeer, _ShmPeer):
     name = "tc"
     fsync = False
 
@@ -829,10 +829,6 @@ class Tc(_ShmPeer):
             waited = time.perf_counter() - t
             self.ctx.opt.step()
         return waited
-
-    def wait(self) -> float | None:
-        self.fut.result()
-        return self._e2e_from_stamp()
 
     def teardown(self) -> None:
         self.mgr.close()
