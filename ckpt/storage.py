@@ -214,6 +214,17 @@ class Store:
             except FileNotFoundError as e:
                 raise NotFound(f"{self.display}/{rel} does not exist") from e
 
+    @contextlib.contextmanager
+    def open_read(self, rel: str) -> Iterator[BinaryIO]:
+        """A sequential binary stream over one file (`read`, `readinto`, `seek`)."""
+        with storage_errors(f"reading {self.display}/{rel}"):
+            try:
+                f: Any = open(self.path(rel), "rb") if self.is_local else self.fs.open(self.path(rel), "rb")
+            except FileNotFoundError as e:
+                raise NotFound(f"{self.display}/{rel} does not exist") from e
+            with f:
+                yield f
+
     # -- writing ----------------------------------------------------------------------------
     @contextlib.contextmanager
     def open_write(self, rel: str) -> Iterator[BinaryIO]:
