@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import os
 import signal
 import threading
 import time
@@ -30,6 +31,7 @@ from .manifest import MANIFEST_NAME, Manifest
 from .policy import Every, Keep
 from .stage import Copies, Stager, default_host_budget, tensor_bytes
 from .storage import Store, redact, step_dir_name
+from .writer_proc import ProcessSink, ThreadSink
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +116,7 @@ class Checkpointer:
         if not (restore in ("latest", "none") or (isinstance(restore, int) and restore >= 0)):
             raise ValueError(f"restore must be 'latest', 'none' or a step number, not {restore!r}")
         self.store = Store(root, storage_options)
+        self._storage_options = storage_options
         data, loader = data_position(data, dataloader)
         self.state = TrainingState.of(model, optimizer, scheduler, scaler, extra, data, loader)
         self.interval = interval
@@ -151,6 +154,7 @@ class Checkpointer:
         self.staging_wait_s = 0.0
         self.history = History(self.store, 1, enabled=False)  # the real one starts on enter
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._sink: ProcessSink | ThreadSink | None = None
         self._inflight: concurrent.futures.Future[Manifest] | None = None
         self._preempt = threading.Event()
         self._prev_handler: Any = None
@@ -269,7 +273,7 @@ class Checkpointer:
                     self.host_memory_budget / 1e9,
                 )
                 self._warned_budget = True
-            staged, copies, blocking = state, Copies(), True
+            staged, copies, blocking = state, None, True
         else:
             staged, copies = self._stager.prepare(state, defer=self.state.deferrable() if self.overlap else _now)
             if self.overlap:
@@ -333,6 +337,9 @@ class Checkpointer:
             self._uninstall_sigterm()
             if self._pool is not None:
                 self._pool.shutdown(wait=True)
+            if self._sink is not None:
+                self._sink.close()
+                self._sink = None
             # The groups are not destroyed here: a peer may still be reading the last message
             # of a collective, and gloo aborts that peer if the socket closes under it.
             # `dist.destroy_process_group()` frees them with the rest, as long as nothing else
@@ -343,18 +350,26 @@ class Checkpointer:
 
     # -- background ---------------------------------------------------------------------------
     def _save_in_background(
-        self, step: int, staged: Any, copies: Copies, counters: dict[str, Any], blocking_s: float, started: float
+        self, step: int, staged: Any, copies: Copies | None, counters: dict[str, Any], blocking_s: float, started: float
     ) -> Manifest:
+        """`copies` is None for a save streamed from the live state (nothing staged)."""
         try:
             try:
-                copies.run()
+                if copies is not None:
+                    copies.run()
             finally:
                 self._staged.set()
+            if copies is None:
+                sink, arenas = ThreadSink(self.store), []
+            else:
+                sink, arenas = self._writer(), self._stager.arenas
             manifest = persist(
                 self.store,
                 self._io,
                 step,
                 staged,
+                sink=sink,
+                arenas=arenas,
                 counters=counters,
                 user=self.metadata,
                 blocking_s=blocking_s,
@@ -376,6 +391,22 @@ class Checkpointer:
             self._apply_retention(step)
             self.history.beat()
         return manifest
+
+    def _writer(self) -> ProcessSink | ThreadSink:
+        """The writer process, started on the first save and again if it died."""
+        if isinstance(self._sink, ProcessSink) and not self._sink.alive:
+            self._sink.close()
+            self._sink = None
+        if self._sink is None:
+            mode = os.environ.get("CKPT_WRITER", "process")
+            if mode == "process" and self._stager.arena.shareable:
+                try:
+                    self._sink = ProcessSink(self.store, self._storage_options)
+                except OSError as e:
+                    log.warning("cannot start the writer process (%s): writing in a thread of the trainer", e)
+            if self._sink is None:
+                self._sink = ThreadSink(self.store)
+        return self._sink
 
     def _apply_retention(self, just_committed: int) -> None:
         try:

@@ -22,7 +22,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from ._faults import fault_point
-from .dcp_io import Writer
+from .arena import Arena
+from .dcp_write import Sink, Writer
 from .errors import CheckpointError, SaveFailed
 from .manifest import MANIFEST_NAME, FileEntry, Manifest, SaveCosts
 from .storage import Store, step_dir_name
@@ -93,6 +94,8 @@ def persist(
     step: int,
     staged: dict[str, Any],
     *,
+    sink: Sink,
+    arenas: list[Arena],
     counters: dict[str, Any],
     user: dict[str, Any],
     blocking_s: float,
@@ -109,7 +112,7 @@ def persist(
     refusal = group.broadcast(refusal)
     if refusal:
         raise SaveFailed(f"save of step {step} to {store.display} failed: {refusal}")
-    writer = Writer(store, rel, step)  # local roots: directories are made as files are written
+    writer = Writer(store, rel, step, sink, arenas)  # local roots: directories are made as files are written
     # The state's layout does not change between saves: rank 0's global planning is paid once.
     planner = DefaultSavePlanner(enable_plan_caching=True)
     planner._cached_plans_key = group.plan_key  # DCP keys its cache by class: one per Checkpointer

@@ -22,15 +22,24 @@ import torch
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.tensor import DTensor
 
+from .arena import Arena
+
 Path = tuple[Any, ...]
 
 
 class Stager:
-    """Host copies of a state dict, with buffers cached by their place in the dict."""
+    """Host copies of a state dict, with buffers cached by their place in the dict, allocated
+    in staging arenas (shared memory the writer process reads; page-locked for CUDA sources)."""
 
     def __init__(self) -> None:
         self._cache: dict[Path, Any] = {}
         self.bytes_staged = 0  # host bytes held, for the memory ledger
+        self.arena = Arena()
+        self.pinned_arena = Arena(pin=True)
+
+    @property
+    def arenas(self) -> list[Arena]:
+        return [self.arena, self.pinned_arena]
 
     def stage(self, state: Any) -> Any:
         """A copy of `state` whose tensors live in (reused) host memory, made now."""
@@ -43,6 +52,12 @@ class Stager:
 
         Everything that is not a tensor is copied now, and so is every tensor for which
         `defer(path, local_tensor)` is false; the other copies are returned, to be run."""
+        if sum(a.used for a in self.arenas) > 2 * self.bytes_staged + (64 << 20):
+            # Layouts changed and left dead buffers behind: stage into fresh arenas. Only
+            # between saves (the previous one has finished with the old buffers).
+            self._cache, self.bytes_staged = {}, 0
+            for arena in self.arenas:
+                arena.reset()
         later = Copies()
         self._later, self._defer = later, defer
         try:
@@ -70,7 +85,7 @@ class Stager:
         if cached is None or not _same_layout(locals_of(cached), src_locals):
             if cached is not None:
                 self.bytes_staged -= _nbytes(locals_of(cached))
-            cached = allocate(src)
+            cached = allocate(src, self._host_empty)
             self._cache[path] = cached
             self.bytes_staged += _nbytes(locals_of(cached))  # a running total: O(1) a tensor
         for dst, s in zip(locals_of(cached), src_locals, strict=True):
@@ -79,6 +94,10 @@ class Stager:
             else:
                 dst.copy_(s.detach(), non_blocking=dst.is_pinned())
         return cached
+
+    def _host_empty(self, t: torch.Tensor) -> torch.Tensor:
+        arena = self.pinned_arena if t.device.type == "cuda" else self.arena
+        return arena.empty(t.shape, t.dtype)
 
 
 class Copies:
@@ -105,24 +124,22 @@ def _same_layout(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     )
 
 
-def _host_empty(t: torch.Tensor) -> torch.Tensor:
-    pin = t.device.type == "cuda"
-    return torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
+Alloc = Callable[[torch.Tensor], torch.Tensor]
 
 
-def _new_host_tensor(t: torch.Tensor) -> torch.Tensor:
-    return _host_empty(t)
+def _new_host_tensor(t: torch.Tensor, host_empty: Alloc) -> torch.Tensor:
+    return host_empty(t)
 
 
 def _local_of_dtensor(t: DTensor) -> list[torch.Tensor]:
     return [t._local_tensor]
 
 
-def _new_host_dtensor(t: DTensor) -> DTensor:
+def _new_host_dtensor(t: DTensor, host_empty: Alloc) -> DTensor:
     # A DTensor with the same spec (mesh, placements, global shape) over a host buffer;
     # built the way DCP's own stager does, without moving data to the mesh's device.
     host = t.detach().to("cpu") if t.device.type != "cpu" else copy.deepcopy(t.detach())
-    host._local_tensor = _host_empty(t._local_tensor)
+    host._local_tensor = host_empty(t._local_tensor)
     return host
 
 
@@ -130,10 +147,10 @@ def _locals_of_sharded(t: ShardedTensor) -> list[torch.Tensor]:
     return [s.tensor for s in t.local_shards()]
 
 
-def _new_host_sharded(t: ShardedTensor) -> ShardedTensor:
+def _new_host_sharded(t: ShardedTensor, host_empty: Alloc) -> ShardedTensor:
     host = t.to("cpu") if t.device.type != "cpu" else copy.deepcopy(t)
     for shard in host.local_shards():
-        shard.tensor = _host_empty(shard.tensor)
+        shard.tensor = host_empty(shard.tensor)
     return host
 
 

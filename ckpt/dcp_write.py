@@ -1,0 +1,189 @@
+"""DCP's storage writer for ckpt: lays out each rank's file and hands the bytes to a sink.
+
+The files are plain DCP (`__<rank>_0.distcp` and `.metadata`, the layout of DCP's own
+FileSystemWriter), so `torch.distributed.checkpoint.load` reads them without ckpt: each
+tensor is a torch.save archive and each other object a pickle, at the offset `.metadata`
+records. What differs is who writes them. For a tensor staged in the arena, the archive's
+header and trailer come from a template made once per dtype and shape
+(`torch.serialization.skip_data`), and its data is named by arena range, not copied or
+serialized; the sink (the writer process) writes the pieces, checksums them and makes the
+file durable before `dcp.save` returns. Large tensors start on a page of the file, so the
+writer can move them to disk with O_DIRECT. Tensors outside the arena (a save streamed from
+live state) are torch.save'd here, as DCP would.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import io
+import os
+import pickle
+import uuid
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import torch
+from torch.distributed.checkpoint.filesystem import (
+    CURRENT_DCP_VERSION,
+    _StorageInfo,
+    _StoragePrefix,
+)
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+from torch.futures import Future
+
+from ._faults import fault_point
+from .arena import PAGE, Arena
+from .filewrite import Piece
+from .manifest import METADATA_NAME, FileEntry
+from .storage import Store, checksum
+from .writer_proc import Segment
+
+DATA_SUFFIX = ".distcp"
+_ALIGN_FROM = 256 << 10  # tensors this large start on a page of the file
+_ZEROS = bytes(PAGE)
+
+
+class Sink(Protocol):
+    def write(
+        self, rel: str, pieces: list[Piece], segments: Sequence[Segment], rank: int
+    ) -> FileEntry: ...
+
+
+class Writer(StorageWriter):
+    """Writes one rank's items into `<step dir>/__<rank>_0.distcp`; rank 0 also `.metadata`.
+
+    After `dcp.save` returns, `files` holds what this rank wrote, for the manifest.
+    """
+
+    def __init__(
+        self, store: Store, step_dir: str, step: int, sink: Sink, arenas: Sequence[Arena] = ()
+    ) -> None:
+        super().__init__()
+        self.store = store
+        self.step_dir = step_dir
+        self.step = step
+        self.sink = sink
+        self.arenas = list(arenas)
+        self.files: dict[str, FileEntry] = {}
+        self.rank = 0
+        self.save_id = uuid.uuid4().hex
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        self.files = {}
+        self.save_id = uuid.uuid4().hex
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.rank = int(kwargs.get("rank") or 0)
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        return [
+            dataclasses.replace(p, storage_data=_StoragePrefix(f"__{i}_"))
+            for i, p in enumerate(plans)
+        ]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        name = f"{plan.storage_data.prefix}0{DATA_SUFFIX}"
+        layout = _Layout()
+        results: list[WriteResult] = []
+        # Small pickled objects first, then tensors: DCP's own order.
+        for item in sorted(plan.items, key=lambda it: it.type != WriteItemType.BYTE_IO):
+            fault_point("write_item", self.rank, self.step)
+            data = planner.resolve_data(item)
+            if item.type == WriteItemType.BYTE_IO:
+                offset, length = layout.add([bytes(data.getbuffer())])
+            else:
+                offset, length = self._add_tensor(layout, data.detach())
+            results.append(
+                WriteResult(
+                    index=item.index,
+                    size_in_bytes=length,
+                    storage_data=_StorageInfo(name, offset, length),
+                )
+            )
+        segments = [s for a in self.arenas for s in a.segments.values()]
+        entry = self.sink.write(f"{self.step_dir}/{name}", layout.pieces, segments, self.rank)
+        if entry.size != layout.size:  # IMPORTANT: the offsets in .metadata must be the file's
+            raise OSError(f"{name}: {entry.size} bytes written, {layout.size} laid out")
+        self.files[name] = entry
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result(results)
+        return fut
+
+    def _add_tensor(self, layout: _Layout, tensor: torch.Tensor) -> tuple[int, int]:
+        if tensor.device.type != "cpu":
+            tensor = tensor.cpu()
+        where = next((w for a in self.arenas if (w := a.locate(tensor)) is not None), None)
+        if where is None:
+            buf = io.BytesIO()
+            torch.save(tensor, buf)
+            return layout.add([buf.getvalue()])
+        head, tail = _template(tensor.dtype, tuple(tensor.shape))
+        nbytes = tensor.numel() * tensor.element_size()
+        if nbytes >= _ALIGN_FROM:
+            layout.pad_to_page(len(head))
+        return layout.add([head, (*where, nbytes), tail])
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        metadata.version = CURRENT_DCP_VERSION
+        metadata.storage_data = {wr.index: wr.storage_data for rs in results for wr in rs}
+        metadata.storage_meta = self.storage_meta()
+        blob = pickle.dumps(metadata)
+        with self.store.open_write(f"{self.step_dir}/{METADATA_NAME}") as f:
+            f.write(blob)
+        self.files[METADATA_NAME] = FileEntry(len(blob), checksum(blob), -1)
+
+    def storage_meta(self) -> StorageMeta:
+        return StorageMeta(checkpoint_id=self.step_dir, save_id=self.save_id)
+
+    @property
+    def checkpoint_id(self) -> str:
+        return self.step_dir
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return False
+
+
+class _Layout:
+    """The pieces of one file in order, and where each item lands."""
+
+    def __init__(self) -> None:
+        self.pieces: list[Piece] = []
+        self.size = 0
+
+    def add(self, parts: list[Piece]) -> tuple[int, int]:
+        offset = self.size
+        for p in parts:
+            self.pieces.append(p)
+            self.size += len(p) if isinstance(p, bytes) else p[2]
+        return offset, self.size - offset
+
+    def pad_to_page(self, head: int) -> None:
+        """Zeros so that an item whose data follows a `head`-byte header has its data on a
+        page: DCP finds items by offset, so the gap is never read."""
+        pad = -(self.size + head) % PAGE
+        if pad:
+            self.add([_ZEROS[:pad]])
+
+
+@functools.lru_cache(maxsize=4096)
+def _template(dtype: torch.dtype, shape: tuple[int, ...]) -> tuple[bytes, bytes]:
+    """What torch.save writes before and after the data of a contiguous tensor of this dtype
+    and shape. The data's bytes are skipped, so the archive's CRC of them is not theirs:
+    torch.load does not check it; the manifest's checksum covers the whole file."""
+    tensor = torch.empty(shape, dtype=dtype)  # never touched: no memory is committed
+    buf = io.BytesIO()
+    with torch.serialization.skip_data():
+        torch.save(tensor, buf)
+    blob = buf.getvalue()
+    reader = torch._C.PyTorchFileReader(io.BytesIO(blob))
+    record = next(r for r in reader.get_all_records() if r.rsplit("/", 2)[-2:] == ["data", "0"])
+    start = reader.get_record_offset(record)
+    end = start + tensor.numel() * tensor.element_size()
+    return blob[:start], blob[end:]

@@ -1,0 +1,227 @@
+"""Where the bytes of a save are written: a writer process per rank, or a thread as fallback.
+
+The writer process is its own small program (`python -m ckpt.writer_proc`), started by the
+trainer on its first save and fed through a private socket pair: the staging arena's
+segments arrive once as file descriptors, then one message per file names its pieces
+(literal bytes and arena ranges, see `ckpt.filewrite`). It never imports torch, so hashing,
+page-cache copies, fsync and object-store uploads run on another core and never hold the
+trainer's GIL. It dies with the trainer (PR_SET_PDEATHSIG, and on end of file on its socket),
+so no orphan keeps writing into a step directory after a crash.
+
+`ThreadSink` does the same work in the calling thread: for saves streamed from live tensors
+(not staged), where memfd is missing, or with `CKPT_WRITER=thread`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import mmap
+import os
+import pickle
+import signal
+import socket
+import struct
+import subprocess
+import sys
+from collections.abc import Iterable, Sequence
+from typing import Any, Protocol
+
+from .errors import SaveFailed, StorageError
+from .filewrite import Piece, write_file
+from .manifest import FileEntry
+from .storage import Store
+
+log = logging.getLogger(__name__)
+
+_HEADER = struct.Struct("!Q")
+_MAX_FDS = 64
+
+
+class Segment(Protocol):
+    """What a sink needs of an arena segment (`ckpt.arena.Segment`)."""
+
+    id: int
+    size: int
+    fd: int
+
+    @property
+    def view(self) -> memoryview: ...
+
+
+class ThreadSink:
+    """Writes in the calling thread."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+
+    def write(
+        self, rel: str, pieces: list[Piece], segments: Iterable[Segment], rank: int
+    ) -> FileEntry:
+        return write_file(self.store, rel, pieces, {s.id: s.view for s in segments}, rank=rank)
+
+    def close(self) -> None:
+        pass
+
+
+class ProcessSink:
+    """Writes in a writer process of its own (started here, stopped by `close`)."""
+
+    def __init__(self, store: Store, storage_options: dict[str, Any] | None = None) -> None:
+        self.store = store
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        # The child imports ckpt from where this process found it, installed or not.
+        src = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH")) if p),
+        }
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "ckpt.writer_proc", str(theirs.fileno()), str(os.getpid())],
+                pass_fds=[theirs.fileno()],
+                stdin=subprocess.DEVNULL,
+                env=env,
+            )
+        finally:
+            theirs.close()
+        self.sock = ours
+        self._sent: set[int] = set()
+        _send(self.sock, ("init", store.url, dict(storage_options or {})))
+
+    def write(
+        self, rel: str, pieces: list[Piece], segments: Iterable[Segment], rank: int
+    ) -> FileEntry:
+        segments = list(segments)
+        try:
+            new = [s for s in segments if s.id not in self._sent]
+            for i in range(0, len(new), _MAX_FDS):
+                batch = new[i : i + _MAX_FDS]
+                _send(
+                    self.sock, ("segments", [(s.id, s.size) for s in batch]), [s.fd for s in batch]
+                )
+                self._sent.update(s.id for s in batch)
+            live = [s.id for s in segments]
+            self._sent.intersection_update(live)
+            _send(self.sock, ("write", rel, pieces, live, rank))
+            reply, _ = _recv(self.sock)
+        except OSError as e:
+            reply = None
+            log.debug("writer process socket: %s", e)
+        if reply is None:
+            raise SaveFailed(
+                f"the writer process died while writing {self.store.display}/{rel} ({self._exit_status()})"
+            )
+        if reply[0] == "ok":
+            return FileEntry(reply[1], reply[2], rank)
+        kind, message = reply[1], reply[2]
+        raise (StorageError if kind == "StorageError" else SaveFailed)(message)
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.close()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+    def _exit_status(self) -> str:
+        try:
+            rc = self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            return "still running"
+        return f"killed by signal {-rc}" if rc < 0 else f"exit status {rc}"
+
+
+def _send(sock: socket.socket, obj: Any, fds: Sequence[int] = ()) -> None:
+    payload = pickle.dumps(obj, protocol=5)
+    header = _HEADER.pack(len(payload))
+    if fds:
+        socket.send_fds(sock, [header], list(fds))
+    else:
+        sock.sendall(header)
+    sock.sendall(payload)
+
+
+def _recv(sock: socket.socket) -> tuple[Any, list[int]]:
+    """One message and the file descriptors that came with it; (None, []) at end of file."""
+    data, fds, _, _ = socket.recv_fds(sock, _HEADER.size, _MAX_FDS)
+    if not data:
+        return None, []
+    header = data + _recv_exactly(sock, _HEADER.size - len(data))
+    payload = _recv_exactly(sock, _HEADER.unpack(header)[0])
+    # The peer is our own parent over a private socket pair: nothing from storage.
+    return pickle.loads(payload), list(fds)
+
+
+def _recv_exactly(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    while len(view):
+        got = sock.recv_into(view)
+        if got == 0:
+            raise ConnectionError("the peer closed the socket mid-message")
+        view = view[got:]
+    return bytes(buf)
+
+
+def _die_with_parent(parent: int) -> None:
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+def serve(sock: socket.socket) -> None:
+    """The writer process's loop: until the trainer closes the socket."""
+    store: Store | None = None
+    maps: dict[int, mmap.mmap] = {}
+    while True:
+        msg, fds = _recv(sock)
+        if msg is None:
+            return
+        if msg[0] == "init":
+            store = Store(msg[1], msg[2])
+        elif msg[0] == "segments":
+            for (seg_id, size), fd in zip(msg[1], fds, strict=True):
+                maps[seg_id] = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+                os.close(fd)
+        elif msg[0] == "write":
+            _, rel, pieces, live, rank = msg
+            for seg_id in set(maps) - set(live):
+                with contextlib.suppress(BufferError):
+                    maps.pop(seg_id).close()
+            assert store is not None
+            try:
+                entry = write_file(
+                    store, rel, pieces, {i: memoryview(maps[i]) for i in live}, rank=rank
+                )
+                reply: tuple[Any, ...] = ("ok", entry.size, entry.checksum)
+            except Exception as e:  # reported to the trainer, which fails the save
+                kind = "StorageError" if isinstance(e, StorageError) else type(e).__name__
+                reply = (
+                    "err",
+                    kind,
+                    str(e) if isinstance(e, StorageError) else f"{type(e).__name__}: {e}",
+                )
+            _send(sock, reply)
+
+
+def main(argv: list[str]) -> int:
+    _die_with_parent(int(argv[2]))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is the trainer's to handle
+    logging.basicConfig(level=logging.WARNING, format="ckpt writer: %(message)s")
+    with socket.socket(fileno=int(argv[1])) as sock:
+        serve(sock)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
