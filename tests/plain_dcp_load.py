@@ -45,6 +45,9 @@ def main() -> None:
         f"{out}.rank{rank}.pt",
     )
     if world > 1:
+        # No rank tears gloo down while another still waits on dcp.load's last message:
+        # torch 2.13's gloo aborts the process ("terminate called ...") in that race.
+        dist.barrier()
         dist.destroy_process_group()
 
 
