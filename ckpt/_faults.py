@@ -3,8 +3,9 @@
 `CKPT_FAULT=<point>:<rank>:<step>` (several separated by commas) SIGKILLs the process when
 rank <rank> reaches <point> while saving step <step>; `*` matches any rank or step.
 `<point>:<rank>:<step>:sleep=<seconds>` stalls there instead (a slow store).
-Points: `write_item` (between two items of a data file), `before_manifest` (all data files
-durable, manifest not yet written), `after_manifest`. Unset in production: one dict lookup.
+Points: `write_item` (between two items of a data file), `writer_process` (in the writer
+process, before it writes a data file), `before_manifest` (all data files durable, manifest
+not yet written), `after_manifest`. Unset in production: one dict lookup.
 """
 
 from __future__ import annotations

@@ -48,7 +48,7 @@ _ZEROS = bytes(PAGE)
 
 class Sink(Protocol):
     def write(
-        self, rel: str, pieces: list[Piece], segments: Sequence[Segment], rank: int
+        self, rel: str, pieces: list[Piece], segments: Sequence[Segment], rank: int, step: int
     ) -> FileEntry: ...
 
 
@@ -107,7 +107,7 @@ class Writer(StorageWriter):
                 )
             )
         segments = [s for a in self.arenas for s in a.segments.values()]
-        entry = self.sink.write(f"{self.step_dir}/{name}", layout.pieces, segments, self.rank)
+        entry = self.sink.write(f"{self.step_dir}/{name}", layout.pieces, segments, self.rank, self.step)
         if entry.size != layout.size:  # IMPORTANT: the offsets in .metadata must be the file's
             raise OSError(f"{name}: {entry.size} bytes written, {layout.size} laid out")
         self.files[name] = entry

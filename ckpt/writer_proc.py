@@ -27,6 +27,7 @@ import sys
 from collections.abc import Iterable, Sequence
 from typing import Any, Protocol
 
+from ._faults import fault_point
 from .errors import SaveFailed, StorageError
 from .filewrite import Piece, write_file
 from .manifest import FileEntry
@@ -56,7 +57,7 @@ class ThreadSink:
         self.store = store
 
     def write(
-        self, rel: str, pieces: list[Piece], segments: Iterable[Segment], rank: int
+        self, rel: str, pieces: list[Piece], segments: Iterable[Segment], rank: int, step: int
     ) -> FileEntry:
         return write_file(self.store, rel, pieces, {s.id: s.view for s in segments}, rank=rank)
 
@@ -90,7 +91,7 @@ class ProcessSink:
         _send(self.sock, ("init", store.url, dict(storage_options or {})))
 
     def write(
-        self, rel: str, pieces: list[Piece], segments: Iterable[Segment], rank: int
+        self, rel: str, pieces: list[Piece], segments: Iterable[Segment], rank: int, step: int
     ) -> FileEntry:
         segments = list(segments)
         try:
@@ -103,7 +104,7 @@ class ProcessSink:
                 self._sent.update(s.id for s in batch)
             live = [s.id for s in segments]
             self._sent.intersection_update(live)
-            _send(self.sock, ("write", rel, pieces, live, rank))
+            _send(self.sock, ("write", rel, pieces, live, rank, step))
             reply, _ = _recv(self.sock)
         except OSError as e:
             reply = None
@@ -194,11 +195,12 @@ def serve(sock: socket.socket) -> None:
                 maps[seg_id] = mmap.mmap(fd, size, prot=mmap.PROT_READ)
                 os.close(fd)
         elif msg[0] == "write":
-            _, rel, pieces, live, rank = msg
+            _, rel, pieces, live, rank, step = msg
             for seg_id in set(maps) - set(live):
                 with contextlib.suppress(BufferError):
                     maps.pop(seg_id).close()
             assert store is not None
+            fault_point("writer_process", rank, step)
             try:
                 entry = write_file(
                     store, rel, pieces, {i: memoryview(maps[i]) for i in live}, rank=rank

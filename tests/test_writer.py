@@ -1,0 +1,219 @@
+"""The write path: the staging arena, the writer process, O_DIRECT and the file layout.
+
+Real files on real filesystems (the test's ext4 directory and /dev/shm's tmpfs, which has no
+O_DIRECT on older kernels), a real writer process, and files read back by plain
+`torch.distributed.checkpoint.load` and `torch.load`.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+import xxhash
+
+import ckpt
+from ckpt.filewrite import write_file
+from ckpt.storage import Store
+
+MB = 1 << 20
+
+
+def _segment(size: int) -> mmap.mmap:
+    seg = mmap.mmap(-1, size)
+    block = os.urandom(MB)
+    for off in range(0, size, MB):
+        seg[off : off + MB] = block[: min(MB, size - off)]
+    seg[:16] = b"first-bytes-here"
+    return seg
+
+
+FILESYSTEMS = ["tmp_path"] + (["/dev/shm"] if os.path.isdir("/dev/shm") else [])
+
+
+@pytest.mark.parametrize("where", FILESYSTEMS)
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "buffered"])
+def test_pieces_land_in_order_with_their_checksum_on_any_filesystem(tmp_path, where, direct):
+    root = tmp_path if where == "tmp_path" else Path(where)
+    seg = _segment(24 * MB)
+    pieces = [
+        b"header" * 50,  # unaligned literal, then an aligned arena run: goes through the bounce
+        (0, 4096, 3 * MB + 5),
+        b"",
+        (0, 7, 4000),  # unaligned address
+        b"\0" * (4096 - (300 + 3 * MB + 5 + 4000) % 4096),  # pad to a page
+        (0, 8192, 18 * MB),  # aligned address and file offset: written without a copy
+        (0, 0, 0),
+        b"tail",
+    ]
+    want = b"".join(p if isinstance(p, bytes) else seg[p[1] : p[1] + p[2]] for p in pieces)
+    store = Store(root / f"w-{os.getpid()}-{direct}")
+    try:
+        entry = write_file(store, "step-0000000001/__0_0.distcp", pieces, {0: memoryview(seg)}, rank=3, direct=direct)
+        got = Path(store.path("step-0000000001/__0_0.distcp")).read_bytes()
+    finally:
+        store.fs.rm(store.root, recursive=True)
+    assert got == want
+    assert (entry.size, entry.checksum, entry.rank) == (len(want), f"xxh3_64:{xxhash.xxh3_64(want).hexdigest()}", 3)
+
+
+def _state() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    big = torch.randn(700, 1024, generator=g)  # 2.8 MB: page-aligned in the arena and the file
+    return {
+        "big": big,
+        "view": big[::2, 3:5],  # a strided view of another tensor: staged as its own buffer
+        "f16": torch.randn(33, 7, generator=g).half(),
+        "bf16": torch.randn(5, 3, generator=g).bfloat16(),
+        "i8": torch.randint(-100, 100, (17,), dtype=torch.int8, generator=g),
+        "u8": torch.randint(0, 255, (4, 4, 4), dtype=torch.uint8, generator=g),
+        "i64": torch.arange(10, dtype=torch.int64),
+        "bool": torch.rand(9, generator=g) > 0.5,
+        "c64": torch.randn(6, dtype=torch.complex64, generator=g),
+        "scalar": torch.tensor(3.25),
+        "empty": torch.empty(0, 5),
+    }
+
+
+class Holder:
+    """Tensors as an `extra` of the Checkpointer."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.tensors = tensors
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return dict(self.tensors)
+
+    def load_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        self.tensors = dict(sd)
+
+
+def _save(root: Path, monkeypatch, writer: str) -> Path:
+    monkeypatch.setenv("CKPT_WRITER", writer)
+    with ckpt.Checkpointer(root, extra={"t": Holder(_state())}, interval=None, handle_sigterm=False) as cp:
+        cp.step_done()
+        cp.save(blocking=True)
+        kind = type(cp._sink).__name__
+    assert kind == {"process": "ProcessSink", "thread": "ThreadSink"}[writer]
+    return root / "step-0000000001"
+
+
+def test_every_dtype_and_shape_reads_back_with_plain_dcp_load(tmp_path, monkeypatch):
+    step_dir = _save(tmp_path, monkeypatch, "process")
+    want = _state()
+    got = {"extra": {"t": {k: torch.zeros_like(v) for k, v in want.items()}}}
+    dcp.load(got, checkpoint_id=str(step_dir))  # DCP's own reader: torch.load of each item
+    for k, v in want.items():
+        assert torch.equal(got["extra"]["t"][k], v), k
+
+
+def test_the_writer_process_and_the_thread_write_the_same_bytes(tmp_path, monkeypatch):
+    a = _save(tmp_path / "process", monkeypatch, "process")
+    b = _save(tmp_path / "thread", monkeypatch, "thread")
+    assert (a / "__0_0.distcp").read_bytes() == (b / "__0_0.distcp").read_bytes()
+
+
+def _train(root: Path, steps: int, every: int) -> tuple[ckpt.Checkpointer, list[int]]:
+    model = torch.nn.Linear(64, 64)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    pids = []
+    with ckpt.Checkpointer(root, model=model, optimizer=opt, interval=ckpt.Every(steps=every), on_error="log", keep=ckpt.Keep(last=100), handle_sigterm=False) as cp:
+        for _ in range(steps):
+            model(torch.randn(2, 64)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            cp.step_done()
+            cp.wait()
+            if cp._sink is not None:
+                pids.append(cp._sink.proc.pid)
+    return cp, pids
+
+
+def test_a_writer_process_killed_mid_save_fails_only_that_save_and_a_new_one_takes_over(tmp_path, monkeypatch):
+    monkeypatch.setenv("CKPT_FAULT", "writer_process:0:4")  # the writer SIGKILLs itself at step 4
+    cp, pids = _train(tmp_path, steps=8, every=2)
+    committed = sorted(int(p.parent.name[5:]) for p in tmp_path.glob("step-*/manifest.json"))
+    assert committed == [2, 6, 8]  # step 4 failed, nothing of it committed
+    assert len(set(pids)) == 2  # one writer process, then its replacement
+    assert cp.last_commit is not None and cp.last_commit.step == 8
+
+
+def test_the_writer_process_dies_with_a_killed_trainer(tmp_path):
+    script = textwrap.dedent(
+        f"""
+        import sys, time, torch, ckpt
+        model = torch.nn.Linear(8, 8)
+        with ckpt.Checkpointer({str(tmp_path / "root")!r}, model=model, interval=None, handle_sigterm=False) as cp:
+            cp.step_done()
+            cp.save()  # the writer stalls in this save (CKPT_FAULT below)
+            while cp._sink is None:
+                time.sleep(0.05)
+            print(cp._sink.proc.pid, flush=True)
+            time.sleep(60)
+        """
+    )
+    env = {**os.environ, "CKPT_FAULT": "writer_process:*:*:sleep=60"}
+    trainer = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, env=env, text=True)
+    try:
+        writer_pid = int(trainer.stdout.readline())
+        assert _alive(writer_pid)
+        trainer.send_signal(signal.SIGKILL)
+        trainer.wait(timeout=10)
+        deadline = time.time() + 10
+        while _alive(writer_pid) and time.time() < deadline:
+            time.sleep(0.1)
+        assert not _alive(writer_pid), "the writer process outlived its trainer"
+    finally:
+        trainer.kill()
+    assert not list((tmp_path / "root").glob("step-*/manifest.json"))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1][0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_the_writer_process_never_imports_torch(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-c", "import sys, ckpt.writer_proc; print('torch' in sys.modules)"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert out.stdout.strip() == "False"
+
+
+def test_staging_memory_stays_flat_over_saves_and_is_renewed_when_shapes_change(tmp_path):
+    model = torch.nn.Linear(256, 256)
+    grow = Holder({})
+    with ckpt.Checkpointer(tmp_path, model=model, extra={"grow": grow}, interval=None, keep=ckpt.Keep(last=1), handle_sigterm=False) as cp:
+        for _ in range(5):
+            cp.step_done()
+            cp.save(blocking=True)
+        arena = cp._stager.arena
+        used, segments = arena.used, set(arena.segments)
+        for _ in range(20):
+            cp.step_done()
+            cp.save(blocking=True)
+        assert (arena.used, set(arena.segments)) == (used, segments)  # buffers are reused
+        # The layout changes at every save: dead buffers pile up until the arena is renewed.
+        seen = set()
+        for n in range(1, 40):
+            grow.tensors = {"t": torch.zeros(n * 1024 * 1024 // 4)}
+            cp.step_done()
+            cp.save(blocking=True)
+            assert arena.used <= 2 * cp._stager.bytes_staged + (64 << 20) + n * (1 << 20)
+            seen.add(frozenset(arena.segments))
+        assert len(seen) > 1  # renewed at least once
