@@ -29,7 +29,7 @@ from .errors import CheckpointError, RestoreFailed, SaveFailed, StorageError
 from .events import History
 from .manifest import MANIFEST_NAME, Manifest
 from .policy import Every, Keep
-from .stage import Copies, Stager, default_host_budget, tensor_bytes
+from .stage import Copies, Stager, default_host_budget
 from .storage import Store, redact, step_dir_name
 from .writer_proc import ProcessSink, ThreadSink
 
@@ -257,7 +257,7 @@ class Checkpointer:
         started = time.perf_counter()
         counters = {"step": self._step, **self.counters}
         state = self.state.capture(counters, self._io.rank)
-        need = tensor_bytes(state)
+        need = self._stager.bytes_for(state)
         # All ranks must agree to stream: a collective-free save mixes with no other.
         stream = need > self.host_memory_budget and need > self._stager.bytes_staged
         if self._ctrl.world > 1:

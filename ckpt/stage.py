@@ -14,6 +14,7 @@ metadata; only their local shards are copied.
 from __future__ import annotations
 
 import copy
+import itertools
 import os
 from collections.abc import Callable
 from typing import Any
@@ -25,6 +26,9 @@ from torch.distributed.tensor import DTensor
 from .arena import Arena
 
 Path = tuple[Any, ...]
+# Subtrees that capture hands back as the very same dict while nothing in them was replaced
+# (capture's _StateDictCache): staged once, then their copies are simply made again.
+_MEMO_PATHS = {("model",), ("optim", "state")}
 
 
 class Stager:
@@ -36,6 +40,9 @@ class Stager:
         self.bytes_staged = 0  # host bytes held, for the memory ledger
         self.arena = Arena()
         self.pinned_arena = Arena(pin=True)
+        # path -> (source dict, its staged dict, copies made at once, copies deferred)
+        self._memo: dict[Path, tuple[Any, Any, list[Pair], list[Pair]]] = {}
+        self._now: list[Pair] | None = None
 
     @property
     def arenas(self) -> list[Arena]:
@@ -55,7 +62,7 @@ class Stager:
         if sum(a.used for a in self.arenas) > 2 * self.bytes_staged + (64 << 20):
             # Layouts changed and left dead buffers behind: stage into fresh arenas. Only
             # between saves (the previous one has finished with the old buffers).
-            self._cache, self.bytes_staged = {}, 0
+            self._cache, self._memo, self.bytes_staged = {}, {}, 0
             for arena in self.arenas:
                 arena.reset()
         later = Copies()
@@ -66,6 +73,8 @@ class Stager:
             del self._later, self._defer
 
     def _stage(self, obj: Any, path: Path) -> Any:
+        if isinstance(obj, dict) and path in _MEMO_PATHS:
+            return self._memoized(obj, path)
         if isinstance(obj, dict):
             return {k: self._stage(v, (*path, k)) for k, v in obj.items()}
         if isinstance(obj, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in obj):
@@ -78,6 +87,32 @@ class Stager:
         if isinstance(obj, torch.Tensor):
             return self._reuse(path, obj, lambda t: [t], _new_host_tensor)
         return copy.deepcopy(obj)
+
+    def bytes_for(self, state: Any, path: Path = ()) -> int:
+        """`tensor_bytes(state)`, a subtree staged before as the same object counted from
+        its staged copies."""
+        if isinstance(state, dict):
+            hit = self._memo.get(path) if path in _MEMO_PATHS else None
+            if hit is not None and hit[0] is state:
+                return sum(d.numel() * d.element_size() for d, _ in itertools.chain(hit[2], hit[3]))
+            return sum(self.bytes_for(v, (*path, k)) for k, v in state.items())
+        return tensor_bytes(state)
+
+    def _memoized(self, obj: dict[Any, Any], path: Path) -> Any:
+        hit = self._memo.get(path)
+        if hit is not None and hit[0] is obj:  # IMPORTANT: identity, held alive by the memo
+            _, staged, now, later = hit
+            for dst, src in now:
+                dst.copy_(src, non_blocking=dst.is_pinned())
+            self._later.pairs.extend(later)
+            return staged
+        first_later, self._now = len(self._later.pairs), []
+        try:
+            staged = {k: self._stage(v, (*path, k)) for k, v in obj.items()}
+            self._memo[path] = (obj, staged, self._now, self._later.pairs[first_later:])
+        finally:
+            self._now = None
+        return staged
 
     def _reuse(self, path: Path, src: Any, locals_of: Any, allocate: Any) -> Any:
         cached = self._cache.get(path)
@@ -93,6 +128,8 @@ class Stager:
                 self._later.pairs.append((dst, s.detach()))
             else:
                 dst.copy_(s.detach(), non_blocking=dst.is_pinned())
+                if self._now is not None:
+                    self._now.append((dst, s.detach()))
         return cached
 
     def _host_empty(self, t: torch.Tensor) -> torch.Tensor:
@@ -100,11 +137,14 @@ class Stager:
         return arena.empty(t.shape, t.dtype)
 
 
+Pair = tuple[torch.Tensor, torch.Tensor]  # (staging buffer, live tensor)
+
+
 class Copies:
     """Tensor copies into staging buffers, made by whoever calls `run` (once)."""
 
     def __init__(self) -> None:
-        self.pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.pairs: list[Pair] = []
 
     @property
     def bytes(self) -> int:

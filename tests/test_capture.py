@@ -1,0 +1,72 @@
+"""Capture reuses DCP's state dicts between saves only while they are still the right answer.
+
+Each check compares what a save captures with a fresh `get_state_dict` of the same objects
+at the same moment: values, structure and optimizer hyperparameters.
+"""
+
+from __future__ import annotations
+
+import torch
+from compare import assert_bitwise_equal
+from torch.distributed.checkpoint.state_dict import get_state_dict
+
+from ckpt.capture import TrainingState
+
+
+def _setup():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    return model, opt, sched, TrainingState.of(model, opt, sched, None, None)
+
+
+def _step(model, opt, sched) -> None:
+    model(torch.randn(4, 8)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    sched.step()
+
+
+def _fresh(model, opt) -> dict:
+    msd, osd = get_state_dict(model, opt)
+    return {"model": msd, "optim": osd}
+
+
+def _check(state: TrainingState, model, opt) -> dict:
+    got = state.capture({"step": 0}, 0)
+    want = _fresh(model, opt)
+    assert_bitwise_equal({k: got[k] for k in want}, want, "capture")
+    return got
+
+
+def test_a_reused_capture_equals_a_fresh_one_as_training_and_the_lr_schedule_go_on():
+    model, opt, sched, state = _setup()
+    _step(model, opt, sched)
+    first = _check(state, model, opt)
+    for _ in range(3):
+        _step(model, opt, sched)
+        again = _check(state, model, opt)
+        assert again["model"] is first["model"]  # reused, not recomputed
+        assert again["optim"]["param_groups"][0]["lr"] == opt.param_groups[0]["lr"]
+
+
+def test_a_replaced_parameter_or_a_new_optimizer_state_entry_is_captured_anew():
+    model, opt, sched, state = _setup()
+    _check(state, model, opt)  # before any step (DCP creates the optimizer state)
+    _step(model, opt, sched)
+    second = _check(state, model, opt)
+    opt.state[model[0].weight]["extra"] = torch.ones(3)  # an optimizer state entry appears
+    assert _check(state, model, opt)["model"] is not second["model"]
+    model[0].weight.data = torch.full_like(model[0].weight, 7.0)  # a new storage
+    third = _check(state, model, opt)
+    assert torch.equal(third["model"]["0.weight"], torch.full_like(model[0].weight, 7.0))
+
+
+def test_a_model_with_unknown_state_dict_hooks_is_always_captured_anew():
+    model, opt, sched, state = _setup()
+    model[0].register_state_dict_pre_hook(lambda *a, **k: None)
+    _step(model, opt, sched)
+    first = _check(state, model, opt)
+    _step(model, opt, sched)
+    assert _check(state, model, opt)["model"] is not first["model"]
