@@ -4,6 +4,7 @@
     .venv/bin/python bench/stall.py                  # 100 MB of state per rank, 2 ranks (gloo)
     .venv/bin/python bench/stall.py --size-mb 1000   # 1 GB per rank
     .venv/bin/python bench/stall.py --many-small     # ~10,000 small tensors per rank
+    .venv/bin/python bench/stall.py --device cuda --size-mb 1000   # on GPUs (bench/gpu_check.sh)
 
 One command starts 2 ranks (gloo on loopback, this file again with RANK/WORLD_SIZE/MASTER_*
 set) and prints the table; the numbers and every raw per-save measurement go to
@@ -46,6 +47,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 PEERS = ["floor", "ckpt", "dcp_sync", "dcp_thread", "dcp_process", "tc", "tc_fsync", "naive"]
+CUDA_PEERS = ["floor", "ckpt"]  # the peers configured for --device cuda
 DESCRIBE = {
     "floor": "one copy_ into preallocated host buffers (no write)",
     "ckpt": "ckpt.Checkpointer.save() (async, public API)",
@@ -66,7 +68,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--saves", type=int, default=None, help="timed saves per peer (default 6; 3 at >= 500 MB and with --many-small)")
     p.add_argument("--interval-s", type=float, default=None,
                    help="training time between saves, rounded up to whole steps (default: 1 s + 6 ms per MB of state; 6 s with --many-small)")
-    p.add_argument("--peers", default=",".join(PEERS), help=f"comma-separated subset of {','.join(PEERS)}")
+    p.add_argument("--peers", default=None, help=f"comma-separated subset of {','.join(PEERS)} (default: all; with "
+                   f"--device cuda {','.join(CUDA_PEERS)})")
     p.add_argument("--dir", default=None, help="where checkpoints are written (default: a fresh dir under /tmp)")
     p.add_argument("--out", default=None, help="the JSON results file (default bench/results/stall-<mode>-<time>.json)")
     p.add_argument("--order", choices=["rounds", "phases"], default=None,
@@ -75,13 +78,20 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    "one peer after the other, each alone in memory (every peer holds a copy of the "
                    "state: 8 copies of 1 GB per rank would not fit a 24 GB machine)")
     p.add_argument("--batch", type=int, default=2, help="sequences per rank per step (of 32 tokens)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="where the model trains: cpu (default; gloo) or cuda (one GPU per rank, nccl for "
+                   "the model, pinned host buffers for the floor; peers floor and ckpt only)")
+    p.add_argument("--ranks", type=int, default=2, help="number of ranks (default 2; with cuda at most the GPU count)")
     p.add_argument("--show", metavar="JSON", help="print the table of an earlier run's results file and exit")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    args.peers = [x for x in args.peers.split(",") if x]
+    allowed = CUDA_PEERS if args.device == "cuda" else PEERS
+    args.peers = [x for x in (args.peers or ",".join(allowed)).split(",") if x]
     for x in args.peers:
-        if x not in PEERS:
-            p.error(f"unknown peer {x!r}; choose from {PEERS}")
+        if x not in allowed:
+            p.error(f"peer {x!r} is not available with --device {args.device}; choose from {allowed}")
+    if args.ranks < 1:
+        p.error("--ranks must be at least 1")
     if args.many_small:
         args.size_mb = 16.0  # what the narrow model holds; reported exactly below
     if args.order is None:
@@ -215,58 +225,25 @@ def free_port() -> int:
 
 
 def launch(args: argparse.Namespace, argv: list[str]) -> int:
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available() or torch.cuda.device_count() < args.ranks:
+            print(f"[stall] --device cuda needs {args.ranks} GPU(s) (one per rank); torch {torch.__version__} "
+                  f"sees {torch.cuda.device_count() if torch.cuda.is_available() else 'no usable'} GPU", file=sys.stderr)
+            return 2
     mode = "many-small" if args.many_small else f"{args.size_mb:g}mb"
-    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    out = Path(args.out) if args.out else HERE / "results" / f"stall-{mode}-{stamp}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    made_dir = args.dir is None
-    work = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="ckpt-stall-", dir="/tmp"))
-    work.mkdir(parents=True, exist_ok=True)
+    out, work, made_dir = run_paths("stall", f"stall-{mode}", args.out, args.dir)
     raw_path = work / "raw.json"
     with contextlib.suppress(FileNotFoundError):
         raw_path.unlink()
-    port, world = free_port(), 2
-    procs = []
     t_start = time.time()
-    for rank in range(world):
-        env = {
-            **os.environ,
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": str(world),
-            "LOCAL_WORLD_SIZE": str(world),
-            "OMP_NUM_THREADS": "1",  # one intra-op thread per rank: 2 ranks on 2 cores
-            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
-        }
-        cmd = [sys.executable, str(Path(__file__).resolve()), *argv, "--worker", "--dir", str(work)]
-        # The peers' writer processes log freely; their output goes to the rank's log file.
-        with open(work / f"rank{rank}.log", "wb") as logf:
-            procs.append(subprocess.Popen(cmd, env=env, stdout=logf, stderr=subprocess.STDOUT))
-    print(f"[stall] {mode}: 2 ranks started (pids {[p.pid for p in procs]}), checkpoints and logs under {work}", flush=True)
-    progress = _Follow(work / "rank0.log")
-    # The machine is shared: sample every CPU second spent, ours and others', to report the load.
     samples: list[tuple[float, float, float]] = []
-    me = os.getpid()
-    failed = None
-    while any(p.poll() is None for p in procs):
-        samples.append((time.time(), system_busy(), tree_cpu(me)))
-        progress.show()
-        for p in procs:
-            if p.poll() not in (None, 0) and failed is None:
-                failed = p
-                for q in procs:  # a rank died: the other would wait in a collective forever
-                    if q.poll() is None:
-                        q.kill()
-        time.sleep(0.5)
-    samples.append((time.time(), system_busy(), tree_cpu(me)))
-    progress.show()
-    codes = [p.returncode for p in procs]
+    codes = run_ranks(
+        Path(__file__).resolve(), [*argv, "--worker", "--dir", str(work)], args.ranks, work, samples, f"[stall] {mode}"
+    )
     if any(codes) or not raw_path.exists():
-        for rank in range(world):
-            tail = (work / f"rank{rank}.log").read_text(errors="replace").splitlines()[-30:]
-            print(f"--- rank {rank} log (last lines) ---", *tail, sep="\n", file=sys.stderr)
+        print_log_tails(work, args.ranks)
         print(f"[stall] a rank failed (exit codes {codes}); no results; logs under {work}", file=sys.stderr)
         return 1
     raw = json.loads(raw_path.read_text())
@@ -283,11 +260,82 @@ def launch(args: argparse.Namespace, argv: list[str]) -> int:
     return 0
 
 
-class _Follow:
-    """Echo the progress lines ("[stall] ...") rank 0 writes to its log."""
+def run_paths(bench: str, stem: str, out: str | None, work: str | None) -> tuple[Path, Path, bool]:
+    """The results file (`out`, or bench/results/<stem>-<time>.json) and the work directory
+    (`work`, or a fresh one under /tmp), both made; True when the work directory was made here
+    (to delete after a run that went well)."""
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    out_path = Path(out) if out else HERE / "results" / f"{stem}-{stamp}.json"
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    work_path = Path(work) if work else Path(tempfile.mkdtemp(prefix=f"ckpt-{bench}-", dir="/tmp"))
+    work_path.mkdir(parents=True, exist_ok=True)
+    return out_path, work_path, work is None
 
-    def __init__(self, path: Path) -> None:
-        self.path, self.pos, self.partial = path, 0, b""
+
+def run_ranks(
+    script: Path,
+    argv: list[str],
+    world: int,
+    work: Path,
+    samples: list[tuple[float, float, float]],
+    label: str,
+    env: dict[str, str] | None = None,
+    log: str = "rank",
+) -> list[int]:
+    """Run `script argv` as `world` ranks on loopback (RANK/WORLD_SIZE/MASTER_* set, one
+    intra-op thread each), their output in `work/<log><rank>.log`; echo rank 0's progress
+    lines (those starting with `label`'s tag) and append (time, machine busy CPU s, our tree's
+    CPU s) to `samples` every 0.5 s. If a rank fails the others are killed (they would wait
+    in a collective forever). Returns the exit codes."""
+    port, procs = free_port(), []
+    for rank in range(world):
+        penv = {
+            **os.environ,
+            **(env or {}),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "LOCAL_WORLD_SIZE": str(world),
+            "OMP_NUM_THREADS": "1",  # one intra-op thread per rank: 2 ranks on 2 cores
+            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+        }
+        # The peers' writer processes log freely; their output goes to the rank's log file.
+        with open(work / f"{log}{rank}.log", "wb") as logf:
+            procs.append(subprocess.Popen([sys.executable, str(script), *argv], env=penv, stdout=logf, stderr=subprocess.STDOUT))
+    print(f"{label}: {world} ranks started (pids {[p.pid for p in procs]}), checkpoints and logs under {work}", flush=True)
+    progress = _Follow(work / f"{log}0.log", label.split()[0].encode())
+    # The machine is shared: sample every CPU second spent, ours and others', to report the load.
+    me = os.getpid()
+    failed = None
+    while any(p.poll() is None for p in procs):
+        samples.append((time.time(), system_busy(), tree_cpu(me)))
+        progress.show()
+        for p in procs:
+            if p.poll() not in (None, 0) and failed is None:
+                failed = p
+                for q in procs:  # a rank died: the other would wait in a collective forever
+                    if q.poll() is None:
+                        q.kill()
+        time.sleep(0.5)
+    samples.append((time.time(), system_busy(), tree_cpu(me)))
+    progress.show()
+    return [p.returncode for p in procs]
+
+
+def print_log_tails(work: Path, world: int, log: str = "rank") -> None:
+    for rank in range(world):
+        with contextlib.suppress(OSError):
+            tail = (work / f"{log}{rank}.log").read_text(errors="replace").splitlines()[-30:]
+            print(f"--- {log} {rank} log (last lines) ---", *tail, sep="\n", file=sys.stderr)
+
+
+class _Follow:
+    """Echo the progress lines ("[stall] ...", or another tag) rank 0 writes to its log."""
+
+    def __init__(self, path: Path, tag: bytes = b"[stall]") -> None:
+        self.path, self.pos, self.partial, self.tag = path, 0, b"", tag
 
     def show(self) -> None:
         with contextlib.suppress(OSError), open(self.path, "rb") as f:
@@ -297,27 +345,29 @@ class _Follow:
         lines = (self.partial + data).split(b"\n")
         self.partial = lines.pop()
         for line in lines:
-            if line.startswith(b"[stall]") or b"Error" in line or b"Traceback" in line:
+            if line.startswith(self.tag) or b"Error" in line or b"Traceback" in line:
                 print(line.decode(errors="replace"), flush=True)
+
+
+def others_cores(samples: list[tuple[float, float, float]], t0: float, t1: float) -> float | None:
+    """Cores used on average by processes outside our tree between t0 and t1 (None: too
+    few samples in the window)."""
+    inside = [s for s in samples if t0 <= s[0] <= t1]
+    if len(inside) < 2:
+        return None
+    (a, busy0, ours0), (b, busy1, ours1) = inside[0], inside[-1]
+    return max(0.0, ((busy1 - busy0) - (ours1 - ours0)) / (b - a)) if b > a else None
 
 
 def _load_report(samples: list[tuple[float, float, float]], raw: dict[str, Any]) -> dict[str, Any]:
     """CPU cores used by other processes on the machine, over the run and per phase."""
-
-    def others(t0: float, t1: float) -> float | None:
-        inside = [s for s in samples if t0 <= s[0] <= t1]
-        if len(inside) < 2:
-            return None
-        (a, busy0, ours0), (b, busy1, ours1) = inside[0], inside[-1]
-        return max(0.0, ((busy1 - busy0) - (ours1 - ours0)) / (b - a)) if b > a else None
-
     out: dict[str, Any] = {
         "loadavg_end": Path("/proc/loadavg").read_text().split()[:3],
-        "others_cores_whole_run": others(samples[0][0], samples[-1][0]),
+        "others_cores_whole_run": others_cores(samples, samples[0][0], samples[-1][0]),
     }
     for ph in raw["phases"]:
         if ph["kind"] == "peer" and ph.get("saves"):
-            vals = [others(x["t_end"] - x["seg_s"] - 0.5, x["t_end"] + 0.5) for x in ph["saves"]]
+            vals = [others_cores(samples, x["t_end"] - x["seg_s"] - 0.5, x["t_end"] + 0.5) for x in ph["saves"]]
             vals = [v for v in vals if v is not None]
             ph["others_cores"] = statistics.fmean(vals) if vals else None
     return out
@@ -437,7 +487,7 @@ def table(result: dict[str, Any]) -> str:
     cfg, m = result["config"], result["machine"]
     head = [
         f"{cfg['mode']}: {cfg['state_mb_per_rank']:.1f} MB of state per rank in {cfg['tensors_per_rank']} tensors, "
-        f"{cfg['world']} ranks (gloo), {cfg['saves']} timed saves per peer ({cfg.get('order', 'rounds')}), K={cfg['K']} steps between saves "
+        f"{cfg['world']} ranks ({_backends(cfg)}), {cfg['saves']} timed saves per peer ({cfg.get('order', 'rounds')}), K={cfg['K']} steps between saves "
         f"(step {cfg['step_s'] * 1e3:.0f} ms; model d={cfg['d']} layers={cfg['layers']}, {cfg['params'] / 1e6:.1f}M params)",
         f"machine: {m['nproc']} cores, {m['cpu_model']}, {m['mem_total_gb']} GB; other processes used "
         f"{(result['load']['others_cores_whole_run'] or 0):.2f} cores on average during the run",
@@ -482,7 +532,16 @@ def table(result: dict[str, Any]) -> str:
         )
     if "ckpt_overhead_over_best_peer" in rt:
         tail.append(f"ckpt overhead / best peer's ({rt['best_peer']}) = {rt['ckpt_overhead_over_best_peer']:.2f}x")
+    if cfg.get("device", "cpu") != "cpu" and "floor_copy_s" in rt:
+        tail.append(
+            f"copy floor: {cfg['state_mb_per_rank']:.0f} MB per rank device-to-host into pinned buffers in "
+            f"{rt['floor_copy_s'] * 1e3:.0f} ms = {cfg['state_mb_per_rank'] / 1e3 / rt['floor_copy_s']:.1f} GB/s per rank"
+        )
     return "\n".join(head + body + tail)
+
+
+def _backends(cfg: dict[str, Any]) -> str:
+    return "gloo" if cfg.get("device", "cpu") == "cpu" else "nccl for the model, gloo for ckpt"
 
 
 def print_report(result: dict[str, Any]) -> None:
@@ -499,30 +558,55 @@ def print_report(result: dict[str, Any]) -> None:
 
 
 def build_model(args: argparse.Namespace, world: int):  # noqa: ANN201
+    shape = model_shape(args.size_mb, world, args.many_small)
+    return make_model(shape, world, args.device, shard_blocks=not args.many_small)
+
+
+def model_shape(size_mb: float, world: int, many_small: bool = False) -> dict[str, int]:
+    """TinyGPT's width and depth for `size_mb` of state (params + 2 fp32 AdamW moments) per rank."""
+    if many_small:
+        # 48 tensors per block in the state (12 params, each with exp_avg, exp_avg_sq, step).
+        return {"d": 32, "layers": 208, "heads": 2}
+    params = size_mb * 1e6 * world / 12  # params + 2 fp32 moments, sharded over `world`
+    d = 512 if size_mb <= 300 else 1024 if size_mb < 4000 else 2048
+    return {"d": d, "layers": max(1, round(params / (12 * d * d + 13 * d))), "heads": d // 64}
+
+
+def make_model(shape: dict[str, int], world: int, device: str = "cpu", shard_blocks: bool = True):  # noqa: ANN201
+    """The example's TinyGPT at `shape`, under FSDP2 over `world` ranks on `device`."""
     import torch
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     sys.path.insert(0, str(REPO / "examples"))
-    from train_transformer import TinyGPT  # the example's model, at a larger size
+    from train_transformer import Block, TinyGPT  # the example's model, at a larger size
 
-    if args.many_small:
-        # 48 tensors per block in the state (12 params, each with exp_avg, exp_avg_sq, step).
-        d, layers, heads = 32, 208, 2
-    else:
-        params = args.size_mb * 1e6 * world / 12  # params + 2 fp32 moments, sharded over `world`
-        d = 512 if args.size_mb <= 300 else 1024
-        layers = max(1, round(params / (12 * d * d + 13 * d)))
-        heads = d // 64
     torch.manual_seed(0)
-    model = TinyGPT(d=d, layers=layers, heads=heads)
+    if device == "cpu":
+        model = TinyGPT(d=shape["d"], layers=shape["layers"], heads=shape["heads"])
+    else:
+        with torch.device(device):  # initialized where it trains: GBs of parameters
+            model = TinyGPT(d=shape["d"], layers=shape["layers"], heads=shape["heads"])
+
+        class DeviceBlock(Block):
+            """The example's block, with its causal mask made on the input's device."""
+
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                n = x.shape[1]
+                mask = torch.triu(torch.ones(n, n, dtype=torch.bool, device=x.device), diagonal=1)
+                h = self.ln1(x)
+                x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
+                return x + self.mlp(self.ln2(x))
+
+        for block in model.blocks:
+            block.__class__ = DeviceBlock
     n_params = sum(p.numel() for p in model.parameters())
-    mesh = init_device_mesh("cpu", (world,))
-    if not args.many_small:
+    mesh = init_device_mesh(device, (world,))
+    if shard_blocks:
         for block in model.blocks:
             fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)  # many-small: one FSDP group, 10,000 tensors still
-    return model, {"d": d, "layers": layers, "heads": heads, "params": n_params}
+    return model, {**shape, "params": n_params}
 
 
 def tensor_leaves(obj: Any) -> list[Any]:
@@ -557,9 +641,9 @@ def _fsync_tree(cb_args: Any) -> None:
 
 
 class Ctx:
-    def __init__(self, model: Any, opt: Any, rank: int, world: int, root: Path, tensors: int) -> None:
+    def __init__(self, model: Any, opt: Any, rank: int, world: int, root: Path, tensors: int, device: str = "cpu") -> None:
         self.model, self.opt, self.rank, self.world, self.root = model, opt, rank, world, root
-        self.tensors = tensors
+        self.tensors, self.device = tensors, device
 
 
 class Peer:
@@ -623,16 +707,26 @@ class Floor(Peer):
     def setup(self) -> None:
         import torch
 
-        self.bufs = [torch.empty_like(t, device="cpu") for t in tensor_leaves(self.state())]
+        self.cuda = self.ctx.device == "cuda"
+        # On CUDA the floor is a DMA: device-to-host into pinned buffers, asynchronous copies
+        # queued, then one synchronize.
+        self.bufs = [
+            torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True) if self.cuda else torch.empty_like(t, device="cpu")
+            for t in tensor_leaves(self.state())
+        ]
         self.gsd_s: list[float] = []
 
     def save(self, i: int) -> None:
+        import torch
+
         t = time.perf_counter()
         leaves = tensor_leaves(self.state())
         self.gsd_s.append(time.perf_counter() - t)
         self.t_start = time.perf_counter()  # the floor is the copy alone
         for dst, src in zip(self.bufs, leaves, strict=True):
-            dst.copy_(src)
+            dst.copy_(src, non_blocking=self.cuda)
+        if self.cuda:
+            torch.cuda.synchronize()
 
     def teardown(self) -> None:
         self.notes.append(
@@ -877,7 +971,13 @@ def worker(args: argparse.Namespace) -> None:
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", category=UserWarning)
 
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=900))
+    if args.device == "cuda":
+        # One GPU per rank. The model's collectives run on nccl; object collectives and
+        # barriers on gloo; ckpt makes its own gloo groups.
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("cpu:gloo,cuda:nccl", timeout=datetime.timedelta(seconds=900))
+    else:
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=900))
     rank, world = dist.get_rank(), dist.get_world_size()
     main_tid = threading_native_id()
     root = Path(args.dir)
@@ -886,14 +986,16 @@ def worker(args: argparse.Namespace) -> None:
     from train_transformer import SEQ, VOCAB
 
     g = torch.Generator().manual_seed(1000 + rank)
-    x = torch.randint(0, VOCAB, (args.batch, SEQ), generator=g)
-    y = torch.randint(0, VOCAB, (args.batch, SEQ), generator=g)
+    x = torch.randint(0, VOCAB, (args.batch, SEQ), generator=g).to(args.device)
+    y = torch.randint(0, VOCAB, (args.batch, SEQ), generator=g).to(args.device)
 
     def train_step(peer: Peer | None) -> float:
         loss = F.cross_entropy(model(x).reshape(-1, VOCAB), y.reshape(-1))
         loss.backward()
         waited = peer.opt_step() if peer else (opt.step() or 0.0)
         opt.zero_grad()
+        if args.device == "cuda":
+            torch.cuda.synchronize()  # a step's time is its GPU work (a loop's loss.item() does this)
         if peer:
             peer.after_step()
         return waited
@@ -929,6 +1031,8 @@ def worker(args: argparse.Namespace) -> None:
         "state_mb_per_rank": state_bytes / 1e6,
         "tensors_per_rank": len(leaves),
         "peers": args.peers,
+        "device": args.device,
+        "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
         "torch": torch.__version__,
         "torch_checkpointing": _version("torch_checkpointing"),
         "ckpt_source": ckpt_source(),
@@ -1030,7 +1134,7 @@ def worker(args: argparse.Namespace) -> None:
 
         peers: list[Peer] = []
         for name in names:
-            peer = PEER_CLASSES[name](Ctx(model, opt, rank, world, root, config["tensors_per_rank"]))
+            peer = PEER_CLASSES[name](Ctx(model, opt, rank, world, root, config["tensors_per_rank"], args.device))
             peer.record = {"kind": "peer", "peer": name, "saves": [], "bases_before": [], "bases_after": []}
             if rank == 0:  # a fresh directory: what an earlier run left must not change this one
                 shutil.rmtree(peer.dir, ignore_errors=True)
