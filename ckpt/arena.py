@@ -14,6 +14,7 @@ works, and the writer runs in a thread of the trainer instead of a process.
 from __future__ import annotations
 
 import ctypes
+import itertools
 import mmap
 import os
 from dataclasses import dataclass, field
@@ -25,6 +26,9 @@ _SMALL = 256 << 10  # tensors below this are packed, not page-aligned
 _PACK = 64
 _RESERVE = 1 << 30  # address space reserved per segment; memory is committed on first touch
 _RESERVE_PINNED = 256 << 20  # page-locking commits all of it: reserve less
+# IMPORTANT: segment ids are unique across the arenas of a process (a stager has a pageable
+# and a pinned one), since a write names its pieces by segment id.
+_segment_ids = itertools.count()
 
 
 @dataclass(eq=False)
@@ -49,7 +53,6 @@ class Arena:
 
     pin: bool = False
     segments: dict[int, Segment] = field(default_factory=dict)
-    _next_id: int = 0
 
     @property
     def shareable(self) -> bool:
@@ -104,14 +107,14 @@ class Arena:
         return seg, 0
 
     def _new_segment(self, size: int) -> Segment:
+        seg_id = next(_segment_ids)
         if self.shareable:
-            fd = os.memfd_create(f"ckpt-arena-{os.getpid()}-{self._next_id}", os.MFD_CLOEXEC)
+            fd = os.memfd_create(f"ckpt-arena-{os.getpid()}-{seg_id}", os.MFD_CLOEXEC)
             os.ftruncate(fd, size)
             m = mmap.mmap(fd, size)
         else:
             fd, m = -1, mmap.mmap(-1, size)
-        seg = Segment(self._next_id, size, fd, m, ctypes.addressof(ctypes.c_char.from_buffer(m)))
-        self._next_id += 1
+        seg = Segment(seg_id, size, fd, m, ctypes.addressof(ctypes.c_char.from_buffer(m)))
         if self.pin:
             _pin(seg)
         self.segments[seg.id] = seg

@@ -217,3 +217,31 @@ def test_staging_memory_stays_flat_over_saves_and_is_renewed_when_shapes_change(
             assert arena.used <= 2 * cp._stager.bytes_staged + (64 << 20) + n * (1 << 20)
             seen.add(frozenset(arena.segments))
         assert len(seen) > 1  # renewed at least once
+
+
+@pytest.mark.parametrize("writer", ["process", "thread"])
+def test_tensors_staged_in_two_arenas_are_written_from_the_right_one(tmp_path, writer):
+    # On CUDA a stager has a pageable and a pinned arena; their segments must never be mixed
+    # up (they once were: both numbered theirs from 0, and small CPU tensors were saved with
+    # the bytes of a pinned segment).
+    from ckpt.arena import Arena
+    from ckpt.commit import Group, persist
+    from ckpt.writer_proc import ProcessSink, ThreadSink
+
+    arenas = [Arena(), Arena()]
+    want = {f"t{i}": torch.randn(100 + i) for i in range(6)}
+    staged = {}
+    for i, (k, v) in enumerate(want.items()):
+        staged[k] = arenas[i % 2].empty(v.shape, v.dtype)
+        staged[k].copy_(v)
+    store = Store(tmp_path)
+    sink = ProcessSink(store) if writer == "process" else ThreadSink(store)
+    try:
+        persist(store, Group(None, 0, 1), 1, {"extra": staged}, sink=sink, arenas=arenas, counters={}, user={}, blocking_s=0.0, started=time.perf_counter())
+    finally:
+        sink.close()
+    assert len({s for a in arenas for s in a.segments}) == 2
+    got = {"extra": {k: torch.zeros_like(v) for k, v in want.items()}}
+    dcp.load(got, checkpoint_id=str(tmp_path / "step-0000000001"))
+    for k, v in want.items():
+        assert torch.equal(got["extra"][k], v), k
