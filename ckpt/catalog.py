@@ -4,35 +4,162 @@ A step directory is `committed` when its manifest parses, names its own step and
 it lists is there with the listed size; `incomplete` without a manifest (a save that never
 finished, or one being written); `corrupt` otherwise. Checking reads only the listing and
 the manifests, plus `.metadata` (checksummed, never unpickled) for the restore candidates;
-`deep` checks every checksum.
+`deep` checks every checksum, streaming each file through it in bounded chunks.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import BinaryIO
 
 from .errors import InvalidCheckpoint, NotFound
-from .manifest import MANIFEST_NAME, METADATA_NAME, Manifest
-from .storage import StepListing, Store, checksum, step_dir_name
+from .manifest import MANIFEST_NAME, METADATA_NAME, FileEntry, Manifest
+from .storage import Hasher, StepListing, Store, checksum, step_dir_name
 
 log = logging.getLogger(__name__)
 
 COMMITTED, INCOMPLETE, CORRUPT = "committed", "incomplete", "corrupt"
 
+# Bytes read per call while streaming a file: the piece is still in the CPU cache when it is
+# hashed. Measured (warm page cache, read + hash against a plain read): 2 busy cores, ~80 % for
+# 256 KiB to 2 MiB, less above; H200 host, 16 cores, 70 % at 256 KiB, 65 % at 1 MiB, 53 % at
+# 16 MiB. A hashing thread did worse on the busy 2 cores (55-70 %).
+READ_CHUNK = 256 << 10
 
-def read_verified(store: Store, step_dir: str, name: str, manifest: Manifest) -> bytes:
-    """The whole file, after its size and checksum matched the manifest's entry."""
-    where = f"{store.display}/{step_dir}/{name}"
+
+def _entry(where: str, name: str, manifest: Manifest) -> FileEntry:
     entry = manifest.files.get(name)
     if entry is None:
         raise InvalidCheckpoint(f"{where}: not listed in the manifest")
-    data = store.read_bytes(f"{step_dir}/{name}")
-    if len(data) != entry.size:
-        raise InvalidCheckpoint(f"{where}: {len(data)} bytes, manifest says {entry.size}")
-    if checksum(data) != entry.checksum:
+    return entry
+
+
+def _check(where: str, entry: FileEntry, size: int, digest: str) -> None:
+    if size != entry.size:
+        raise InvalidCheckpoint(f"{where}: {size} bytes, manifest says {entry.size}")
+    if digest != entry.checksum:
         raise InvalidCheckpoint(f"{where}: checksum mismatch (corrupt file)")
+
+
+def read_verified(store: Store, step_dir: str, name: str, manifest: Manifest) -> bytes:
+    """The whole file, after its size and checksum matched the manifest's entry (for small
+    files: `.metadata`; data files are streamed through `VerifyingReader`)."""
+    where = f"{store.display}/{step_dir}/{name}"
+    entry = _entry(where, name, manifest)
+    data = store.read_bytes(f"{step_dir}/{name}")
+    _check(where, entry, len(data), checksum(data))
     return data
+
+
+def verify_file(store: Store, step_dir: str, name: str, manifest: Manifest) -> None:
+    """Check one file's size and checksum against the manifest, holding at most a few
+    chunks of it in memory."""
+    with VerifyingReader.open(store, step_dir, name, manifest) as src:
+        src.finish()
+
+
+class VerifyingReader:
+    """One file of a checkpoint, read front to back exactly once: every byte handed out or
+    skipped goes through the checksum and the byte count, and `finish()` compares them with
+    the manifest. Bytes handed out before `finish()` returned are not trusted yet: a caller
+    may put them in place, but decodes (unpickles) nothing from them before.
+
+    Each piece is hashed right after it is read, while it is still in the CPU cache."""
+
+    def __init__(self, f: BinaryIO, where: str, entry: FileEntry) -> None:
+        self._f = f
+        self.where = where
+        self.entry = entry
+        self.pos = 0  # bytes consumed by the caller
+        self._hasher = Hasher()
+        self._ahead = b""  # read and hashed, not consumed yet (peek)
+        self._scratch = memoryview(b"")
+
+    @classmethod
+    @contextlib.contextmanager
+    def open(cls, store: Store, step_dir: str, name: str, manifest: Manifest) -> Iterator[VerifyingReader]:
+        where = f"{store.display}/{step_dir}/{name}"
+        entry = _entry(where, name, manifest)
+        with store.open_read(f"{step_dir}/{name}") as f:
+            yield cls(f, where, entry)
+
+    def peek(self, n: int) -> bytes:
+        """Up to `n` next bytes (fewer only where the file ends), without consuming them."""
+        while len(self._ahead) < n:
+            more = self._f.read(n - len(self._ahead))
+            if not more:
+                break
+            self._hasher.update(more)
+            self._ahead += more
+        return self._ahead[:n]
+
+    def read(self, n: int) -> bytes:
+        """The next `n` bytes; the file ending before is an InvalidCheckpoint."""
+        parts = [self._ahead[:n]]
+        self._ahead = self._ahead[n:]
+        have = len(parts[0])
+        while have < n:
+            more = self._f.read(min(n - have, READ_CHUNK))
+            if not more:
+                self._short()
+            self._hasher.update(more)
+            parts.append(more)
+            have += len(more)
+        self.pos += n
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    def readinto(self, buf: memoryview) -> None:
+        """Fill `buf` with the next bytes."""
+        buf = buf.cast("B") if buf.format != "B" else buf
+        done = min(len(buf), len(self._ahead))
+        buf[:done] = self._ahead[:done]
+        self._ahead = self._ahead[done:]
+        self.pos += done
+        while done < len(buf):
+            piece = buf[done : done + READ_CHUNK]
+            got = self._f.readinto(piece)
+            if not got:
+                self._short()
+            self._hasher.update(piece[:got])
+            self.pos += got
+            done += got
+
+    def skip(self, n: int) -> None:
+        """Consume `n` bytes (hashed like any other)."""
+        ahead = min(n, len(self._ahead))
+        self._ahead = self._ahead[ahead:]
+        self.pos += ahead
+        n -= ahead
+        while n > 0:
+            got = self._read_scratch(n)
+            if not got:
+                self._short()
+            n -= got
+
+    def finish(self) -> None:
+        """Read the rest of the file; InvalidCheckpoint unless its size and checksum are the
+        manifest's."""
+        self.skip(len(self._ahead))
+        while self._read_scratch(READ_CHUNK):
+            pass
+        _check(self.where, self.entry, self._hasher.size, self._hasher.hexdigest())
+
+    def _read_scratch(self, n: int) -> int:
+        if not self._scratch:
+            self._scratch = memoryview(bytearray(READ_CHUNK))
+        got = self._f.readinto(self._scratch[: min(n, READ_CHUNK)]) or 0
+        self._hasher.update(self._scratch[:got])
+        self.pos += got
+        return got
+
+    def _short(self) -> None:
+        size = self._hasher.size
+        if size != self.entry.size:
+            raise InvalidCheckpoint(f"{self.where}: {size} bytes, manifest says {self.entry.size}")
+        raise InvalidCheckpoint(f"{self.where}: ends at byte {size}, before the items its .metadata lists")
 
 
 @dataclass
@@ -73,11 +200,12 @@ def inspect(store: Store, listing: StepListing, *, metadata: bool = False, deep:
                 raise InvalidCheckpoint(f"{where}/{name}: {size} bytes, manifest says {f.size}")
         names = manifest.files if deep else [METADATA_NAME] if metadata else []
         for name in names:
-            blob = read_verified(store, entry.dir, name, manifest)
             if deep and name == METADATA_NAME:
                 from .dcp_io import load_metadata  # needs torch: only for deep checks
 
-                load_metadata(blob)
+                load_metadata(read_verified(store, entry.dir, name, manifest))
+            else:
+                verify_file(store, entry.dir, name, manifest)
     except (InvalidCheckpoint, NotFound) as e:
         entry.state, entry.problem = CORRUPT, str(e)
         return entry

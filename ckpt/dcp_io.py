@@ -1,51 +1,49 @@
-"""DCP storage plugins: our writer and reader behind `torch.distributed.checkpoint`.
+"""DCP's storage reader for ckpt: restore reads every byte through the manifest's checksum.
 
-The files are plain DCP (`__<rank>_0.distcp` and `.metadata`, the layout of DCP's own
-FileSystemWriter), so `torch.distributed.checkpoint.load` reads them without ckpt. What we
-add: each file is checksummed while it is written and made durable before the save returns
-(fsync locally, a completed PUT or multipart upload on an object store), and on the way
-back every byte is checked against the manifest before DCP unpickles or loads any of it.
+The files are plain DCP (written by `ckpt.dcp_write`). Each data file is read once, front to
+back, through its checksum; tensor data goes straight into the tensors being restored, and
+pickled values are unpickled (with `weights_only=True`) only after the whole file matched
+the manifest. A mismatch fails the restore, which then falls back to an older checkpoint.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import io
+import itertools
 import os
 import pickle
-import uuid
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 # DCP's own record of where an item lies in a file; its reader expects exactly this type.
 from torch.distributed.checkpoint.filesystem import (
-    CURRENT_DCP_VERSION,
     FileSystemBase,
     _StorageInfo,
-    _StoragePrefix,
 )
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
     ReadItem,
-    SavePlan,
-    SavePlanner,
-    WriteItemType,
 )
-from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from ._faults import fault_point
-from .catalog import read_verified
+from . import tensor_blob
+from .catalog import VerifyingReader, read_verified
 from .errors import InvalidCheckpoint
-from .manifest import METADATA_NAME, FileEntry, Manifest
-from .storage import Hasher, Store, checksum
+from .manifest import Manifest
+from .storage import Store
 
 DATA_SUFFIX = ".distcp"
 
@@ -53,112 +51,6 @@ DATA_SUFFIX = ".distcp"
 warnings.filterwarnings(
     "ignore", message="torch.distributed is disabled, unavailable or uninitialized", category=UserWarning
 )
-
-
-class _HashingStream(io.RawIOBase):
-    """Write-through wrapper that checksums and counts every byte."""
-
-    def __init__(self, raw: Any) -> None:
-        self.raw = raw
-        self.hasher = Hasher()
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, b: Any) -> int:
-        view = memoryview(b).cast("B")
-        self.raw.write(view)
-        self.hasher.update(view)
-        return len(view)
-
-    def tell(self) -> int:
-        return self.hasher.size
-
-    def flush(self) -> None:
-        pass
-
-
-class Writer(StorageWriter):
-    """Writes one rank's items into `<step dir>/__<rank>_0.distcp`; rank 0 also `.metadata`.
-
-    After `dcp.save` returns, `files` holds what this rank wrote, for the manifest.
-    """
-
-    def __init__(self, store: Store, step_dir: str, step: int) -> None:
-        super().__init__()
-        self.store = store
-        self.step_dir = step_dir
-        self.step = step
-        self.files: dict[str, FileEntry] = {}
-        self.rank = 0
-        self.save_id = uuid.uuid4().hex
-
-    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
-        self.files = {}
-        self.save_id = uuid.uuid4().hex
-
-    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        self.rank = int(kwargs.get("rank") or 0)
-
-    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        return plan
-
-    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        return [
-            dataclasses.replace(p, storage_data=_StoragePrefix(f"__{i}_"))
-            for i, p in enumerate(plans)
-        ]
-
-    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        name = f"{plan.storage_data.prefix}0{DATA_SUFFIX}"
-        results: list[WriteResult] = []
-        # Small pickled objects first, then tensors: DCP's own order.
-        items = sorted(plan.items, key=lambda it: it.type != WriteItemType.BYTE_IO)
-        with self.store.open_write(f"{self.step_dir}/{name}") as raw:
-            out = _HashingStream(raw)
-            for item in items:
-                fault_point("write_item", self.rank, self.step)
-                offset = out.tell()
-                data = planner.resolve_data(item)
-                if item.type == WriteItemType.BYTE_IO:
-                    out.write(data.getbuffer())
-                else:
-                    tensor = data.detach()
-                    if tensor.device.type != "cpu":
-                        tensor = tensor.cpu()
-                    torch.save(tensor, out)
-                length = out.tell() - offset
-                results.append(
-                    WriteResult(
-                        index=item.index,
-                        size_in_bytes=length,
-                        storage_data=_StorageInfo(name, offset, length),
-                    )
-                )
-        self.files[name] = FileEntry(out.hasher.size, out.hasher.hexdigest(), self.rank)
-        fut: Future[list[WriteResult]] = Future()
-        fut.set_result(results)
-        return fut
-
-    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        metadata.version = CURRENT_DCP_VERSION
-        metadata.storage_data = {wr.index: wr.storage_data for rs in results for wr in rs}
-        metadata.storage_meta = self.storage_meta()
-        blob = pickle.dumps(metadata)
-        with self.store.open_write(f"{self.step_dir}/{METADATA_NAME}") as f:
-            f.write(blob)
-        self.files[METADATA_NAME] = FileEntry(len(blob), checksum(blob), -1)
-
-    def storage_meta(self) -> StorageMeta:
-        return StorageMeta(checkpoint_id=self.step_dir, save_id=self.save_id)
-
-    @property
-    def checkpoint_id(self) -> str:
-        return self.step_dir
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
-        return False
 
 
 class _VerifiedFiles(FileSystemBase):
@@ -241,6 +133,19 @@ def load_metadata(blob: bytes) -> Metadata:
 
 
 class _Reader(FileSystemReader):
+    """DCP's reader, but each data file is read once, front to back, in bounded chunks through
+    its checksum: tensors go straight into their targets (or through a small scratch buffer),
+    and everything that must be decoded (pickled values, any blob the parser does not know)
+    waits until the whole file matched the manifest."""
+
+    def __init__(self, store: Store, step_dir: str, manifest: Manifest) -> None:
+        super().__init__(step_dir)
+        self.fs = _VerifiedFiles(store, step_dir, manifest)
+        self.path = step_dir
+        self.store = store
+        self.manifest = manifest
+        self._scratch = _Scratch()  # reused across tensors and files
+
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         with self.fs.create_stream(self._get_metadata_path(kwargs.get("rank")), "rb") as f:
             md = load_metadata(f.read())
@@ -249,12 +154,228 @@ class _Reader(FileSystemReader):
         md.storage_meta.load_id = self.load_id
         return md
 
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        per_file: dict[str, list[ReadItem]] = {}
+        for req in plan.items:
+            per_file.setdefault(self.storage_data[req.storage_index].relative_path, []).append(req)
+        for name, reqs in per_file.items():
+            if not self._stream_file(name, reqs, planner):
+                # A layout not streamed here goes to DCP's own reader, whose file view
+                # (_VerifiedFiles) hands over a file only once it is verified whole.
+                super().read_data(dataclasses.replace(plan, items=reqs), planner).wait()
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    def _stream_file(self, name: str, reqs: list[ReadItem], planner: LoadPlanner) -> bool:
+        """Read `reqs` from one file in a single pass; False (nothing read) if its items are
+        not laid out as one after another, untransformed."""
+        spans: dict[tuple[int, int], list[ReadItem]] = {}
+        for req in reqs:
+            info: _StorageInfo = self.storage_data[req.storage_index]
+            if info.transform_descriptors:
+                return False
+            spans.setdefault((info.offset, info.length), []).append(req)
+        order = sorted(spans)
+        if not _disjoint(order):
+            return False
+        if any(len({r.type == LoadItemType.BYTE_IO for r in group}) > 1 for group in spans.values()):
+            return False
+        after_verified: list[Callable[[], None]] = []
+        with VerifyingReader.open(self.store, self.path, name, self.manifest) as src:
+            try:
+                for offset, length in order:
+                    group = spans[(offset, length)]
+                    src.skip(offset - src.pos)  # padding between items is hashed like the rest
+                    if group[0].type == LoadItemType.BYTE_IO:
+                        blob = src.read(length)
+                        after_verified += [functools.partial(planner.load_bytes, r, io.BytesIO(blob)) for r in group]
+                    else:
+                        after_verified.append(self._read_tensor_item(src, length, group, planner))
+                # IMPORTANT: nothing of this file is decoded before this returned.
+                src.finish()
+            finally:
+                self._scratch.drain()
+        for step in after_verified:
+            step()
+        return True
+
+    def _read_tensor_item(
+        self, src: VerifyingReader, length: int, reqs: list[ReadItem], planner: LoadPlanner
+    ) -> Callable[[], None]:
+        """Stream one torch.save blob into the targets of `reqs`; returns what is left to do
+        once the file is verified."""
+        start = src.pos
+        layout = tensor_blob.locate(src.peek(min(length, _HEAD)))
+        if layout is None and length > _HEAD:  # an unusually long pickle: look further once
+            layout = tensor_blob.locate(src.peek(min(length, _HEAD_MAX)))
+        spans = _spans(layout, length, reqs) if layout is not None else None
+        if layout is None or spans is None:
+            blob = src.read(length)
+            return functools.partial(_load_blob, blob, reqs, planner)
+        targets = [planner.resolve_tensor(r).detach() for r in reqs]
+        for req, target in zip(reqs, targets, strict=True):
+            if tuple(target.size()) != tuple(req.lengths):
+                raise RuntimeError(f"req {req.storage_index} mismatch sizes {target.size()} vs {tuple(req.lengths)}")
+        for i in sorted(range(len(reqs)), key=lambda i: spans[i]):
+            self._fill(src, start, layout, reqs[i], targets[i])
+        src.skip(start + layout.data_end - src.pos)
+        if not layout.descriptor_ok(src.peek(layout.descriptor)):
+            raise InvalidCheckpoint(
+                f"{src.where}: the tensor at byte {start} is not laid out as its own header says "
+                "(a torch.save blob that contradicts itself)"
+            )
+        src.skip(start + length - src.pos)
+        return functools.partial(_commit, planner, reqs, targets)
+
+    def _fill(self, src: VerifyingReader, start: int, layout: tensor_blob.TensorLayout, req: ReadItem, target: torch.Tensor) -> None:
+        """Read the part `req` asks for of the tensor whose blob starts at byte `start` into
+        `target`: straight into its memory when both are one contiguous range, else through
+        a scratch buffer, whole saved rows at a time, narrowed and copied (which also
+        converts dtype and device)."""
+        offsets, lengths, dtype = tuple(req.storage_offsets), tuple(req.lengths), layout.dtype
+        first, end = layout.span(offsets, lengths)
+        if first == end:
+            return
+        if (
+            layout.is_contiguous_in_blob(offsets, lengths)
+            and target.device.type == "cpu"
+            and target.layout == torch.strided
+            and target.dtype == dtype
+            and target.is_contiguous()
+            and not (target.is_conj() or target.is_neg())
+        ):
+            src.skip(start + first - src.pos)
+            src.readinto(_bytes_of(target))
+            return
+        size, strides, itemsize = layout.size, layout.strides, dtype.itemsize
+        if not size:  # a 0-d tensor
+            src.skip(start + first - src.pos)
+            self._scratch.copy(src, itemsize, dtype, (), target)
+            return
+        chunk = self._scratch.chunk(target.device)
+        # The outermost dimension whose steps fit the buffer; the dimensions before it are
+        # walked index by index.
+        d = next(d for d, st in enumerate(strides) if st * itemsize <= chunk)
+        row = strides[d] * itemsize
+        step = max(1, chunk // row)
+        for lead in itertools.product(*(range(offsets[k], offsets[k] + lengths[k]) for k in range(d))):
+            base = start + layout.tensor_start + sum(i * st for i, st in zip(lead, strides, strict=False)) * itemsize
+            dest = target[tuple(i - o for i, o in zip(lead, offsets, strict=False))]
+            for at in range(offsets[d], offsets[d] + lengths[d], step):
+                n = min(step, offsets[d] + lengths[d] - at)
+                src.skip(base + at * row - src.pos)
+                self._scratch.copy(
+                    src, n * row, dtype, (n, *size[d + 1 :]), dest.narrow(0, at - offsets[d], n),
+                    offsets=(0, *offsets[d + 1 :]), lengths=(n, *lengths[d + 1 :]),
+                )  # fmt: skip
+
+
+class _Scratch:
+    """Reused buffers for bytes that cannot go straight into their target. A CUDA target gets
+    two pinned buffers in turn: the copy of one to the device runs while the next is read."""
+
+    _DEVICE_CHUNK = 8 << 20  # bytes per copy to a device: its fixed cost becomes small
+    _HOST_CHUNK = 1 << 20  # bytes per copy on the host
+
+    def __init__(self) -> None:
+        self._host = torch.empty(0, dtype=torch.uint8)
+        self._pinned: list[tuple[torch.Tensor, Any]] = []  # (buffer, event of its last copy)
+        self._turn = 0
+
+    def chunk(self, device: torch.device) -> int:
+        return self._DEVICE_CHUNK if device.type == "cuda" else self._HOST_CHUNK
+
+    def copy(
+        self, src: VerifyingReader, nbytes: int, dtype: torch.dtype, shape: tuple[int, ...], dest: torch.Tensor,
+        offsets: tuple[int, ...] = (), lengths: tuple[int, ...] = (),
+    ) -> None:  # fmt: skip
+        """Read the next `nbytes` (a `dtype` tensor of `shape`), narrow them to `offsets` and
+        `lengths` and copy that into `dest`."""
+        pinned = dest.device.type == "cuda"
+        buf = self._take_pinned(nbytes) if pinned else self._take_host(nbytes)
+        src.readinto(_bytes_of(buf))
+        part = buf.view(dtype).view(shape)
+        if offsets:
+            part = narrow_tensor_by_index(part, offsets, lengths)
+        dest.copy_(part, non_blocking=pinned)
+        if pinned:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(dest.device))
+            self._pinned[self._turn] = (self._pinned[self._turn][0], event)
+
+    def drain(self) -> None:
+        """Wait for every copy to a device still running."""
+        for _, event in self._pinned:
+            if event is not None:
+                event.synchronize()
+
+    def _take_host(self, nbytes: int) -> torch.Tensor:
+        if self._host.numel() < nbytes:
+            self._host = torch.empty(max(nbytes, self._HOST_CHUNK), dtype=torch.uint8)
+        return self._host[:nbytes]
+
+    def _take_pinned(self, nbytes: int) -> torch.Tensor:
+        self._turn ^= 1
+        if len(self._pinned) < 2:
+            self._pinned = [(torch.empty(0, dtype=torch.uint8), None)] * 2
+        buf, event = self._pinned[self._turn]
+        if event is not None:
+            event.synchronize()  # IMPORTANT: its last copy must be done before it is refilled
+        if buf.numel() < nbytes:
+            buf = torch.empty(max(nbytes, self._DEVICE_CHUNK), dtype=torch.uint8, pin_memory=True)
+        self._pinned[self._turn] = (buf, None)
+        return buf[:nbytes]
+
+
+# The start of a tensor item read before deciding how to stream it: its zip headers and pickle
+# take well under 1 KiB (the storage starts at byte 704 for a 2-d tensor).
+_HEAD = 4 << 10
+_HEAD_MAX = 64 << 10
+
+
+def _disjoint(ranges: list[tuple[int, int]]) -> bool:
+    """Whether no (start, length) range overlaps another."""
+    spans = sorted(r for r in ranges if r[1])
+    return all(a + n <= b for (a, n), (b, _) in itertools.pairwise(spans))
+
+
+def _spans(layout: tensor_blob.TensorLayout, length: int, reqs: list[ReadItem]) -> list[tuple[int, int]] | None:
+    """Where in the blob each request's bytes lie, or None unless they can be streamed: the
+    storage inside the item, every request a part of the saved tensor, none overlapping."""
+    if layout.data_end + layout.descriptor > length:
+        return None
+    if not all(layout.fits(r.storage_offsets, r.lengths) for r in reqs):
+        return None
+    spans = [layout.span(r.storage_offsets, r.lengths) for r in reqs]
+    return spans if _disjoint([(a, b - a) for a, b in spans]) else None
+
+
+def _bytes_of(t: torch.Tensor) -> memoryview:
+    """The memory of a contiguous CPU tensor, writable; it keeps the tensor alive."""
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def _commit(planner: LoadPlanner, reqs: list[ReadItem], targets: list[torch.Tensor]) -> None:
+    for req, target in zip(reqs, targets, strict=True):
+        planner.commit_tensor(req, target)
+
+
+def _load_blob(blob: bytes, reqs: list[ReadItem], planner: LoadPlanner) -> None:
+    """DCP's own way with a tensor item, for blobs not streamed: torch.load (weights only),
+    narrow, copy. Runs only after the file's checksum matched."""
+    tensor = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
+    for req in reqs:
+        part = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
+        target = planner.resolve_tensor(req).detach()
+        if target.size() != part.size():
+            raise RuntimeError(f"req {req.storage_index} mismatch sizes {target.size()} vs {part.size()}")
+        target.copy_(part)
+        planner.commit_tensor(req, target)
+
 
 def make_reader(store: Store, step_dir: str, manifest: Manifest) -> FileSystemReader:
-    reader = _Reader(step_dir)
-    reader.fs = _VerifiedFiles(store, step_dir, manifest)
-    reader.path = step_dir
-    return reader
+    return _Reader(store, step_dir, manifest)
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
