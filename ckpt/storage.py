@@ -14,7 +14,7 @@ import re
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 import fsspec
 import xxhash
@@ -22,7 +22,11 @@ from fsspec.implementations.local import LocalFileSystem
 
 from .errors import CheckpointError, NotFound, StorageError
 
+if TYPE_CHECKING:
+    from .s3 import S3Transfers
+
 CHECKSUM_ALGO = "xxh3_64"
+MiB = 1 << 20
 STEP_DIR = re.compile(r"^step-(\d{10})$")
 EVENTS_DIR = "events"
 
@@ -89,6 +93,36 @@ def storage_errors(what: str) -> Iterator[None]:
         raise StorageError(f"{what}: {type(e).__name__}: {redact(str(e))}") from e
 
 
+@dataclass(frozen=True)
+class Transfer:
+    """How files move to and from an S3 root (other roots ignore it). Memory per open file:
+    a writer copies at most `(concurrency + 1) * part_size` bytes (only what it may not keep
+    a reference to, see `Store.open_write`); a reader holds `(readahead + 1) * read_size`."""
+
+    part_size: int = 64 * MiB
+    """Bytes per part of a multipart upload. S3 wants at least 5 MiB and at most 10,000
+    parts, so 64 MiB allows files up to 640 GiB. A file no larger than one part is one PUT."""
+    concurrency: int = 8
+    """Parts of one file uploaded at the same time."""
+    read_size: int = 32 * MiB
+    """Bytes per ranged GET when reading."""
+    readahead: int = 8
+    """Ranged GETs in flight ahead of a reader."""
+    attempts: int = 8
+    """Tries of one request before a transient failure (HTTP 5xx or 429, throttling, a reset
+    or refused connection, a timeout) becomes a StorageError. Other errors are not retried."""
+    backoff_s: float = 0.25
+    """Most a first retry waits; the bound doubles with each retry up to `max_backoff_s`,
+    and the wait is drawn uniformly below it (jitter, so that ranks do not retry in step)."""
+    max_backoff_s: float = 20.0
+
+    def __post_init__(self) -> None:
+        if self.part_size < 5 * MiB:
+            raise ValueError(f"Transfer.part_size must be at least 5 MiB (S3's minimum part), not {self.part_size}")
+        if min(self.concurrency, self.read_size, self.readahead, self.attempts) < 1:
+            raise ValueError(f"Transfer's counts and sizes must be positive: {self}")
+
+
 @dataclass
 class StepListing:
     """What a scan of the root found for one step directory: file names and sizes."""
@@ -104,7 +138,12 @@ class StepListing:
 class Store:
     """A checkpoint root. All paths handed in and out are relative to it."""
 
-    def __init__(self, root: str | os.PathLike, storage_options: dict[str, Any] | None = None):
+    def __init__(
+        self,
+        root: str | os.PathLike,
+        storage_options: dict[str, Any] | None = None,
+        transfer: Transfer | None = None,
+    ):
         root = os.fspath(root)
         self.url = root
         with storage_errors(f"opening root {redact(root)}"):
@@ -122,6 +161,11 @@ class Store:
         # IMPORTANT: a directory that cannot be read is an error, never an empty listing (a
         # local walk omits unreadable directories by default: "no checkpoint", then "debris").
         self._strict: dict[str, Any] = {"on_error": "raise"} if self.is_local else {}
+        self._s3: S3Transfers | None = None  # parallel, retried transfers; others use fsspec's files
+        if protocol in ("s3", "s3a"):
+            from .s3 import S3Transfers
+
+            self._s3 = S3Transfers(self.fs, transfer or Transfer())
 
     def __repr__(self) -> str:
         return f"Store({self.display!r})"
@@ -209,6 +253,9 @@ class Store:
     # -- reading ----------------------------------------------------------------------------
     def read_bytes(self, rel: str) -> bytes:
         with storage_errors(f"reading {self.display}/{rel}"):
+            if self._s3 is not None:
+                with self._s3.reader(self.path(rel), f"{self.display}/{rel}") as f:
+                    return f.read()
             try:
                 return self.fs.cat_file(self.path(rel))
             except FileNotFoundError as e:
@@ -216,8 +263,13 @@ class Store:
 
     @contextlib.contextmanager
     def open_read(self, rel: str) -> Iterator[BinaryIO]:
-        """A sequential binary stream over one file (`read`, `readinto`, `seek`)."""
+        """A sequential binary stream over one file (`read`, `readinto`, `seek`). On S3 it
+        reads ahead with parallel ranged GETs (`Transfer.read_size`, `readahead`)."""
         with storage_errors(f"reading {self.display}/{rel}"):
+            if self._s3 is not None:
+                with self._s3.reader(self.path(rel), f"{self.display}/{rel}") as f:
+                    yield f
+                return
             try:
                 f: Any = open(self.path(rel), "rb") if self.is_local else self.fs.open(self.path(rel), "rb")
             except FileNotFoundError as e:
@@ -229,9 +281,20 @@ class Store:
     @contextlib.contextmanager
     def open_write(self, rel: str) -> Iterator[BinaryIO]:
         """A new file that is durable when the block exits: fsync'd locally, a completed PUT
-        (or multipart upload) on an object store. On error the partial file is removed."""
+        (or multipart upload) on an object store. On error the partial file is removed.
+
+        On S3 the bytes go out in parts while the block runs (`Transfer`), and a failure or
+        an exception in the block aborts the upload: no object, no incomplete upload.
+        IMPORTANT: on S3, `write` keeps a reference to big buffers that own their memory (an
+        mmap, bytes, a numpy array) instead of copying them, and reads them until the block
+        exits: do not change such a buffer before then. Views without an owner (what
+        torch.save hands out) are copied."""
         path = self.path(rel)
         with storage_errors(f"writing {self.display}/{rel}"):
+            if self._s3 is not None:
+                with self._s3.upload(path, f"{self.display}/{rel}") as up:
+                    yield up
+                return
             if self.is_local:
                 os.makedirs(os.path.dirname(path), exist_ok=True)
                 f: Any = open(path, "wb")

@@ -1,0 +1,357 @@
+"""S3 transfers of `Store.open_write` / `open_read` against a real S3-protocol server (moto),
+with a fault-injecting HTTP proxy on loopback in front of it for the retry tests."""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import http.client
+import itertools
+import logging
+import mmap
+import os
+import socket
+import struct
+import threading
+import time
+from collections import Counter
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import urlsplit
+
+import boto3
+import pytest
+import s3fs
+
+from ckpt.errors import NotFound, StorageError
+from ckpt.storage import MiB, Store, Transfer
+
+PART = 5 * MiB  # S3's smallest part, so that a few MiB make several parts
+SMALL = Transfer(part_size=PART, concurrency=3, read_size=2 * MiB, readahead=3, backoff_s=0.01)
+SECRET = "testing-secret"  # the secret of conftest's s3_options
+
+
+def bucket_of(root: str) -> str:
+    return root.removeprefix("s3://").split("/", 1)[0]
+
+
+def payload(n: int) -> bytes:
+    return os.urandom(n)
+
+
+def uploads_in_progress(endpoint: str, bucket: str) -> list:
+    return (
+        boto3.client("s3", endpoint_url=endpoint)
+        .list_multipart_uploads(Bucket=bucket)
+        .get("Uploads", [])
+    )
+
+
+def etag(endpoint: str, bucket: str, key: str) -> str:
+    return (
+        boto3.client("s3", endpoint_url=endpoint)
+        .head_object(Bucket=bucket, Key=key)["ETag"]
+        .strip('"')
+    )
+
+
+def read_in_odd_pieces(f, n: int) -> bytes:
+    out = bytearray()
+    sizes = itertools.cycle([1, 7, 3 * MiB + 5, 100_000])
+    while len(out) < n:
+        chunk = f.read(next(sizes))
+        assert chunk, "early end of stream"
+        out += chunk
+    assert f.read(10) == b""
+    return bytes(out)
+
+
+@pytest.fixture
+def store(s3_root, s3_options):
+    return Store(s3_root, s3_options, transfer=SMALL)
+
+
+@pytest.mark.parametrize(
+    "size", [0, 1, PART, PART + 1, 23 * MiB], ids=["0", "1", "part", "part+1", "23MiB"]
+)
+def test_every_size_round_trips_byte_for_byte_with_s3fs_on_either_side(
+    store, s3_root, s3_endpoint, size
+):
+    data = payload(size)
+    plain = s3fs.S3FileSystem(endpoint_url=s3_endpoint, skip_instance_cache=True)
+    bucket, prefix = s3_root.removeprefix("s3://").split("/", 1)
+
+    with store.open_write("ours") as f:
+        f.write(data[: size // 3])  # uneven writes: parts do not follow the write boundaries
+        f.write(data[size // 3 :])
+    plain.pipe_file(f"{bucket}/{prefix}/theirs", data)
+
+    assert plain.cat_file(f"{bucket}/{prefix}/ours") == data
+    assert store.read_bytes("theirs") == data
+    with store.open_read("ours") as f:
+        assert read_in_odd_pieces(f, size) == data
+    parts = etag(s3_endpoint, bucket, f"{prefix}/ours").partition("-")[2]
+    assert parts == ("" if size <= PART else str(-(-size // PART)))  # up to one part: one PUT
+
+
+def test_a_memoryview_of_an_mmap_goes_out_without_being_held_after_the_block(store):
+    header = payload(1000)
+    mm = mmap.mmap(-1, 23 * MiB)
+    mm[:] = payload(len(mm))
+    view = memoryview(mm)
+
+    with store.open_write("arena") as f:
+        f.write(header)
+        f.write(view[: 7 * MiB])
+        f.write(view[7 * MiB :])
+
+    assert store.read_bytes("arena") == header + mm[:]
+    view.release()
+    mm.close()  # BufferError if a part still held a view of it
+
+
+def test_memory_without_an_owner_is_copied_so_the_caller_may_reuse_it_at_once(store):
+    # torch.save hands `write` views of memory it frees right after: they carry no owner.
+    raw = ctypes.create_string_buffer(payload(6 * MiB), 6 * MiB)
+    from_memory = ctypes.pythonapi.PyMemoryView_FromMemory
+    from_memory.restype, from_memory.argtypes = (
+        ctypes.py_object,
+        [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int],
+    )
+    ownerless = from_memory(ctypes.addressof(raw), len(raw), 0x100)  # PyBUF_READ
+    assert ownerless.obj is None
+    want = raw.raw
+
+    with store.open_write("copied") as f:
+        f.write(ownerless)
+        ctypes.memset(raw, 0, len(raw))
+
+    assert store.read_bytes("copied") == want
+
+
+def test_an_exception_in_the_block_leaves_no_object_and_no_upload(store, s3_root, s3_endpoint):
+    # An error in the block is reported as a failed write, as on every other store.
+    with pytest.raises(StorageError, match="broken: RuntimeError: the caller failed"):
+        with store.open_write("broken") as f:
+            f.write(payload(3 * PART))  # two parts sent, the third waits for more bytes
+            raise RuntimeError("the caller failed")
+    with pytest.raises(KeyboardInterrupt):
+        with store.open_write("small") as f:
+            f.write(b"x")
+            raise KeyboardInterrupt  # before the single PUT
+
+    assert not store.exists("broken") and not store.exists("small")
+    assert uploads_in_progress(s3_endpoint, bucket_of(s3_root)) == []
+
+
+def test_reader_seeks_and_reads_into_buffers(store):
+    data = payload(9 * MiB + 3)
+    with store.open_write("seek") as f:
+        f.write(data)
+
+    with store.open_read("seek") as f:
+        assert f.read(10) == data[:10]
+        f.seek(8 * MiB)  # past the ranges in flight
+        assert f.tell() == 8 * MiB
+        buf = bytearray(100)
+        assert f.readinto(buf) == 100 and buf == data[8 * MiB : 8 * MiB + 100]
+        f.seek(5)  # and back
+        assert f.read(3 * MiB) == data[5 : 5 + 3 * MiB]
+        f.seek(-4, os.SEEK_END)
+        assert f.read() == data[-4:]
+    with pytest.raises(NotFound, match="missing does not exist"):
+        store.read_bytes("missing")
+
+
+# -- failures ------------------------------------------------------------------------------------
+
+
+class FaultyProxy:
+    """An HTTP proxy in front of moto that counts requests by kind ("part" for UploadPart,
+    "put" for PutObject, "range" for a ranged GET, else the method) and fails the next ones
+    of a kind as `fail` says: "503" (SlowDown), "500" (InternalError), "reset" (the
+    connection dropped without an answer), or "always" (500 to every one)."""
+
+    def __init__(self, upstream: str) -> None:
+        self.upstream = urlsplit(upstream).netloc
+        self.seen: Counter[str] = Counter()
+        self.failed: Counter[str] = Counter()
+        self._plan: dict[str, list[str]] = {}
+        self._lock = threading.Lock()
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def do_ANY(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                action = proxy._decide(self)
+                if action == "reset":
+                    self.connection.setsockopt(
+                        socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0)
+                    )
+                    self.close_connection = True
+                elif action:
+                    proxy._fail(self, int(action))
+                else:
+                    proxy._forward(self, body)
+
+            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = do_ANY
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def fail(self, kind: str, *actions: str) -> None:
+        self._plan[kind] = list(actions)
+
+    def _decide(self, req: BaseHTTPRequestHandler) -> str | None:
+        query = urlsplit(req.path).query
+        if req.command == "PUT" and "partNumber=" in query:
+            kind = "part"
+        elif req.command == "PUT" and "uploadId=" not in query:
+            kind = "put"
+        elif req.command == "GET" and "Range" in req.headers:
+            kind = "range"
+        else:
+            kind = req.command.lower()
+        with self._lock:
+            self.seen[kind] += 1
+            plan = self._plan.get(kind, [])
+            action = plan[0] if plan else None
+            if plan and plan[0] != "always":
+                plan.pop(0)
+            if action:
+                self.failed[kind] += 1
+            return "500" if action == "always" else action
+
+    @staticmethod
+    def _fail(req: BaseHTTPRequestHandler, status: int) -> None:
+        code = "SlowDown" if status == 503 else "InternalError"
+        body = f"<Error><Code>{code}</Code><Message>injected</Message></Error>".encode()
+        req.send_response(status)
+        req.send_header("Content-Type", "application/xml")
+        req.send_header("Content-Length", str(len(body)))
+        req.end_headers()
+        if req.command != "HEAD":
+            req.wfile.write(body)
+
+    def _forward(self, req: BaseHTTPRequestHandler, body: bytes) -> None:
+        skip = {"connection", "expect", "transfer-encoding", "keep-alive"}
+        conn = http.client.HTTPConnection(self.upstream, timeout=30)
+        try:
+            headers = {k: v for k, v in req.headers.items() if k.lower() not in skip}
+            conn.request(req.command, req.path, body=body, headers=headers)
+            resp = conn.getresponse()
+            data = resp.read()
+        finally:
+            conn.close()
+        req.send_response(resp.status, resp.reason)
+        for k, v in resp.getheaders():
+            if k.lower() not in skip | {"content-length"}:
+                req.send_header(k, v)
+        length = resp.getheader("Content-Length") if req.command == "HEAD" else str(len(data))
+        req.send_header("Content-Length", length or "0")
+        req.end_headers()
+        if req.command != "HEAD":
+            req.wfile.write(data)
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def proxy(s3_endpoint):
+    p = FaultyProxy(s3_endpoint)
+    yield p
+    p.close()
+
+
+def through(proxy: FaultyProxy, root: str, options: dict, **transfer: object) -> Store:
+    return Store(
+        root,
+        {**options, "endpoint_url": proxy.url},
+        transfer=dataclasses.replace(SMALL, **transfer),
+    )
+
+
+def test_transient_failures_are_retried_and_the_data_still_round_trips(
+    proxy, s3_root, s3_options, caplog
+):
+    caplog.set_level(logging.INFO, logger="ckpt.s3")
+    store = through(proxy, s3_root, s3_options, attempts=4)
+    data, small = payload(23 * MiB), payload(1000)
+    proxy.fail("part", "503", "reset", "500")
+    proxy.fail("put", "reset", "reset")  # aiohttp resends a dropped PUT once by itself, then ckpt
+    proxy.fail("range", "reset", "503")
+    proxy.fail("head", "503")
+
+    with store.open_write("big") as f:
+        f.write(data)
+    with store.open_write("small") as f:
+        f.write(small)
+    with store.open_read("big") as f:
+        got = f.read()
+
+    assert got == data and store.read_bytes("small") == small
+    ranges = -(-len(data) // SMALL.read_size) + 1  # and one for the small file
+    assert proxy.failed == {"part": 3, "put": 2, "range": 2, "head": 1}
+    assert proxy.seen["part"] == 5 + 3 and proxy.seen["put"] == 1 + 2
+    assert proxy.seen["range"] == ranges + 2
+    retries = [r.getMessage() for r in caplog.records if " of 4 in " in r.getMessage()]
+    assert len([m for m in retries if "SlowDown" in m or "InternalError" in m or "503" in m]) == 4
+    (put,) = [m for m in retries if "/small:" in m]
+    assert "ClientError" not in put  # the dropped connection
+
+
+def test_a_store_that_keeps_failing_gives_a_storage_error_quickly_and_leaves_nothing(
+    proxy, s3_root, s3_options, s3_endpoint
+):
+    store = through(proxy, s3_root, s3_options, attempts=3)
+    proxy.fail("part", "always")
+    proxy.fail("put", "always")
+    start = time.monotonic()
+
+    arena = mmap.mmap(-1, 4 * PART)
+    with pytest.raises(StorageError) as big:
+        with store.open_write("step-0000000001/__0_0.distcp") as f:
+            f.write(memoryview(arena))
+    with pytest.raises(StorageError) as small:
+        with store.open_write("step-0000000001/.metadata") as f:
+            f.write(b"metadata")
+
+    assert time.monotonic() - start < 10
+    for err, name in ((big, "__0_0.distcp"), (small, ".metadata")):
+        message = str(err.value)
+        assert (
+            f"{s3_root}/step-0000000001/{name}" in message and "gave up after 3 attempts" in message
+        )
+        assert SECRET not in message
+    assert proxy.seen["put"] == 3 and proxy.seen["delete"] == 1  # the upload was aborted
+    assert store.list_step(1) is None
+    assert uploads_in_progress(s3_endpoint, bucket_of(s3_root)) == []
+    arena.close()  # BufferError if the failed upload still held a view of it
+
+
+@pytest.mark.parametrize(
+    "server, refusal",
+    [
+        ("s3_endpoint", "NoSuchBucket"),
+        ("s3_strict_endpoint", "InvalidAccessKeyId"),
+    ],
+)
+def test_a_refusal_is_not_retried(request, s3_options, server, refusal):
+    proxy = FaultyProxy(request.getfixturevalue(server))
+    request.addfinalizer(proxy.close)
+    store = through(proxy, "s3://no-such-bucket-for-ckpt/run", s3_options, attempts=5)
+
+    with pytest.raises(StorageError, match=refusal) as err:
+        with store.open_write("x") as f:
+            f.write(b"x")
+
+    assert proxy.seen["put"] == 1
+    assert "s3://no-such-bucket-for-ckpt/run/x" in str(err.value) and SECRET not in str(err.value)
