@@ -176,7 +176,8 @@ class _StateDictCache:
         self._value: dict[str, Any] = {}
 
     def get(self, model: torch.nn.Module, optimizers: list[torch.optim.Optimizer], reuse: bool) -> dict[str, Any]:
-        key = _fingerprint(model, optimizers) if reuse and _checkable(model, optimizers) else None
+        checkable = _checkable(model, optimizers)
+        key = _fingerprint(model, optimizers) if reuse and checkable else None
         if key is not None and key == self._key:
             if "optim" in self._value:
                 groups = itertools.chain.from_iterable(o.param_groups for o in optimizers)
@@ -189,22 +190,33 @@ class _StateDictCache:
         else:
             value = {"model": get_model_state_dict(model)}
         # Taken after: FSDP2's hook may have swapped unsharded parameters for sharded ones.
-        self._key = _fingerprint(model, optimizers) if key is not None else None
+        self._key = _fingerprint(model, optimizers) if checkable else None
         self._value = value
         return dict(value)
 
 
 # FSDP2 reshards parameters before a state dict is taken; the fingerprint sees which
 # parameters are registered, so a state dict reused without the hook is still the right one.
+# Matched by name: should torch rename it, the model is merely never reused (fails safe).
 _KNOWN_HOOKS = {"FSDPParamGroup._register_state_dict_hooks.<locals>.to_sharded_hook"}
+# What a module may override and still have the state dict its tensors make: none of these.
+_STATE_DICT_METHODS = ("state_dict", "_save_to_state_dict", "get_extra_state")
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter, torch.nn.Buffer)
 
 
 def _checkable(model: torch.nn.Module, optimizers: list[torch.optim.Optimizer]) -> bool:
+    """Whether a state dict of `model` is fully determined by its tensors' storages: no
+    hooks, no overridden state-dict methods (quantized or custom modules), no tensor
+    subclasses (float8, NF4: their storage is not where their data lives)."""
     for m in model.modules():
         hooks = itertools.chain(m._state_dict_hooks.values(), m._state_dict_pre_hooks.values())
         if any(getattr(h, "__qualname__", "") not in _KNOWN_HOOKS for h in hooks):
             return False
-        if type(m).get_extra_state is not torch.nn.Module.get_extra_state:
+        if any(getattr(type(m), n) is not getattr(torch.nn.Module, n) for n in _STATE_DICT_METHODS):
+            return False
+    for t in itertools.chain(model.parameters(), model.buffers()):
+        local = t._local_tensor if isinstance(t, DTensor) else t
+        if type(local) not in _PLAIN_TENSORS:
             return False
     return not any(o._optimizer_state_dict_pre_hooks or o._optimizer_state_dict_post_hooks for o in optimizers)
 

@@ -2,9 +2,11 @@
 
 On enter it restores the newest committed checkpoint (falling back past incomplete or
 corrupt ones, saying why); `step_done()` counts optimizer steps and saves when the interval
-says so; a save blocks only while the state is copied to host buffers, then writes and
-commits in a background thread, one save in flight at a time. SIGTERM (a preemption) takes
-a checkpoint at the next step boundary, waits for its commit and exits.
+says so; a save blocks only while the state is copied to host buffers (shared memory), then
+plans and commits in a background thread while a writer process of this rank writes the
+bytes, one save in flight at a time (`CKPT_WRITER=thread` writes in the thread instead).
+SIGTERM (a preemption) takes a checkpoint at the next step boundary, waits for its commit
+and exits.
 """
 
 from __future__ import annotations
@@ -377,7 +379,9 @@ class Checkpointer:
             )
         except SaveFailed:
             raise
-        except (Exception, CheckpointException) as e:  # DCP's error is a BaseException
+        except CheckpointException as e:  # DCP's error is a BaseException: say what it wraps
+            raise SaveFailed(f"save of step {step} to {self.store.display} failed: {_causes(e)}") from e
+        except Exception as e:
             raise SaveFailed(f"save of step {step} to {self.store.display} failed: {e}") from e
         if self._io.rank == 0:
             log.info(
@@ -401,9 +405,9 @@ class Checkpointer:
             mode = os.environ.get("CKPT_WRITER", "process")
             if mode == "process" and self._stager.arena.shareable:
                 try:
-                    self._sink = ProcessSink(self.store, self._storage_options)
-                except OSError as e:
-                    log.warning("cannot start the writer process (%s): writing in a thread of the trainer", e)
+                    self._sink = ProcessSink(self.store, self._storage_options, self.timeout_s)
+                except Exception as e:  # unpicklable storage options, no fork, a store the child cannot open
+                    log.warning("cannot start the writer process (%s): writing in a thread of the trainer", redact(str(e)))
             if self._sink is None:
                 self._sink = ThreadSink(self.store)
         return self._sink
@@ -535,8 +539,8 @@ class Checkpointer:
         except StorageError as e:
             return 2, str(e)
         except CheckpointException as e:
-            causes = [f[0] if isinstance(f, tuple) else f for f in e.failures.values()]
-            text = "; ".join(map(str, causes))
+            causes = _failures(e)
+            text = _causes(e)
             if any(isinstance(c, StorageError) for c in causes):
                 return 2, text
             if "Missing key in checkpoint" in text:
@@ -584,6 +588,15 @@ class Checkpointer:
             log.error("preempted at step %d without a checkpoint of it; exiting with status 1", self._step)
             raise SystemExit(1)
         raise SystemExit(self.preempt_exit_code)
+
+
+def _failures(e: CheckpointException) -> list[BaseException]:
+    return [f[0] if isinstance(f, tuple) else f for f in e.failures.values()]
+
+
+def _causes(e: CheckpointException) -> str:
+    """What a DCP error wraps, rank by rank, instead of "CheckpointException ranks: [0]"."""
+    return "; ".join(f"rank {r}: {c}" for r, c in zip(e.failures, _failures(e), strict=True))
 
 
 def _first_line(exc: BaseException) -> str:

@@ -142,13 +142,18 @@ class _DirectFile:
         self.bounce = mmap.mmap(-1, _BOUNCE)  # anonymous mappings are page-aligned
         self.fill = 0  # bytes waiting in the bounce buffer
         self.written = 0  # bytes in the file
+        self.zero_copy = 0  # of which written straight from the caller's memory
 
     def write(self, view: memoryview, aligned: bool) -> None:
         view = view.cast("B")
         self.hasher.update(view)
-        if aligned and self.fill == 0 and len(view) >= ALIGN:
-            n = len(view) - len(view) % ALIGN  # the aligned run goes without a copy
+        if aligned and self.fill % ALIGN == 0 and len(view) >= ALIGN:
+            # The file is at a page boundary (headers and padding before this piece fill whole
+            # pages of the bounce buffer): flush them, then the aligned run without a copy.
+            self._flush_bounce()
+            n = len(view) - len(view) % ALIGN
             self._write_all(view[:n])
+            self.zero_copy += n
             view = view[n:]
         while len(view):
             n = min(len(view), _BOUNCE - self.fill)

@@ -104,6 +104,7 @@ class Stager:
             _, staged, now, later = hit
             for dst, src in now:
                 dst.copy_(src, non_blocking=dst.is_pinned())
+                self._later.sync |= dst.is_pinned()
             self._later.pairs.extend(later)
             return staged
         first_later, self._now = len(self._later.pairs), []
@@ -128,6 +129,7 @@ class Stager:
                 self._later.pairs.append((dst, s.detach()))
             else:
                 dst.copy_(s.detach(), non_blocking=dst.is_pinned())
+                self._later.sync |= dst.is_pinned()
                 if self._now is not None:
                     self._now.append((dst, s.detach()))
         return cached
@@ -145,6 +147,9 @@ class Copies:
 
     def __init__(self) -> None:
         self.pairs: list[Pair] = []
+        # IMPORTANT: copies to pinned memory made at once were asynchronous too: the writer
+        # (another process, blind to CUDA streams) must not read their buffers before a sync.
+        self.sync = False
 
     @property
     def bytes(self) -> int:
@@ -153,9 +158,9 @@ class Copies:
     def run(self) -> None:
         for dst, src in self.pairs:
             dst.copy_(src, non_blocking=dst.is_pinned())
-        if any(d.is_pinned() for d, _ in self.pairs):
+        if self.sync or any(d.is_pinned() for d, _ in self.pairs):
             torch.cuda.synchronize()
-        self.pairs = []
+        self.pairs, self.sync = [], False
 
 
 def _same_layout(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:

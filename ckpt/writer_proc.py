@@ -37,6 +37,22 @@ log = logging.getLogger(__name__)
 
 _HEADER = struct.Struct("!Q")
 _MAX_FDS = 64
+_START_TIMEOUT_S = 60.0
+_SLOWEST_BYTES_PER_S = 1 << 20  # a write slower than this (plus timeout_s) is a hung store
+
+# The writer's entry point: ckpt is loaded from the trainer's own copy (installed or a source
+# tree), and nothing else is put ahead of the standard library or the environment's packages.
+_BOOTSTRAP = """
+import importlib.util, os, sys
+sys.path[:] = [p for p in sys.path if p not in ("", os.getcwd())]
+init = os.path.join(sys.argv[1], "ckpt", "__init__.py")
+spec = importlib.util.spec_from_file_location("ckpt", init, submodule_search_locations=[os.path.dirname(init)])
+ckpt = importlib.util.module_from_spec(spec)
+sys.modules["ckpt"] = ckpt
+spec.loader.exec_module(ckpt)
+from ckpt.writer_proc import main
+sys.exit(main(sys.argv[2:]))
+"""
 
 
 class Segment(Protocol):
@@ -68,59 +84,77 @@ class ThreadSink:
 class ProcessSink:
     """Writes in a writer process of its own (started here, stopped by `close`)."""
 
-    def __init__(self, store: Store, storage_options: dict[str, Any] | None = None) -> None:
+    def __init__(self, store: Store, storage_options: dict[str, Any] | None = None, timeout_s: float = 600.0) -> None:
         self.store = store
+        self.timeout_s = timeout_s
+        # Fails here, in the trainer, for options that cannot be sent (a credential callable).
+        init = pickle.dumps(("init", store.root if store.is_local else store.url, dict(storage_options or {})))
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        # The child imports ckpt from where this process found it, installed or not.
         src = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        env = {
-            **os.environ,
-            "PYTHONPATH": os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH")) if p),
-        }
         try:
+            # IMPORTANT: its own session, so a SIGTERM to the trainer's process group (scancel,
+            # a pod runtime) leaves the preemption checkpoint's writer alive; it still dies with
+            # the trainer (PR_SET_PDEATHSIG, tied to this thread: the Checkpointer's save thread,
+            # which lives as long as the writer is used; and end of file on its socket).
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "ckpt.writer_proc", str(theirs.fileno()), str(os.getpid())],
+                [sys.executable, "-c", _BOOTSTRAP, src, str(theirs.fileno()), str(os.getpid())],
                 pass_fds=[theirs.fileno()],
                 stdin=subprocess.DEVNULL,
-                env=env,
+                start_new_session=True,
             )
         finally:
             theirs.close()
         self.sock = ours
         self._sent: set[int] = set()
-        _send(self.sock, ("init", store.url, dict(storage_options or {})))
+        self._broken = False  # a message went unanswered: never used again
+        reply = self._call(init, _START_TIMEOUT_S, "starting")
+        if reply[0] != "ok":
+            self.close()
+            raise OSError(f"the writer process cannot open {store.display}: {reply[-1]}")
 
     def write(
         self, rel: str, pieces: list[Piece], segments: Iterable[Segment], rank: int, step: int
     ) -> FileEntry:
         segments = list(segments)
-        try:
-            new = [s for s in segments if s.id not in self._sent]
-            for i in range(0, len(new), _MAX_FDS):
-                batch = new[i : i + _MAX_FDS]
-                _send(
-                    self.sock, ("segments", [(s.id, s.size) for s in batch]), [s.fd for s in batch]
-                )
-                self._sent.update(s.id for s in batch)
-            live = [s.id for s in segments]
-            self._sent.intersection_update(live)
-            _send(self.sock, ("write", rel, pieces, live, rank, step))
-            reply, _ = _recv(self.sock)
-        except OSError as e:
-            reply = None
-            log.debug("writer process socket: %s", e)
-        if reply is None:
-            raise SaveFailed(
-                f"the writer process died while writing {self.store.display}/{rel} ({self._exit_status()})"
-            )
+        new = [s for s in segments if s.id not in self._sent]
+        for i in range(0, len(new), _MAX_FDS):
+            batch = new[i : i + _MAX_FDS]
+            self._call(pickle.dumps(("segments", [(s.id, s.size) for s in batch])), self.timeout_s, f"writing {rel}", [s.fd for s in batch])
+            self._sent.update(s.id for s in batch)
+        live = [s.id for s in segments]
+        self._sent.intersection_update(live)
+        nbytes = sum(len(p) if isinstance(p, bytes) else p[2] for p in pieces)
+        deadline = self.timeout_s + nbytes / _SLOWEST_BYTES_PER_S
+        reply = self._call(pickle.dumps(("write", rel, pieces, live, rank, step), protocol=5), deadline, f"writing {rel}")
         if reply[0] == "ok":
             return FileEntry(reply[1], reply[2], rank)
         kind, message = reply[1], reply[2]
         raise (StorageError if kind == "StorageError" else SaveFailed)(message)
 
+    def _call(self, payload: bytes, timeout_s: float, doing: str, fds: Sequence[int] = ()) -> Any:
+        """Send one message and wait for its reply; a writer that died or hangs fails the save."""
+        try:
+            self.sock.settimeout(timeout_s)
+            _send(self.sock, payload, fds)
+            reply, _ = _recv(self.sock)
+        except TimeoutError:
+            self._broken = True
+            self.proc.kill()
+            raise SaveFailed(
+                f"the writer process gave no answer within {timeout_s:.0f} s {doing} in {self.store.display} "
+                "(a hung store?); it was killed and the next save starts a new one"
+            ) from None
+        except OSError as e:
+            log.debug("writer process socket: %s", e)
+            reply = None
+        if reply is None:
+            self._broken = True
+            raise SaveFailed(f"the writer process died {doing} in {self.store.display} ({self._exit_status()})")
+        return reply
+
     @property
     def alive(self) -> bool:
-        return self.proc.poll() is None
+        return not self._broken and self.proc.poll() is None
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
@@ -139,8 +173,7 @@ class ProcessSink:
         return f"killed by signal {-rc}" if rc < 0 else f"exit status {rc}"
 
 
-def _send(sock: socket.socket, obj: Any, fds: Sequence[int] = ()) -> None:
-    payload = pickle.dumps(obj, protocol=5)
+def _send(sock: socket.socket, payload: bytes, fds: Sequence[int] = ()) -> None:
     header = _HEADER.pack(len(payload))
     if fds:
         socket.send_fds(sock, [header], list(fds))
@@ -189,23 +222,30 @@ def serve(sock: socket.socket) -> None:
         if msg is None:
             return
         if msg[0] == "init":
-            store = Store(msg[1], msg[2])
+            try:
+                store = Store(msg[1], msg[2])
+                reply: tuple[Any, ...] = ("ok",)
+            except Exception as e:  # told to the trainer, which writes in a thread instead
+                reply = ("err", f"{type(e).__name__}: {e}")
+            _send(sock, pickle.dumps(reply))
         elif msg[0] == "segments":
             for (seg_id, size), fd in zip(msg[1], fds, strict=True):
                 maps[seg_id] = mmap.mmap(fd, size, prot=mmap.PROT_READ)
                 os.close(fd)
+            _send(sock, pickle.dumps(("ok",)))
         elif msg[0] == "write":
             _, rel, pieces, live, rank, step = msg
             for seg_id in set(maps) - set(live):
                 with contextlib.suppress(BufferError):
                     maps.pop(seg_id).close()
-            assert store is not None
             fault_point("writer_process", rank, step)
             try:
+                if store is None:
+                    raise RuntimeError("write before init")
                 entry = write_file(
                     store, rel, pieces, {i: memoryview(maps[i]) for i in live}, rank=rank
                 )
-                reply: tuple[Any, ...] = ("ok", entry.size, entry.checksum)
+                reply = ("ok", entry.size, entry.checksum)
             except Exception as e:  # reported to the trainer, which fails the save
                 kind = "StorageError" if isinstance(e, StorageError) else type(e).__name__
                 reply = (
@@ -213,17 +253,14 @@ def serve(sock: socket.socket) -> None:
                     kind,
                     str(e) if isinstance(e, StorageError) else f"{type(e).__name__}: {e}",
                 )
-            _send(sock, reply)
+            _send(sock, pickle.dumps(reply))
 
 
 def main(argv: list[str]) -> int:
-    _die_with_parent(int(argv[2]))
+    """`argv`: the socket's file descriptor and the trainer's pid."""
+    _die_with_parent(int(argv[1]))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is the trainer's to handle
     logging.basicConfig(level=logging.WARNING, format="ckpt writer: %(message)s")
-    with socket.socket(fileno=int(argv[1])) as sock:
+    with socket.socket(fileno=int(argv[0])) as sock:
         serve(sock)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv))

@@ -70,3 +70,23 @@ def test_a_model_with_unknown_state_dict_hooks_is_always_captured_anew():
     first = _check(state, model, opt)
     _step(model, opt, sched)
     assert _check(state, model, opt)["model"] is not first["model"]
+
+
+class Scaled(torch.nn.Linear):
+    """A module whose state dict is not its tensors as they are (a quantized module, say)."""
+
+    scale = 1.0
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        destination[prefix + "weight"] = destination[prefix + "weight"] * self.scale
+
+
+def test_a_module_that_makes_its_own_state_dict_is_always_captured_anew():
+    model = torch.nn.Sequential(Scaled(4, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = TrainingState.of(model, opt, None, None, None)
+    state.capture({"step": 0}, 0)
+    model[0].scale = 0.5  # changes the state dict, not a single tensor
+    got = state.capture({"step": 0}, 0)
+    assert torch.equal(got["model"]["0.weight"], model[0].weight.detach() * 0.5)

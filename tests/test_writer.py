@@ -7,6 +7,7 @@ O_DIRECT on older kernels), a real writer process, and files read back by plain
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import signal
@@ -245,3 +246,84 @@ def test_tensors_staged_in_two_arenas_are_written_from_the_right_one(tmp_path, w
     dcp.load(got, checkpoint_id=str(tmp_path / "step-0000000001"))
     for k, v in want.items():
         assert torch.equal(got["extra"][k], v), k
+
+
+def test_direct_io_writes_aligned_tensors_straight_from_shared_memory(tmp_path, monkeypatch):
+    import ckpt.filewrite as fw
+
+    seen = []
+    finish = fw._DirectFile.finish
+    monkeypatch.setattr(fw._DirectFile, "finish", lambda self: (seen.append(self.zero_copy), finish(self))[1])
+    seg = _segment(8 * MB)
+    head = b"h" * 700
+    pieces = [head, b"\0" * (4096 - len(head)), (0, 0, 5 * MB + 100), b"tail"]
+    write_file(Store(tmp_path), "f", pieces, {0: memoryview(seg)}, direct=True)
+    if seen:  # this filesystem took O_DIRECT (tmpfs on older kernels does not)
+        assert seen == [5 * MB]
+
+
+def test_a_relative_root_stays_where_it_was_when_the_process_changes_directory(tmp_path, monkeypatch):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    monkeypatch.chdir(tmp_path / "a")
+    model = torch.nn.Linear(4, 4)
+    with ckpt.Checkpointer("ckpts", model=model, interval=None, handle_sigterm=False) as cp:
+        monkeypatch.chdir(tmp_path / "b")  # before the first save starts the writer
+        cp.step_done()
+        cp.save(blocking=True)
+    assert sorted(p.name for p in (tmp_path / "a/ckpts/step-0000000001").iterdir()) == [".metadata", "__0_0.distcp", "manifest.json"]
+    assert not (tmp_path / "b/ckpts").exists()
+
+
+def test_a_hung_writer_fails_its_save_within_the_timeout_and_the_next_save_commits(tmp_path):
+    model = torch.nn.Linear(4, 4)
+    with ckpt.Checkpointer(tmp_path, model=model, interval=None, timeout_s=2, handle_sigterm=False, on_error="log") as cp:
+        cp.step_done()
+        cp.save(blocking=True)
+        os.kill(cp._sink.proc.pid, signal.SIGSTOP)  # a writer stuck in a hung store
+        cp.step_done()
+        started = time.monotonic()
+        with pytest.raises(ckpt.SaveFailed, match="gave no answer within 2 s"):
+            cp.on_error = "raise"
+            cp.save(blocking=True)
+        assert time.monotonic() - started < 20
+        cp.step_done()
+        cp.save(blocking=True)
+    assert sorted(p.parent.name for p in tmp_path.glob("step-*/manifest.json")) == ["step-0000000001", "step-0000000003"]
+
+
+def test_storage_options_the_writer_process_cannot_take_fall_back_to_a_thread(tmp_path, caplog):
+    model = torch.nn.Linear(4, 4)
+    options = {"auto_mkdir": True, "unsent": lambda: None}  # a callable cannot be pickled
+    with ckpt.Checkpointer(str(tmp_path), model=model, interval=None, storage_options=options, handle_sigterm=False) as cp:
+        cp.step_done()
+        cp.save(blocking=True)
+        assert type(cp._sink).__name__ == "ThreadSink"
+    assert "cannot start the writer process" in caplog.text
+    assert (tmp_path / "step-0000000001/manifest.json").exists()
+
+
+def test_sigterm_to_the_whole_process_group_still_commits_the_preemption_checkpoint(tmp_path):
+    script = textwrap.dedent(
+        f"""
+        import sys, time, torch, ckpt
+        model = torch.nn.Linear(8, 8)
+        with ckpt.Checkpointer({str(tmp_path / "root")!r}, model=model, interval=ckpt.Every(steps=2)) as cp:
+            for i in range(1000):
+                time.sleep(0.05)
+                cp.step_done()
+                if cp._sink is not None and i == 5:
+                    print("ready", flush=True)
+        """
+    )
+    env = {**os.environ, "CKPT_FAULT": "writer_process:*:*:sleep=0.5"}  # every write is slow
+    trainer = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, env=env, text=True, start_new_session=True)
+    try:
+        assert trainer.stdout.readline().strip() == "ready"
+        os.killpg(trainer.pid, signal.SIGTERM)  # what scancel and some pod runtimes do
+        assert trainer.wait(timeout=60) == 143
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(trainer.pid, signal.SIGKILL)
+    committed = sorted(int(p.parent.name[5:]) for p in (tmp_path / "root").glob("step-*/manifest.json"))
+    assert committed and committed[-1] >= 6
