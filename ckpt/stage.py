@@ -68,9 +68,11 @@ class Stager:
         later = Copies()
         self._later, self._defer = later, defer
         try:
-            return self._stage(state, ()), later
+            staged = self._stage(state, ())
         finally:
             del self._later, self._defer
+        later.mark_ready()
+        return staged, later
 
     def _stage(self, obj: Any, path: Path) -> Any:
         if isinstance(obj, dict) and path in _MEMO_PATHS:
@@ -143,24 +145,49 @@ Pair = tuple[torch.Tensor, torch.Tensor]  # (staging buffer, live tensor)
 
 
 class Copies:
-    """Tensor copies into staging buffers, made by whoever calls `run` (once)."""
+    """Tensor copies into staging buffers, made by whoever calls `run` (once).
+
+    On CUDA they run on a side stream of their own, after what the training stream had queued
+    when the save began (an event), so device-to-host DMA overlaps the next forward and
+    backward instead of queueing behind them on the default stream."""
+
+    _side_streams: dict[int, Any] = {}  # one per device, shared by all stagers of the process
 
     def __init__(self) -> None:
         self.pairs: list[Pair] = []
         # IMPORTANT: copies to pinned memory made at once were asynchronous too: the writer
-        # (another process, blind to CUDA streams) must not read their buffers before a sync.
+        # (another process, blind to CUDA streams) must not read their buffers before they land.
         self.sync = False
+        self._ready: Any = None  # CUDA event: the state is final (recorded when the save began)
+        self._device: torch.device | None = None
+
+    def mark_ready(self) -> None:
+        """Called in the training thread when the save begins: what its stream has queued so
+        far (the last optimizer step, the copies made at once) is what is saved."""
+        if self.sync or any(s.is_cuda for _, s in self.pairs):
+            # The background thread has its own current device (device 0): name it.
+            self._device = next((s.device for _, s in self.pairs if s.is_cuda), torch.device("cuda", torch.cuda.current_device()))
+            self._ready = torch.cuda.Event()
+            self._ready.record(torch.cuda.current_stream(self._device))
 
     @property
     def bytes(self) -> int:
         return sum(d.numel() * d.element_size() for d, _ in self.pairs)
 
     def run(self) -> None:
-        for dst, src in self.pairs:
-            dst.copy_(src, non_blocking=dst.is_pinned())
-        if self.sync or any(d.is_pinned() for d, _ in self.pairs):
-            torch.cuda.synchronize()
-        self.pairs, self.sync = [], False
+        if self._ready is None:
+            for dst, src in self.pairs:
+                dst.copy_(src)
+        else:
+            stream = self._side_streams.get(self._device.index)
+            if stream is None:
+                stream = self._side_streams[self._device.index] = torch.cuda.Stream(self._device)
+            stream.wait_event(self._ready)
+            with torch.cuda.device(self._device), torch.cuda.stream(stream):
+                for dst, src in self.pairs:
+                    dst.copy_(src, non_blocking=dst.is_pinned())
+            stream.synchronize()  # the deferred copies, and (after the event) the ones made at once
+        self.pairs, self.sync, self._ready = [], False, None
 
 
 def _same_layout(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
