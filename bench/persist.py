@@ -275,12 +275,17 @@ def summarize(raw: dict[str, Any], samples: list[tuple[float, float, float]]) ->
     def window(xs: list[dict[str, Any]], key: str, point: int) -> dict[str, Any]:
         return {"bytes": _med([x[key] for x in xs]), "saves": f"{xs[0]['save']}-{xs[-1]['save']}", "point": xs[point][key]}
 
+    control = raw.get("leak_control")
     if leak:
         for rank, series in enumerate(leak["per_rank"]):
             for key, name in (("vmrss", "trainer VmRSS"), ("tree_pss", "PSS trainer+children")):
                 # saves 3-7 (and the 5th alone), the last five (and the last alone)
                 a, b = window(series[-5:], key, -1), window(series[2:7], key, 2)
                 add("memory", "local", f"rank {rank}, {name}", a, b, a["bytes"] / b["bytes"] - 1, [])
+                if control:  # the same loop without saves: training's own drift
+                    cs = control["per_rank"][rank]
+                    ca, cb = window(cs[-5:], key, -1), window(cs[2:7], key, 2)
+                    add("memory", "local", f"rank {rank}, {name}, no saves (control)", ca, cb, ca["bytes"] / cb["bytes"] - 1, [])
     return {**raw, "rows": rows}
 
 
@@ -662,9 +667,10 @@ def _pss(pid: int | str) -> int:
     return 0
 
 
-def leak_check(r: Rank, place: Place, n: int, steps: int) -> dict[str, Any]:
+def leak_check(r: Rank, place: Place, n: int, steps: int, control: bool = False) -> dict[str, Any]:
     """Check d): n saves in a row, `steps` training steps while each one writes, retention on
-    (Keep(last=2)), as in training; memory after each commit."""
+    (Keep(last=2)), as in training; memory after each commit. With `control`, the same loop
+    without the saves: how much training alone moves the same numbers."""
     import ckpt
 
     root = "leak"
@@ -675,12 +681,14 @@ def leak_check(r: Rank, place: Place, n: int, steps: int) -> dict[str, Any]:
     with r.checkpointer(place, root, restore="none", keep=ckpt.Keep(last=2)) as cp:
         for i in range(1, n + 1):
             t = time.perf_counter()
-            cp.save()
+            if not control:
+                cp.save()
             for _ in range(steps):  # the write runs while these train
                 r.train_step()
                 cp.step_done()
             cp.wait()
-            series.append({"save": i, "s": time.perf_counter() - t, "persist_s": cp.last_commit.costs.persist_s, **memory_now()})
+            persist_s = cp.last_commit.costs.persist_s if cp.last_commit else 0.0
+            series.append({"save": i, "s": time.perf_counter() - t, "persist_s": persist_s, **memory_now()})
             if i % 10 == 0:
                 r.log(f"memory check: save {i}/{n}, trainer VmRSS {series[-1]['vmrss'] / 1e6:.0f} MB")
     if r.rank == 0:
@@ -729,7 +737,9 @@ def worker(args: argparse.Namespace) -> None:
                 raw["reshard_from"] = {"root": f"ckpt-{size:g}mb", "shape": shape, "size_mb": size}
             checkpoint_results()
         if args.leak_saves and size == min(args.sizes):
-            raw["leak"] = leak_check(r, places.get("local") or next(iter(places.values())), args.leak_saves, args.leak_steps)
+            place = places.get("local") or next(iter(places.values()))
+            raw["leak_control"] = leak_check(r, place, args.leak_saves, args.leak_steps, control=True)
+            raw["leak"] = leak_check(r, place, args.leak_saves, args.leak_steps)
             checkpoint_results()
         r.model = r.opt = None
         gc.collect()

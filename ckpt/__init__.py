@@ -17,7 +17,7 @@ from .errors import (
     StorageError,
 )
 from .manifest import Manifest
-from .policy import Every, Keep
+from .policy import Auto, Every, Keep
 
 __version__ = "0.1.0"
 
@@ -43,6 +43,7 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "Checkpointer",
+    "Auto",
     "Every",
     "Keep",
     "ElasticSampler",

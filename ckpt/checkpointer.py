@@ -28,9 +28,9 @@ from .commit import Group, persist
 from .data import data_position
 from .dcp_io import SafeLoadPlanner, make_reader
 from .errors import CheckpointError, RestoreFailed, SaveFailed, StorageError
-from .events import History
+from .events import History, read_all
 from .manifest import MANIFEST_NAME, Manifest
-from .policy import Every, Keep
+from .policy import Auto, Every, Keep, exposure
 from .stage import Copies, Stager, default_host_budget
 from .storage import Store, redact, step_dir_name
 from .writer_proc import ProcessSink, ThreadSink
@@ -58,8 +58,10 @@ class Checkpointer:
             ``StatefulDataLoader`` is also restored itself, per rank, when the world size is
             unchanged (its prefetch-exact position); after a world-size change the global
             cursor rules.
-        interval: when ``step_done`` saves; None saves only when asked. Default: every
-            10 minutes of wall time (decided on rank 0 and shared by every rank).
+        interval: when ``step_done`` saves. "auto" (default, or ``ckpt.Auto(...)`` to set the
+            MTBF prior): when it pays, from the measured cost of the last save and the job's
+            MTBF (see ``ckpt.Auto``); ``ckpt.Every(steps=, seconds=)``: fixed; None: only when
+            asked. Time-based choices are made on rank 0 and shared by every rank.
         keep: retention, applied by rank 0 after each commit, in the background.
         storage_options: passed to fsspec (``{"endpoint_url": ...}`` for an S3-compatible store).
         restore: "latest" (default) restores the newest committed checkpoint; "none" starts
@@ -99,7 +101,7 @@ class Checkpointer:
         extra: dict[str, Any] | None = None,
         data: Any = None,
         dataloader: Any = None,
-        interval: Every | None = Every(seconds=600),
+        interval: Every | Auto | Literal["auto"] | None = "auto",
         keep: Keep = Keep(last=3),
         storage_options: dict[str, Any] | None = None,
         restore: Restore = "latest",
@@ -121,7 +123,19 @@ class Checkpointer:
         self._storage_options = storage_options
         data, loader = data_position(data, dataloader)
         self.state = TrainingState.of(model, optimizer, scheduler, scaler, extra, data, loader)
+        if interval == "auto":
+            interval = Auto()
+        if not (interval is None or isinstance(interval, (Every, Auto))):
+            raise ValueError(f"interval must be 'auto', ckpt.Auto(...), ckpt.Every(...) or None, not {interval!r}")
         self.interval = interval
+        #: What the interval policy decided last (seconds, and for Auto what it was chosen from).
+        self.schedule: dict[str, Any] = (
+            {"policy": "every", "steps": interval.steps, "seconds": interval.seconds}
+            if isinstance(interval, Every)
+            else {"policy": "none"} if interval is None else {"policy": "auto", "seconds": interval.first_after_s}
+        )
+        self._auto_s = interval.first_after_s if isinstance(interval, Auto) else None
+        self._mtbf = interval.prior() if isinstance(interval, Auto) else None
         self.keep = keep
         self.restore_mode = restore
         self.save_on_exit = save_on_exit
@@ -164,7 +178,9 @@ class Checkpointer:
         self._taken: set[int] = set()  # steps whose directories hold a manifest: never written into
         self._deferred = False  # a due save found its step taken; save at the next step
         # A signal reaches one rank, a clock runs per rank: both need one small collective a step.
-        self._agree_each_step = handle_sigterm or (interval is not None and interval.seconds is not None)
+        self._agree_each_step = handle_sigterm or isinstance(interval, Auto) or (
+            isinstance(interval, Every) and interval.seconds is not None
+        )
 
     # -- the loop's four touch points ---------------------------------------------------------
     @property
@@ -178,6 +194,8 @@ class Checkpointer:
         self._io = Group.new(self.timeout_s)
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ckpt-save")
         self.history = History(self.store, self._ctrl.world, enabled=self._ctrl.rank == 0)
+        if self._mtbf is not None and self._ctrl.rank == 0:
+            self._learn_mtbf()
         if self.restore_mode != "none":
             self._restore()
         else:
@@ -202,10 +220,10 @@ class Checkpointer:
         by_step = self._deferred or (
             self.interval is not None and self.interval.due_by_step(self._step, self._interval_anchor)
         )
-        by_time = (
-            self._ctrl.rank == 0
-            and self.interval is not None
-            and self.interval.due_by_time(time.monotonic() - self._last_save_time)
+        since = time.monotonic() - self._last_save_time
+        by_time = self._ctrl.rank == 0 and (
+            (isinstance(self.interval, Every) and self.interval.due_by_time(since))
+            or (self._auto_s is not None and since >= self._auto_s)
         )
         preempt = self._preempt.is_set()
         if self._ctrl.world > 1 and self._agree_each_step:
@@ -284,8 +302,9 @@ class Checkpointer:
                 copies.run()
         blocking_s = time.perf_counter() - started
         assert self._pool is not None, "use the Checkpointer as a context manager"
+        waited_before = self.staging_wait_s
         self._inflight = self._pool.submit(
-            self._save_in_background, self._step, staged, copies, counters, blocking_s, started
+            self._save_in_background, self._step, staged, copies, counters, blocking_s, started, waited_before
         )
         self._interval_anchor = self._saved_step = self._step
         self._last_save_time = time.monotonic()
@@ -352,7 +371,14 @@ class Checkpointer:
 
     # -- background ---------------------------------------------------------------------------
     def _save_in_background(
-        self, step: int, staged: Any, copies: Copies | None, counters: dict[str, Any], blocking_s: float, started: float
+        self,
+        step: int,
+        staged: Any,
+        copies: Copies | None,
+        counters: dict[str, Any],
+        blocking_s: float,
+        started: float,
+        waited_before: float,
     ) -> Manifest:
         """`copies` is None for a save streamed from the live state (nothing staged)."""
         try:
@@ -374,6 +400,7 @@ class Checkpointer:
                 arenas=arenas,
                 counters=counters,
                 user=self.metadata,
+                schedule=self.schedule,
                 blocking_s=blocking_s,
                 started=started,
             )
@@ -394,7 +421,50 @@ class Checkpointer:
             )
             self._apply_retention(step)
             self.history.beat()
+            if self._mtbf is not None:
+                # The loop also waited for the copy in the optimizer's pre-hook (overlap mode):
+                # by now the copy is done, so those waits are all in.
+                self._retune(manifest.costs.blocking_s + self.staging_wait_s - waited_before, manifest.costs.persist_s)
         return manifest
+
+    def _learn_mtbf(self) -> None:
+        """Rank 0: the MTBF prior updated by the job's past runs (failures and node time)."""
+        assert self._mtbf is not None
+        try:
+            runs, _ = read_all(self.store)
+        except CheckpointError as e:
+            log.warning("could not read the job's history for the MTBF: %s", e)
+            return
+        per_node = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        past = [(r.world_size, r.updated - r.started, r.ended is None or r.ended.startswith("error")) for r in runs]
+        failures, node_seconds = exposure(past, per_node)
+        self._mtbf = self._mtbf.observe(failures, node_seconds)
+
+    def _retune(self, blocking_s: float, persist_s: float) -> None:
+        """Rank 0, after a commit: the next interval, from what this save cost."""
+        assert isinstance(self.interval, Auto) and self._mtbf is not None
+        nodes = max(1, -(-self._ctrl.world // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))))
+        mtbf_s = self._mtbf.job_mtbf_s(nodes)
+        new = self.interval.seconds(blocking_s, persist_s, mtbf_s)
+        old, self._auto_s = self._auto_s, new  # one float: read by the loop's thread as it is
+        self.schedule = {
+            "policy": "auto",
+            "seconds": round(new, 3),
+            "blocking_s": round(blocking_s, 4),
+            "persist_s": round(persist_s, 3),
+            "mtbf_s": round(mtbf_s, 1),
+            "nodes": nodes,
+            "failures_seen": self._mtbf.failures,
+        }
+        if old is None or abs(new - old) > 0.1 * old:
+            log.info(
+                "interval: every %.0f s (blocking %.3f s, persist %.2f s, job MTBF %.1f h on %d node(s))",
+                new,
+                blocking_s,
+                persist_s,
+                mtbf_s / 3600,
+                nodes,
+            )
 
     def _writer(self) -> ProcessSink | ThreadSink:
         """The writer process, started on the first save and again if it died."""

@@ -98,6 +98,7 @@ def persist(
     arenas: list[Arena],
     counters: dict[str, Any],
     user: dict[str, Any],
+    schedule: dict[str, Any] | None = None,
     blocking_s: float,
     started: float,
 ) -> Manifest:
@@ -135,6 +136,7 @@ def persist(
                 counters=counters,
                 versions=versions(),
                 user=user,
+                schedule=dict(schedule or {}),
             )
             # IMPORTANT: the commit. Written last, after every rank's files are durable.
             store.put_atomic(f"{rel}/{MANIFEST_NAME}", manifest.to_json())

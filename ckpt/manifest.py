@@ -50,6 +50,9 @@ class Manifest:
     counters: dict[str, Any] = field(default_factory=dict)  # step and user counters at save
     versions: dict[str, str] = field(default_factory=dict)  # torch, ckpt, python
     user: dict[str, Any] = field(default_factory=dict)  # user metadata, JSON values
+    # Why this save was taken when it was: the interval policy and, for "auto", the measured
+    # blocking and persist times and the MTBF it was chosen from (seconds).
+    schedule: dict[str, Any] = field(default_factory=dict)
     format: str = FORMAT
     format_version: int = FORMAT_VERSION
 
@@ -82,6 +85,7 @@ class Manifest:
                 counters=dict(doc.get("counters", {})),
                 versions=dict(doc.get("versions", {})),
                 user=dict(doc.get("user", {})),
+                schedule=dict(doc.get("schedule", {})),
                 format=doc["format"],
                 format_version=int(doc["format_version"]),
             )

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
+
+from .interval import MtbfEstimate, async_interval
 
 
 @dataclass(frozen=True)
@@ -30,6 +32,56 @@ class Every:
 
     def due_by_time(self, seconds_since_last_save: float) -> bool:
         return self.seconds is not None and seconds_since_last_save >= self.seconds
+
+
+@dataclass(frozen=True)
+class Auto:
+    """Save when it pays: every sqrt(2·C_b·M) seconds (never more often than a save takes to
+    persist), from the measured blocking time C_b and persist time L of the last save and the
+    job's MTBF M. M starts from a prior (a node's MTBF, or a failure rate per 1000 node-days,
+    divided across the job's nodes) and learns from the job's own failures and run time in
+    `<root>/events/`. Decided on rank 0 and shared, like a time interval.
+
+    node_mtbf_s: a node's mean time between failures (seconds); overrides the rate.
+    failures_per_1000_node_days: the prior's rate when no node MTBF is given. The default, 5,
+        is the low end of Meta's RSC clusters (5 to 6.5).
+    prior_failures: how many failures' worth of evidence the prior is (1: the job's own
+        history outweighs it after a few failures).
+    first_after_s: the first save, before any save was measured.
+    """
+
+    node_mtbf_s: float | None = None
+    failures_per_1000_node_days: float = 5.0
+    prior_failures: float = 1.0
+    first_after_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        self.prior()  # validates the numbers
+        if self.first_after_s <= 0:
+            raise ValueError(f"Auto(first_after_s={self.first_after_s}): must be > 0")
+
+    def prior(self) -> MtbfEstimate:
+        if self.node_mtbf_s is not None:
+            return MtbfEstimate(self.node_mtbf_s, self.prior_failures)
+        return MtbfEstimate.from_rate(self.failures_per_1000_node_days, self.prior_failures)
+
+    def seconds(self, blocking_s: float | None, persist_s: float | None, job_mtbf_s: float) -> float:
+        """The interval: `first_after_s` until a save was measured, then the optimum."""
+        if blocking_s is None or persist_s is None:
+            return self.first_after_s
+        return async_interval(max(blocking_s, 1e-3), job_mtbf_s, persist_s)
+
+    def due_by_step(self, step: int, last_saved_step: int) -> bool:
+        return False
+
+
+def exposure(runs: Iterable[tuple[int, float, bool]], ranks_per_node: int) -> tuple[int, float]:
+    """(failures, node-seconds) of past runs given as (world size, seconds run, failed)."""
+    failures, node_seconds = 0, 0.0
+    for world, seconds, failed in runs:
+        failures += int(failed)
+        node_seconds += max(seconds, 0.0) * max(1, -(-world // max(1, ranks_per_node)))
+    return failures, node_seconds
 
 
 @dataclass(frozen=True)

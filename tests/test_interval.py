@@ -96,3 +96,22 @@ def test_nonsense_inputs_are_refused_with_a_clear_error(bad):
         young(bad, HOUR)
     with pytest.raises(ValueError, match="positive finite"):
         MtbfEstimate(node_mtbf_s=bad)
+
+
+def test_auto_waits_for_a_measurement_then_takes_the_async_optimum():
+    from ckpt.policy import Auto
+
+    auto = Auto(node_mtbf_s=30 * DAY, first_after_s=120)
+    assert auto.seconds(None, None, 3 * HOUR) == 120
+    assert auto.seconds(0.2, 40, 3 * HOUR) == pytest.approx(math.sqrt(2 * 0.2 * 3 * HOUR))
+    assert auto.seconds(0.0, 40, 60.0) == 40  # never more often than a save persists
+    assert Auto().prior().job_mtbf_s(1) == pytest.approx(1000 * DAY / 5)
+    with pytest.raises(ValueError):
+        Auto(first_after_s=0)
+
+
+def test_exposure_counts_failed_runs_and_node_time():
+    from ckpt.policy import exposure
+
+    runs = [(16, 3600.0, True), (16, 7200.0, False), (8, 1800.0, True)]  # 8 ranks per node
+    assert exposure(runs, ranks_per_node=8) == (2, 3600 * 2 + 7200 * 2 + 1800 * 1)

@@ -205,3 +205,49 @@ def test_over_the_host_memory_budget_a_save_streams_from_the_live_state_and_says
         assert cp2.step == 4
     for k, v in model2.state_dict().items():
         assert torch.equal(v, want[k])
+
+
+def _train_auto(root, auto, steps: int, sleep_s: float = 0.02):
+    import time
+
+    model = torch.nn.Linear(8, 8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with ckpt.Checkpointer(root, model=model, optimizer=opt, interval=auto, keep=ckpt.Keep(last=1000), handle_sigterm=False, save_on_exit=False) as cp:
+        for _ in range(steps):
+            time.sleep(sleep_s)
+            model(torch.randn(2, 8)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            cp.step_done()
+        cp.wait()
+    return cp
+
+
+def test_auto_interval_saves_when_it_pays_and_records_why(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="ckpt")
+    # A node failing every 20 s: saves are cheap, so the optimum is about every step.
+    cp = _train_auto(tmp_path, ckpt.Auto(node_mtbf_s=20.0, first_after_s=0.1), steps=40)
+    manifests = [ckpt.Manifest.from_json(p.read_bytes()) for p in sorted(tmp_path.glob("step-*/manifest.json"))]
+    assert len(manifests) >= 3
+    assert manifests[0].schedule == {"policy": "auto", "seconds": 0.1}  # before any measurement
+    later = manifests[-1].schedule
+    assert later["policy"] == "auto" and later["mtbf_s"] == pytest.approx(20.0, rel=0.01)
+    blocking = max(later["blocking_s"], 1e-3)  # a floor of 1 ms on the measured blocking time
+    assert later["seconds"] == pytest.approx(max((2 * blocking * 20.0) ** 0.5, later["persist_s"]), rel=0.02)
+    assert "interval: every" in caplog.text and cp.schedule["policy"] == "auto"
+
+
+def test_auto_interval_learns_a_shorter_mtbf_from_the_jobs_failed_runs(tmp_path):
+    import time
+
+    from ckpt.events import RunRecord, write_run
+    from ckpt.storage import Store
+
+    store = Store(tmp_path)
+    now = time.time()
+    for i in range(6):  # six earlier runs, each killed after 100 s
+        write_run(store, RunRecord(f"old-{i}", 1, now - 1000 + i * 100, now - 900 + i * 100, 0, 10))
+    cp = _train_auto(tmp_path, ckpt.Auto(node_mtbf_s=1e6, first_after_s=0.05), steps=10)
+    assert cp.schedule["failures_seen"] == 6
+    # prior: 1 failure in 1e6 s; seen: 6 more in 600 s -> 7 / (1e6 + 600) per second
+    assert cp.schedule["mtbf_s"] == pytest.approx((1e6 + 600) / 7, rel=0.01)
