@@ -26,8 +26,10 @@ EXIT_OK, EXIT_INVALID, EXIT_USAGE = 0, 1, 2
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    logging.basicConfig(level=logging.WARNING if not args.verbose else logging.INFO, format="%(message)s")
+    logging.basicConfig(level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING, format="%(message)s")
     try:
+        if getattr(args, "root", None) is None:  # plan, simulate: no checkpoint root
+            return args.func(args)
         store = Store(args.root, _options(args.storage_option))
         return args.func(store, args)
     except InvalidCheckpoint as e:
@@ -90,6 +92,25 @@ def _parser() -> argparse.ArgumentParser:
     events = sub.add_parser("events", parents=[common], help="the job's runs, restarts and failures")
     events.add_argument("--json", action="store_true")
     events.set_defaults(func=cmd_events)
+
+    pl = sub.add_parser("plan", help="checkpoint size, save/restore time, intervals and ETTR of a job")
+    pl.add_argument("--params", required=True, help="parameters: 13e9, 13B")
+    pl.add_argument("--nodes", type=int, required=True)
+    pl.add_argument("--gpus-per-node", type=int, default=8)
+    pl.add_argument("--write-bandwidth", required=True, help="per node, to the checkpoint store: 2GB/s")
+    pl.add_argument("--read-bandwidth", help="per node (default: the write bandwidth)")
+    pl.add_argument("--d2h-bandwidth", default="25GB/s", help="device-to-host copy per GPU (default 25GB/s)")
+    mtbf = pl.add_mutually_exclusive_group(required=True)
+    mtbf.add_argument("--mtbf", help="the job's MTBF: 6h, 90min")
+    mtbf.add_argument("--node-mtbf", help="one node's MTBF (divided by --nodes)")
+    pl.add_argument("--restart", default="10min", help="time to restart a failed job, before loading (default 10min)")
+    pl.add_argument("--weights", type=float, default=2.0, help="bytes per parameter (default 2: BF16)")
+    pl.add_argument("--grads", type=float, default=0.0, help="bytes per parameter of gradients kept (default 0)")
+    pl.add_argument("--keep-grads", action="store_true", help="gradients are saved too, as many bytes as the weights")
+    pl.add_argument("--adam", type=float, default=8.0, help="bytes per parameter of optimizer state (default 8: two FP32 moments)")
+    pl.add_argument("--master", type=float, default=4.0, help="bytes per parameter of master weights (default 4: FP32)")
+    pl.add_argument("--json", action="store_true")
+    pl.set_defaults(func=cmd_plan)
     return p
 
 
@@ -144,6 +165,54 @@ def _entry_doc(e: catalog.Entry) -> dict[str, Any]:
         "world_size": m.world_size if m else None,
         "problem": e.problem,
     }
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from .plan import Ledger, parse_bytes, parse_count, parse_duration, plan
+
+    nodes = args.nodes
+    if nodes < 1 or args.gpus_per_node < 1:
+        raise ValueError("--nodes and --gpus-per-node must be >= 1")
+    mtbf_s = parse_duration(args.mtbf) if args.mtbf else parse_duration(args.node_mtbf) / nodes
+    ledger = Ledger(args.weights, args.weights if args.keep_grads else args.grads, args.adam / 2, args.adam / 2, args.master)
+    p = plan(
+        parse_count(args.params),
+        nodes,
+        args.gpus_per_node,
+        parse_bytes(args.write_bandwidth),
+        mtbf_s,
+        read_bandwidth=parse_bytes(args.read_bandwidth) if args.read_bandwidth else None,
+        d2h_bandwidth=parse_bytes(args.d2h_bandwidth),
+        restart_s=parse_duration(args.restart),
+        ledger=ledger,
+    )
+    if args.json:
+        from .plan import as_dict
+
+        _emit_json(as_dict(p))
+        return EXIT_OK
+    rows = [
+        ["checkpoint", f"{human_bytes(p.checkpoint_bytes)} ({p.bytes_per_param:g} B/param), {human_bytes(p.bytes_per_gpu)} per GPU"],
+        ["blocking (staging copy)", _dur(p.blocking_s)],
+        ["persist (all nodes writing)", _dur(p.persist_s)],
+        ["restore (all nodes reading)", _dur(p.restore_s)],
+        ["job MTBF", _dur(p.job_mtbf_s)],
+        ["interval, sync (Young / Daly / exact)", f"{_dur(p.young_s)} / {_dur(p.daly_s)} / {_dur(p.daly_exact_s)}"],
+        ["interval, async (ckpt)", _dur(p.async_s)],
+        ["expected ETTR, sync / async", f"{p.ettr_sync:.1%} / {p.ettr_async:.1%}"],
+    ]
+    _table(rows, ["quantity", "estimate"])
+    return EXIT_OK
+
+
+def _dur(s: float) -> str:
+    if s < 1:
+        return f"{s * 1e3:.0f} ms"
+    if s < 120:
+        return f"{s:.1f} s"
+    if s < 7200:
+        return f"{s / 60:.1f} min"
+    return f"{s / 3600:.1f} h"
 
 
 def cmd_ls(store: Store, args: argparse.Namespace) -> int:

@@ -1,0 +1,55 @@
+"""`ckpt plan`: the memory ledger, units as people write them, and the CLI's output."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from ckpt.interval import HOUR, async_interval, daly_exact
+from ckpt.plan import Ledger, parse_bytes, parse_count, parse_duration, plan
+
+
+def test_the_ledger_gives_designs_worked_case_208_gb_for_13b_at_16_bytes_per_parameter():
+    assert Ledger().per_param == 14  # BF16 weights, FP32 Adam moments and master weights
+    p = plan(13e9, 8, 8, 2e9, 6 * HOUR, ledger=Ledger(grads=2))
+    assert p.checkpoint_bytes == pytest.approx(208e9)
+    assert p.persist_s == pytest.approx(208e9 / (8 * 2e9))
+    assert p.daly_exact_s == pytest.approx(daly_exact(p.blocking_s + p.persist_s, 6 * HOUR))
+    assert p.async_s == pytest.approx(async_interval(p.blocking_s, 6 * HOUR, p.persist_s))
+    assert 0.5 < p.ettr_sync < p.ettr_async < 1  # async pays only the staging copy
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [("2GB/s", 2e9), ("500MB/s", 5e8), ("1.5GiB/s", 1.5 * 2**30), ("2e9", 2e9), ("10 gb", 1e10), ("3TB", 3e12)],
+)
+def test_sizes_and_bandwidths_parse_as_written(text, value):
+    assert parse_bytes(text) == pytest.approx(value)
+
+
+def test_counts_and_durations_parse_as_written():
+    assert parse_count("13e9") == parse_count("13B") == 13e9
+    assert parse_count("1.5T") == 1.5e12
+    assert [parse_duration(t) for t in ("6h", "90min", "30s", "1.5d", "3600")] == [21600, 5400, 30, 129600, 3600]
+    for bad, fn in (("13x", parse_count), ("2 parsecs", parse_duration), ("fast", parse_bytes)):
+        with pytest.raises(ValueError):
+            fn(bad)
+
+
+def _ckpt(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ckpt.cli", *args], capture_output=True, text=True)
+
+
+def test_ckpt_plan_prints_a_table_and_json_and_refuses_bad_units_in_one_line():
+    args = ["plan", "--params", "13e9", "--nodes", "8", "--gpus-per-node", "8", "--write-bandwidth", "2GB/s", "--mtbf", "6h"]
+    out = _ckpt(*args, "--keep-grads")
+    assert out.returncode == 0 and "208.0 GB (16 B/param)" in out.stdout and "ETTR" in out.stdout
+    doc = json.loads(_ckpt(*args, "--json").stdout)
+    assert doc["checkpoint_bytes"] == pytest.approx(182e9) and doc["job_mtbf_s"] == 6 * HOUR
+    node = json.loads(_ckpt(*args[:-2], "--node-mtbf", "48h", "--json").stdout)
+    assert node["job_mtbf_s"] == 6 * HOUR  # a node's MTBF over 8 nodes
+    bad = _ckpt("plan", "--params", "13e9", "--nodes", "8", "--write-bandwidth", "fast", "--mtbf", "6h")
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "not a size" in bad.stderr
