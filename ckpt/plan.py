@@ -16,7 +16,7 @@ from .interval import async_interval, async_waste, daly, daly_exact, daly_wall_t
 
 _SI = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "p": 1e15}
 _IEC = {"ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40, "pi": 2**50}
-_TIME = {"s": 1, "sec": 1, "m": 60, "min": 60, "h": 3600, "hr": 3600, "d": 86400, "day": 86400, "w": 604800}
+_TIME = {"ms": 1e-3, "s": 1, "sec": 1, "m": 60, "min": 60, "h": 3600, "hr": 3600, "d": 86400, "day": 86400, "w": 604800}
 
 
 def parse_count(text: str) -> float:
@@ -38,7 +38,7 @@ def parse_bytes(text: str) -> float:
 
 
 def parse_duration(text: str) -> float:
-    """6h, 30min, 90s, 1.5d, 3600 (seconds)."""
+    """6h, 30min, 90s, 50ms, 1.5d, 3600 (seconds)."""
     m = re.fullmatch(r"\s*([0-9.]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*", str(text), re.I)
     if not m or m.group(2).lower() not in _TIME and m.group(2):
         raise ValueError(f"not a duration: {text!r} (try 6h, 30min, 90s)")

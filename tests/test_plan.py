@@ -53,3 +53,36 @@ def test_ckpt_plan_prints_a_table_and_json_and_refuses_bad_units_in_one_line():
     assert node["job_mtbf_s"] == 6 * HOUR  # a node's MTBF over 8 nodes
     bad = _ckpt("plan", "--params", "13e9", "--nodes", "8", "--write-bandwidth", "fast", "--mtbf", "6h")
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "not a size" in bad.stderr
+
+
+def test_without_failures_a_job_loses_only_its_blocking_time():
+    from ckpt.simulate import Job, simulate
+
+    job = Job(mtbf_s=1e12, blocking_s=1.0, persist_s=10.0, wall_s=10 * 86400, fixed_steps=50, step_s=2.0)
+    out = simulate(job, "fixed", runs=1)
+    assert out.ettr[0] == pytest.approx(100 / 101, rel=1e-3)  # 1 s blocked per 100 s of work
+
+
+@pytest.mark.parametrize("scenario", ["llama3", "rsc"])
+@pytest.mark.parametrize(("blocking", "persist"), [(0.05, 30.0), (2.0, 60.0)])
+def test_the_coordinator_learning_from_a_wrong_prior_is_within_2_points_of_the_best_oracle(scenario, blocking, persist):
+    import dataclasses
+
+    from ckpt.simulate import compare
+    from ckpt.simulate import scenario as make
+
+    job = dataclasses.replace(make(scenario), blocking_s=blocking, persist_s=persist, wall_s=20 * 86400)
+    rows = compare(job, runs=4)
+    best = max(rows[k]["ettr"] for k in ("young", "daly", "async-oracle"))
+    for factor in ("2", "0.5"):
+        got = rows[f"coordinator (prior {factor}x MTBF)"]["ettr"]
+        assert got >= best - 0.02
+        assert got >= rows["fixed"]["ettr"]
+
+
+def test_ckpt_simulate_reports_the_policies_and_the_verdict():
+    out = _ckpt("simulate", "--runs", "2", "--days", "5", "--json")
+    doc = json.loads(out.stdout)
+    assert set(doc["policies"]) >= {"fixed", "young", "daly", "async-oracle", "coordinator (prior 2x MTBF)"}
+    assert doc["coordinator_above_fixed"] is True and doc["coordinator_gap_pp"] <= 2
+    assert "ETTR" in _ckpt("simulate", "--runs", "1", "--days", "2").stdout
