@@ -445,7 +445,8 @@ class Checkpointer:
         assert isinstance(self.interval, Auto) and self._mtbf is not None
         nodes = max(1, -(-self._ctrl.world // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))))
         mtbf_s = self._mtbf.job_mtbf_s(nodes)
-        new = self.interval.seconds(blocking_s, persist_s, mtbf_s)
+        since_start = time.time() - self.history.record.started  # this run began at the last restart
+        new = self.interval.seconds(blocking_s, persist_s, mtbf_s, since_start)
         old, self._auto_s = self._auto_s, new  # one float: read by the loop's thread as it is
         self.schedule = {
             "policy": "auto",

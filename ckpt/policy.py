@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 
-from .interval import MtbfEstimate, async_interval
+from .interval import MtbfEstimate, async_interval, weibull_mtbf
 
 
 @dataclass(frozen=True)
@@ -48,12 +48,17 @@ class Auto:
     prior_failures: how many failures' worth of evidence the prior is (1: the job's own
         history outweighs it after a few failures).
     first_after_s: the first save, before any save was measured.
+    weibull_shape: failures that cluster (shape < 1: a restarted job fails again soon more
+        often than an exponential says) make the hazard fall with the time since the last
+        failure; the interval is then computed from that local MTBF and lengthens as the run
+        goes on. None: exponential (constant MTBF).
     """
 
     node_mtbf_s: float | None = None
     failures_per_1000_node_days: float = 5.0
     prior_failures: float = 1.0
     first_after_s: float = 300.0
+    weibull_shape: float | None = None
 
     def __post_init__(self) -> None:
         self.prior()  # validates the numbers
@@ -65,10 +70,14 @@ class Auto:
             return MtbfEstimate(self.node_mtbf_s, self.prior_failures)
         return MtbfEstimate.from_rate(self.failures_per_1000_node_days, self.prior_failures)
 
-    def seconds(self, blocking_s: float | None, persist_s: float | None, job_mtbf_s: float) -> float:
+    def seconds(
+        self, blocking_s: float | None, persist_s: float | None, job_mtbf_s: float, since_failure_s: float = 0.0
+    ) -> float:
         """The interval: `first_after_s` until a save was measured, then the optimum."""
         if blocking_s is None or persist_s is None:
             return self.first_after_s
+        if self.weibull_shape is not None:
+            job_mtbf_s = weibull_mtbf(self.weibull_shape, job_mtbf_s, since_failure_s)
         return async_interval(max(blocking_s, 1e-3), job_mtbf_s, persist_s)
 
     def due_by_step(self, step: int, last_saved_step: int) -> bool:

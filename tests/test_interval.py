@@ -115,3 +115,12 @@ def test_exposure_counts_failed_runs_and_node_time():
 
     runs = [(16, 3600.0, True), (16, 7200.0, False), (8, 1800.0, True)]  # 8 ranks per node
     assert exposure(runs, ranks_per_node=8) == (2, 3600 * 2 + 7200 * 2 + 1800 * 1)
+
+
+def test_auto_with_clustered_failures_lengthens_its_interval_as_the_run_survives():
+    from ckpt.policy import Auto
+
+    auto = Auto(node_mtbf_s=30 * DAY, weibull_shape=0.6)
+    early, late = (auto.seconds(1.0, 10.0, 3 * HOUR, since) for since in (60.0, 12 * HOUR))
+    assert early < auto.seconds(1.0, 10.0, 3 * HOUR, 3 * HOUR) < late
+    assert Auto(weibull_shape=None).seconds(1.0, 10.0, 3 * HOUR, 60.0) == pytest.approx(math.sqrt(2 * 3 * HOUR))
