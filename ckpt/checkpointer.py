@@ -25,12 +25,13 @@ from torch.distributed.checkpoint.api import CheckpointException
 from . import catalog
 from .capture import TrainingState
 from .commit import Group, persist
+from .coordinator import Coordinator
 from .data import data_position
 from .dcp_io import SafeLoadPlanner, make_reader
 from .errors import CheckpointError, RestoreFailed, SaveFailed, StorageError
-from .events import History, read_all
+from .events import History
 from .manifest import MANIFEST_NAME, Manifest
-from .policy import Auto, Every, Keep, exposure
+from .policy import Auto, Every, Keep
 from .stage import Copies, Stager, default_host_budget
 from .storage import Store, redact, step_dir_name
 from .writer_proc import ProcessSink, ThreadSink
@@ -128,14 +129,7 @@ class Checkpointer:
         if not (interval is None or isinstance(interval, (Every, Auto))):
             raise ValueError(f"interval must be 'auto', ckpt.Auto(...), ckpt.Every(...) or None, not {interval!r}")
         self.interval = interval
-        #: What the interval policy decided last (seconds, and for Auto what it was chosen from).
-        self.schedule: dict[str, Any] = (
-            {"policy": "every", "steps": interval.steps, "seconds": interval.seconds}
-            if isinstance(interval, Every)
-            else {"policy": "none"} if interval is None else {"policy": "auto", "seconds": interval.first_after_s}
-        )
-        self._auto_s = interval.first_after_s if isinstance(interval, Auto) else None
-        self._mtbf = interval.prior() if isinstance(interval, Auto) else None
+        self._coordinator: Coordinator | None = None  # for Auto, made on enter (needs the world size)
         self.keep = keep
         self.restore_mode = restore
         self.save_on_exit = save_on_exit
@@ -194,8 +188,10 @@ class Checkpointer:
         self._io = Group.new(self.timeout_s)
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ckpt-save")
         self.history = History(self.store, self._ctrl.world, enabled=self._ctrl.rank == 0)
-        if self._mtbf is not None and self._ctrl.rank == 0:
-            self._learn_mtbf()
+        if isinstance(self.interval, Auto):
+            self._coordinator = Coordinator(self.interval, self._ctrl.world)
+            if self._ctrl.rank == 0:
+                self._coordinator.learn_history(self.store)
         if self.restore_mode != "none":
             self._restore()
         else:
@@ -223,7 +219,7 @@ class Checkpointer:
         since = time.monotonic() - self._last_save_time
         by_time = self._ctrl.rank == 0 and (
             (isinstance(self.interval, Every) and self.interval.due_by_time(since))
-            or (self._auto_s is not None and since >= self._auto_s)
+            or (self._coordinator is not None and since >= self._coordinator.seconds)
         )
         preempt = self._preempt.is_set()
         if self._ctrl.world > 1 and self._agree_each_step:
@@ -421,51 +417,22 @@ class Checkpointer:
             )
             self._apply_retention(step)
             self.history.beat()
-            if self._mtbf is not None:
+            if self._coordinator is not None:
                 # The loop also waited for the copy in the optimizer's pre-hook (overlap mode):
                 # by now the copy is done, so those waits are all in.
-                self._retune(manifest.costs.blocking_s + self.staging_wait_s - waited_before, manifest.costs.persist_s)
+                blocked = manifest.costs.blocking_s + self.staging_wait_s - waited_before
+                self._coordinator.retune(blocked, manifest.costs.persist_s, self.history.record.started)
         return manifest
 
-    def _learn_mtbf(self) -> None:
-        """Rank 0: the MTBF prior updated by the job's past runs (failures and node time)."""
-        assert self._mtbf is not None
-        try:
-            runs, _ = read_all(self.store)
-        except CheckpointError as e:
-            log.warning("could not read the job's history for the MTBF: %s", e)
-            return
-        per_node = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-        past = [(r.world_size, r.updated - r.started, r.ended is None or r.ended.startswith("error")) for r in runs]
-        failures, node_seconds = exposure(past, per_node)
-        self._mtbf = self._mtbf.observe(failures, node_seconds)
-
-    def _retune(self, blocking_s: float, persist_s: float) -> None:
-        """Rank 0, after a commit: the next interval, from what this save cost."""
-        assert isinstance(self.interval, Auto) and self._mtbf is not None
-        nodes = max(1, -(-self._ctrl.world // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))))
-        mtbf_s = self._mtbf.job_mtbf_s(nodes)
-        since_start = time.time() - self.history.record.started  # this run began at the last restart
-        new = self.interval.seconds(blocking_s, persist_s, mtbf_s, since_start)
-        old, self._auto_s = self._auto_s, new  # one float: read by the loop's thread as it is
-        self.schedule = {
-            "policy": "auto",
-            "seconds": round(new, 3),
-            "blocking_s": round(blocking_s, 4),
-            "persist_s": round(persist_s, 3),
-            "mtbf_s": round(mtbf_s, 1),
-            "nodes": nodes,
-            "failures_seen": self._mtbf.failures,
-        }
-        if old is None or abs(new - old) > 0.1 * old:
-            log.info(
-                "interval: every %.0f s (blocking %.3f s, persist %.2f s, job MTBF %.1f h on %d node(s))",
-                new,
-                blocking_s,
-                persist_s,
-                mtbf_s / 3600,
-                nodes,
-            )
+    @property
+    def schedule(self) -> dict[str, Any]:
+        """What the interval policy decided last: seconds, and for "auto" what it was chosen
+        from (measured blocking and persist times, the MTBF, the nodes, failures seen)."""
+        if self._coordinator is not None:
+            return self._coordinator.schedule
+        if isinstance(self.interval, Every):
+            return {"policy": "every", "steps": self.interval.steps, "seconds": self.interval.seconds}
+        return {"policy": "auto" if isinstance(self.interval, Auto) else "none"}
 
     def _writer(self) -> ProcessSink | ThreadSink:
         """The writer process, started on the first save and again if it died."""

@@ -1,0 +1,77 @@
+"""The coordinator: rank 0's choice of when to save under `interval="auto"`.
+
+It holds the MTBF estimate (the `Auto` prior, updated by the job's past runs in
+`<root>/events/` when the run starts and by nothing else: failures end runs), and after each
+commit turns what that save cost into the next interval. The loop's thread reads `seconds`
+at each step; rank 0's "save now" is shared with every rank by the per-step agreement, so all
+ranks save at the same step.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+from .errors import CheckpointError
+from .events import read_all
+from .policy import Auto, exposure
+from .storage import Store
+
+log = logging.getLogger(__name__)
+
+
+def ranks_per_node() -> int:
+    return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+
+
+class Coordinator:
+    """The interval `Auto` chooses, and why (see `schedule`)."""
+
+    def __init__(self, policy: Auto, world: int) -> None:
+        self.policy = policy
+        self.nodes = max(1, -(-world // ranks_per_node()))
+        self.mtbf = policy.prior()
+        #: Seconds between saves; read by the loop's thread (one float: assigned whole).
+        self.seconds = policy.first_after_s
+        #: What the last choice was made from, recorded in the next manifest.
+        self.schedule: dict[str, Any] = {"policy": "auto", "seconds": self.seconds}
+        self._measured = False
+
+    def learn_history(self, store: Store) -> None:
+        """Update the MTBF estimate with the job's past runs: a run that never said how it
+        ended (killed, a lost node) or ended in an error is a failure; all are exposure."""
+        try:
+            runs, _ = read_all(store)
+        except CheckpointError as e:
+            log.warning("could not read the job's history for the MTBF: %s", e)
+            return
+        past = [(r.world_size, r.updated - r.started, r.ended is None or r.ended.startswith("error")) for r in runs]
+        self.mtbf = self.mtbf.observe(*exposure(past, ranks_per_node()))
+
+    def retune(self, blocking_s: float, persist_s: float, run_started: float) -> None:
+        """After a commit: the next interval, from what this save cost. `run_started` (unix
+        time) is when this run began, the last restart (for Weibull hazards)."""
+        mtbf_s = self.mtbf.job_mtbf_s(self.nodes)
+        new = self.policy.seconds(blocking_s, persist_s, mtbf_s, time.time() - run_started)
+        old, self.seconds = self.seconds, new
+        self.schedule = {
+            "policy": "auto",
+            "seconds": round(new, 3),
+            "blocking_s": round(blocking_s, 4),
+            "persist_s": round(persist_s, 3),
+            "mtbf_s": round(mtbf_s, 1),
+            "nodes": self.nodes,
+            "failures_seen": self.mtbf.failures,
+        }
+        if not self._measured or abs(new - old) > 0.1 * old:
+            self._measured = True
+            log.info(
+                "interval: every %.0f s (blocking %.3f s, persist %.2f s, job MTBF %.1f h on %d node(s))",
+                new,
+                blocking_s,
+                persist_s,
+                mtbf_s / 3600,
+                self.nodes,
+            )
