@@ -130,6 +130,7 @@ class Checkpointer:
             raise ValueError(f"interval must be 'auto', ckpt.Auto(...), ckpt.Every(...) or None, not {interval!r}")
         self.interval = interval
         self._coordinator: Coordinator | None = None  # for Auto, made on enter (needs the world size)
+        self._waited_for_slot = 0.0
         self.keep = keep
         self.restore_mode = restore
         self.save_on_exit = save_on_exit
@@ -269,8 +270,10 @@ class Checkpointer:
             return
         self._deferred = False
         # IMPORTANT: one save in flight at a time; the stager's buffers belong to it.
+        waiting = time.perf_counter()
         self.wait()
         started = time.perf_counter()
+        self._waited_for_slot = started - waiting  # blocking too, told to the coordinator
         counters = {"step": self._step, **self.counters}
         state = self.state.capture(counters, self._io.rank)
         need = self._stager.bytes_for(state)
@@ -298,7 +301,7 @@ class Checkpointer:
                 copies.run()
         blocking_s = time.perf_counter() - started
         assert self._pool is not None, "use the Checkpointer as a context manager"
-        waited_before = self.staging_wait_s
+        waited_before = self.staging_wait_s - self._waited_for_slot
         self._inflight = self._pool.submit(
             self._save_in_background, self._step, staged, copies, counters, blocking_s, started, waited_before
         )
@@ -418,10 +421,12 @@ class Checkpointer:
             self._apply_retention(step)
             self.history.beat()
             if self._coordinator is not None:
-                # The loop also waited for the copy in the optimizer's pre-hook (overlap mode):
-                # by now the copy is done, so those waits are all in.
+                # The loop also waited for the copy in the optimizer's pre-hook (overlap mode;
+                # done by now) and, before this save, for the previous one's slot; the slot
+                # stays busy until retention and history are done too, not just the commit.
                 blocked = manifest.costs.blocking_s + self.staging_wait_s - waited_before
-                self._coordinator.retune(blocked, manifest.costs.persist_s, self.history.record.started)
+                busy = time.perf_counter() - started
+                self._coordinator.retune(blocked, busy, self.history.record.started)
         return manifest
 
     @property

@@ -38,6 +38,9 @@ def main(argv: list[str] | None = None) -> int:
     except (CheckpointError, ValueError) as e:
         _error(e)
         return EXIT_USAGE
+    except ArithmeticError as e:  # plan, simulate: numbers out of any sensible range
+        _error(ValueError(f"the numbers given are out of range ({type(e).__name__}: {e})"))
+        return EXIT_USAGE
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:  # `ckpt show ... | head`: the reader left, nothing is wrong
@@ -190,6 +193,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if nodes < 1 or args.gpus_per_node < 1:
         raise ValueError("--nodes and --gpus-per-node must be >= 1")
     mtbf_s = parse_duration(args.mtbf) if args.mtbf else parse_duration(args.node_mtbf) / nodes
+    if args.keep_grads and args.grads:
+        raise ValueError("--keep-grads (gradients as large as the weights) and --grads N: give one")
     ledger = Ledger(args.weights, args.weights if args.keep_grads else args.grads, args.adam / 2, args.adam / 2, args.master)
     p = plan(
         parse_count(args.params),
@@ -227,6 +232,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from .plan import parse_duration
     from .simulate import compare, scenario
 
+    if args.days <= 0 or args.nodes < 1 or args.runs < 1:
+        raise ValueError("--days must be > 0, --nodes and --runs >= 1")
     lo, _, hi = args.restart.partition("-")
     job = dataclasses.replace(
         scenario(args.scenario, args.nodes),

@@ -22,8 +22,24 @@ from .storage import Store
 log = logging.getLogger(__name__)
 
 
+# Ranks per node as launchers say it: torchrun, Slurm, Open MPI, MPICH/Intel MPI.
+_LOCAL_SIZE_VARS = ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS")
+# How a run ends without a failure of the machine: the user stopped it.
+_USER_EXITS = ("error: KeyboardInterrupt", "error: SystemExit")
+
+
 def ranks_per_node() -> int:
-    return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    for name in _LOCAL_SIZE_VARS:
+        value = os.environ.get(name, "").split("(")[0]  # Slurm may say "8(x4)"
+        if value.isdigit() and int(value) > 0:
+            return int(value)
+    return 1
+
+
+def failed(ended: str | None) -> bool:
+    """A run that never said how it ended (killed, a lost node) or ended in an error; not a
+    completion, a preemption, or the user's Ctrl-C or sys.exit."""
+    return ended is None or (ended.startswith("error") and not ended.startswith(_USER_EXITS))
 
 
 class Coordinator:
@@ -40,14 +56,14 @@ class Coordinator:
         self._measured = False
 
     def learn_history(self, store: Store) -> None:
-        """Update the MTBF estimate with the job's past runs: a run that never said how it
-        ended (killed, a lost node) or ended in an error is a failure; all are exposure."""
+        """Update the MTBF estimate with the job's past runs: `failed` ones are failures, all
+        are exposure."""
         try:
             runs, _ = read_all(store)
         except CheckpointError as e:
             log.warning("could not read the job's history for the MTBF: %s", e)
             return
-        past = [(r.world_size, r.updated - r.started, r.ended is None or r.ended.startswith("error")) for r in runs]
+        past = [(r.world_size, r.updated - r.started, failed(r.ended)) for r in runs]
         self.mtbf = self.mtbf.observe(*exposure(past, ranks_per_node()))
 
     def retune(self, blocking_s: float, persist_s: float, run_started: float) -> None:
@@ -68,7 +84,7 @@ class Coordinator:
         if not self._measured or abs(new - old) > 0.1 * old:
             self._measured = True
             log.info(
-                "interval: every %.0f s (blocking %.3f s, persist %.2f s, job MTBF %.1f h on %d node(s))",
+                "interval: every %.3g s (blocking %.3g s, busy %.3g s, job MTBF %.3g h on %d node(s); rank 0's costs)",
                 new,
                 blocking_s,
                 persist_s,

@@ -10,7 +10,7 @@ part C_b of a save costs training; the write (latency L) overlaps training, but 
 in flight at a time, so the interval is never shorter than L, and a failure loses the save
 in flight too.
 
-The MTBF is estimated by `MtbfEstimate`: a gamma prior on the failure rate per node-hour
+The MTBF is estimated by `MtbfEstimate`: a gamma prior on the failure rate per node-second
 (from a node MTBF or a published failure rate) updated by the job's own failures and
 exposure, scaled to the job's node count, so a shrunken job checkpoints less often.
 Failures that cluster early (Weibull shape < 1) make the hazard fall with the time since the
@@ -49,7 +49,11 @@ def daly_exact(cost_s: float, mtbf_s: float) -> float:
     is proportional to (exp((T + C)/M) − 1)/T: T* = M·(1 + W₀(−exp(−1 − C/M))), W₀ the
     principal branch of Lambert's W."""
     _check_positive(cost_s=cost_s, mtbf_s=mtbf_s)
-    return mtbf_s * (1 + _lambert_w0(-math.exp(-1 - cost_s / mtbf_s)))
+    c = cost_s / mtbf_s
+    if c < 1e-8:  # W0 near its branch point cancels in floating point: its series instead
+        p = math.sqrt(2 * -math.expm1(-c))
+        return mtbf_s * (p - p * p / 3 + 11 * p**3 / 72)
+    return mtbf_s * (1 + _lambert_w0(-math.exp(-1 - c)))
 
 
 def daly_wall_time_factor(interval_s: float, cost_s: float, mtbf_s: float, restart_s: float = 0.0) -> float:
@@ -81,7 +85,7 @@ def async_waste(interval_s: float, blocking_s: float, mtbf_s: float, persist_s: 
 class MtbfEstimate:
     """The job's MTBF from a prior and its own history (gamma-Poisson).
 
-    The failure rate per node-hour has a gamma prior with mean 1/node_mtbf_s worth
+    The failure rate per node-second has a gamma prior with mean 1/node_mtbf_s worth
     `prior_failures` observed failures (the prior's weight: 1 means "as if one failure had
     been seen at that rate"). Each failure the job sees, and each node-second it runs, update
     it; the posterior mean rate times the job's nodes gives the job's MTBF.

@@ -29,12 +29,14 @@ def parse_count(text: str) -> float:
 
 
 def parse_bytes(text: str) -> float:
-    """2GB, 500MB, 1.5GiB, 2e9 (bytes); a trailing /s is allowed (a bandwidth)."""
-    m = re.fullmatch(r"\s*([0-9.]+(?:e[+-]?[0-9]+)?)\s*([kmgtp]?i?)(b)?\s*(/s|ps)?\s*", str(text), re.I)
+    """2GB, 500MB, 1.5GiB, 2e9 (bytes); a trailing /s is allowed (a bandwidth). A lowercase
+    b is bits, as network rates are quoted: 100Gb/s, 100Gbps = 12.5e9 bytes/s."""
+    m = re.fullmatch(r"\s*([0-9.]+(?:e[+-]?[0-9]+)?)\s*((?:[kKmMgGtTpP]i?)?)([Bb])?\s*(/s|ps)?\s*", str(text))
     if not m or (m.group(2) and m.group(3) is None):
-        raise ValueError(f"not a size: {text!r} (try 2GB or 500MB/s)")
+        raise ValueError(f"not a size: {text!r} (try 2GB or 500MB/s; b is bits)")
     unit = m.group(2).lower()
-    return float(m.group(1)) * (_IEC[unit] if unit.endswith("i") else _SI[unit])
+    value = float(m.group(1)) * (_IEC[unit] if unit.endswith("i") else _SI[unit])
+    return value / 8 if m.group(3) == "b" else value
 
 
 def parse_duration(text: str) -> float:

@@ -34,10 +34,13 @@ class Every:
         return self.seconds is not None and seconds_since_last_save >= self.seconds
 
 
+_BUSY_MARGIN = 1.1
+
+
 @dataclass(frozen=True)
 class Auto:
-    """Save when it pays: every sqrt(2·C_b·M) seconds (never more often than a save takes to
-    persist), from the measured blocking time C_b and persist time L of the last save and the
+    """Save when it pays: every sqrt(2·C_b·M) seconds (never more often than 1.1 times what a
+    save keeps its slot busy), from the measured blocking time C_b and busy time L of the last save and the
     job's MTBF M. M starts from a prior (a node's MTBF, or a failure rate per 1000 node-days,
     divided across the job's nodes) and learns from the job's own failures and run time in
     `<root>/events/`. Decided on rank 0 and shared, like a time interval.
@@ -78,7 +81,8 @@ class Auto:
             return self.first_after_s
         if self.weibull_shape is not None:
             job_mtbf_s = weibull_mtbf(self.weibull_shape, job_mtbf_s, since_failure_s)
-        return async_interval(max(blocking_s, 1e-3), job_mtbf_s, persist_s)
+        # IMPORTANT: a margin over the save's busy time, or every save would wait for the last.
+        return async_interval(max(blocking_s, 1e-3), job_mtbf_s, _BUSY_MARGIN * persist_s)
 
     def due_by_step(self, step: int, last_saved_step: int) -> bool:
         return False

@@ -11,7 +11,8 @@ is the work done over the wall time.
 Policies: a fixed interval (torchtitan's default of 500 steps at a stated step time); Young's
 and Daly's intervals for a synchronous save of C_b + L with the true MTBF, and the asynchronous
 optimum sqrt(2·C_b·M) with the true MTBF (oracles: they know M); and the coordinator, which
-starts from a wrong prior and learns M from the failures it sees, as `ckpt.Auto` does.
+starts from a wrong prior and learns M from the failures it sees, with `ckpt.Auto`'s own rule
+(its first save of each run after `first_after_s`, M learned when a run starts).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .interval import DAY, HOUR, MtbfEstimate, async_interval, daly, young
+from .policy import Auto
 
 # Llama 3 (Meta, 2024): 419 unexpected interruptions in 54 days of training on 16,384 GPUs.
 LLAMA3_MTBF_S = 54 * DAY / 419
@@ -38,12 +40,14 @@ class Job:
     wall_s: float = 54 * DAY
     step_s: float = 2.0  # for the fixed interval in steps
     fixed_steps: int = 500
+    first_after_s: float = 300.0  # the coordinator's first save of each run (ckpt.Auto's default)
 
 
 @dataclass
 class Outcome:
     ettr: list[float] = field(default_factory=list)
     interval_s: list[float] = field(default_factory=list)  # the mean interval of each run
+    last_interval_s: list[float] = field(default_factory=list)  # where each run ended up
 
 
 Interval = Callable[[MtbfEstimate | None], float]
@@ -56,9 +60,10 @@ def simulate(job: Job, policy: str, *, prior_factor: float = 1.0, runs: int = 10
     for r in range(runs):
         rng = random.Random(seed + r)
         learner = MtbfEstimate(job.mtbf_s * prior_factor) if policy == "coordinator" else None
-        ettr, mean_t = _one_run(job, choose, rng, learner)
+        ettr, mean_t, last_t = _one_run(job, choose, rng, learner)
         out.ettr.append(ettr)
         out.interval_s.append(mean_t)
+        out.last_interval_s.append(last_t)
     return out
 
 
@@ -74,17 +79,23 @@ def _policy(job: Job, policy: str) -> Interval:
         return lambda _est: fixed[policy]
     if policy == "coordinator":
         # IMPORTANT: only what the job can know: its measured costs and its estimate of M.
-        return lambda est: async_interval(job.blocking_s, est.job_mtbf_s(1), job.persist_s)  # type: ignore[union-attr]
+        auto = Auto(node_mtbf_s=job.mtbf_s)  # the shipped rule (its prior is the learner's)
+        return lambda est: auto.seconds(job.blocking_s, job.persist_s, est.job_mtbf_s(1))  # type: ignore[union-attr]
     raise ValueError(f"unknown policy {policy!r}")
 
 
-def _one_run(job: Job, choose: Interval, rng: random.Random, learner: MtbfEstimate | None) -> tuple[float, float]:
+def _one_run(job: Job, choose: Interval, rng: random.Random, learner: MtbfEstimate | None) -> tuple[float, float, float]:
+    """(ETTR, mean interval, last interval) of one simulated job."""
     wall = work = committed = 0.0
     run_start = 0.0  # wall time the current run (since the last restart) began
     pending: tuple[float, float] | None = None  # (work saved, wall time of its commit)
     next_failure = rng.expovariate(1 / job.mtbf_s)
-    interval = choose(learner)
-    next_due = interval
+    # The coordinator, as ckpt ships it: each run's first save after first_after_s, the
+    # optimum from the first commit on; it learns M only when a run starts (from the failures
+    # of the runs before), and a new choice applies to the countdown in progress.
+    measured = learner is None
+    interval = choose(learner) if measured else job.first_after_s
+    next_due, last_save_work = interval, 0.0
     intervals: list[float] = []
     while wall < job.wall_s:
         commit_at = pending[1] if pending else math.inf
@@ -99,26 +110,31 @@ def _one_run(job: Job, choose: Interval, rng: random.Random, learner: MtbfEstima
         if t == job.wall_s:
             break
         if t == next_failure:
+            # Work since the last commit and the save in flight are lost. Failures are not
+            # drawn during restarts (the same for every policy; Daly's model, in `plan`, has
+            # them). A failure while a save blocks can land "before" the blocking ended: the
+            # rest of that blocking never happens, so the clock is right.
             work, pending = committed, None
             if learner is not None:
                 learner = learner.observe(1, wall - run_start)
             wall += rng.uniform(job.restart_min_s, job.restart_max_s)
             next_failure = wall + rng.expovariate(1 / job.mtbf_s)  # memoryless: drawn anew
             run_start = wall
-            interval = choose(learner)
-            next_due = work + interval
+            measured = learner is None
+            interval = choose(learner) if measured else job.first_after_s
+            next_due = last_save_work = work
+            next_due += interval
         elif pending is not None and t == commit_at:
             committed, pending = pending[0], None
-            if learner is not None:
-                learner = learner.observe(0, wall - run_start)
-                run_start = wall
-            interval = choose(learner)
+            if not measured:
+                measured, interval = True, choose(learner)
+                next_due = last_save_work + interval
         else:  # a save: the loop blocks for C_b, then it persists while training goes on
             wall += job.blocking_s
             pending = (work, wall + job.persist_s)
             intervals.append(interval)
-            next_due = work + interval
-    return work / job.wall_s, statistics.fmean(intervals) if intervals else math.inf
+            last_save_work, next_due = work, work + interval
+    return work / job.wall_s, statistics.fmean(intervals) if intervals else math.inf, intervals[-1] if intervals else math.inf
 
 
 def compare(job: Job, *, runs: int = 10, seed: int = 0) -> dict[str, dict[str, float]]:
@@ -132,6 +148,7 @@ def compare(job: Job, *, runs: int = 10, seed: int = 0) -> dict[str, dict[str, f
             "ettr": statistics.fmean(o.ettr),
             "ettr_sd": statistics.stdev(o.ettr) if len(o.ettr) > 1 else 0.0,
             "interval_s": statistics.fmean(o.interval_s),
+            "last_interval_s": statistics.fmean(o.last_interval_s),
         }
     return rows
 

@@ -24,7 +24,7 @@ def test_the_ledger_gives_designs_worked_case_208_gb_for_13b_at_16_bytes_per_par
 
 @pytest.mark.parametrize(
     ("text", "value"),
-    [("2GB/s", 2e9), ("500MB/s", 5e8), ("1.5GiB/s", 1.5 * 2**30), ("2e9", 2e9), ("10 gb", 1e10), ("3TB", 3e12)],
+    [("2GB/s", 2e9), ("500MB/s", 5e8), ("1.5GiB/s", 1.5 * 2**30), ("2e9", 2e9), ("10 GB", 1e10), ("3TB", 3e12), ("100Gbps", 12.5e9), ("8gb/s", 1e9)],
 )
 def test_sizes_and_bandwidths_parse_as_written(text, value):
     assert parse_bytes(text) == pytest.approx(value)
@@ -34,7 +34,7 @@ def test_counts_and_durations_parse_as_written():
     assert parse_count("13e9") == parse_count("13B") == 13e9
     assert parse_count("1.5T") == 1.5e12
     assert [parse_duration(t) for t in ("6h", "90min", "30s", "1.5d", "3600")] == [21600, 5400, 30, 129600, 3600]
-    for bad, fn in (("13x", parse_count), ("2 parsecs", parse_duration), ("fast", parse_bytes)):
+    for bad, fn in (("13x", parse_count), ("2 parsecs", parse_duration), ("fast", parse_bytes), ("2ib", parse_bytes)):
         with pytest.raises(ValueError):
             fn(bad)
 
@@ -78,6 +78,20 @@ def test_the_coordinator_learning_from_a_wrong_prior_is_within_2_points_of_the_b
         got = rows[f"coordinator (prior {factor}x MTBF)"]["ettr"]
         assert got >= best - 0.02
         assert got >= rows["fixed"]["ettr"]
+
+
+@pytest.mark.parametrize("factor", [10.0, 0.1])
+def test_the_coordinator_ends_at_the_oracles_interval_from_a_prior_off_by_10x(factor):
+    import dataclasses
+
+    from ckpt.simulate import scenario, simulate
+
+    # C_b = 2 s, L = 60 s: the optimum (211 s) is well above the floor, so the interval shows
+    # what was learned (without learning, a 10x prior would stay at sqrt(10) x 211 s).
+    job = dataclasses.replace(scenario("llama3"), blocking_s=2.0, persist_s=60.0, wall_s=20 * 86400)
+    oracle = simulate(job, "async-oracle", runs=1).last_interval_s[0]
+    learned = simulate(job, "coordinator", prior_factor=factor, runs=3).last_interval_s
+    assert all(abs(t / oracle - 1) < 0.1 for t in learned), (oracle, learned)
 
 
 def test_ckpt_simulate_reports_the_policies_and_the_verdict():

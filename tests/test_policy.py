@@ -226,14 +226,14 @@ def _train_auto(root, auto, steps: int, sleep_s: float = 0.02):
 def test_auto_interval_saves_when_it_pays_and_records_why(tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="ckpt")
     # A node failing every 20 s: saves are cheap, so the optimum is about every step.
-    cp = _train_auto(tmp_path, ckpt.Auto(node_mtbf_s=20.0, first_after_s=0.1), steps=40)
+    cp = _train_auto(tmp_path, ckpt.Auto(node_mtbf_s=20.0, first_after_s=0.1), steps=100)
     manifests = [ckpt.Manifest.from_json(p.read_bytes()) for p in sorted(tmp_path.glob("step-*/manifest.json"))]
     assert len(manifests) >= 3
     assert manifests[0].schedule == {"policy": "auto", "seconds": 0.1}  # before any measurement
     later = manifests[-1].schedule
     assert later["policy"] == "auto" and later["mtbf_s"] == pytest.approx(20.0, rel=0.01)
     blocking = max(later["blocking_s"], 1e-3)  # a floor of 1 ms on the measured blocking time
-    assert later["seconds"] == pytest.approx(max((2 * blocking * 20.0) ** 0.5, later["persist_s"]), rel=0.02)
+    assert later["seconds"] == pytest.approx(max((2 * blocking * 20.0) ** 0.5, 1.1 * later["persist_s"]), rel=0.02)
     assert "interval: every" in caplog.text and cp.schedule["policy"] == "auto"
 
 
