@@ -432,7 +432,8 @@ class Checkpointer:
     @property
     def schedule(self) -> dict[str, Any]:
         """What the interval policy decided last: seconds, and for "auto" what it was chosen
-        from (measured blocking and persist times, the MTBF, the nodes, failures seen)."""
+        from (measured blocking and busy times, the MTBF, the nodes, failures seen). Rank 0
+        decides, from its own costs; on other ranks this stays the initial choice."""
         if self._coordinator is not None:
             return self._coordinator.schedule
         if isinstance(self.interval, Every):
