@@ -505,10 +505,7 @@ def test_parser_declines_anything_else(blob):
 
 
 def test_parser_reads_zip64_headers_of_storages_over_4_gib(tmp_path):
-    try:
-        t = torch.empty(2**32 + 64, dtype=torch.uint8)  # never touched: no memory used
-    except (RuntimeError, MemoryError):
-        pytest.skip("cannot reserve 4 GiB of address space here")
+    t = torch.empty(2**32 + 64, dtype=torch.uint8)  # address space only: never touched, no memory used
     path = tmp_path / "big.pt"
     with open(path, "wb") as f, torch.serialization.skip_data():
         torch.save(t, f)  # a sparse file
