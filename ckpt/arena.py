@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import itertools
+import math
 import mmap
 import os
 from dataclasses import dataclass, field
@@ -64,7 +65,7 @@ class Arena:
 
     def empty(self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """An uninitialised contiguous tensor in the arena, owning its storage exactly."""
-        nbytes = _numel(shape) * torch.empty((), dtype=dtype).element_size()
+        nbytes = math.prod(shape) * dtype.itemsize
         if nbytes == 0:
             return torch.empty(shape, dtype=dtype, pin_memory=self.pin)
         seg, offset = self._place(nbytes)
@@ -119,13 +120,6 @@ class Arena:
             _pin(seg)
         self.segments[seg.id] = seg
         return seg
-
-
-def _numel(shape: torch.Size | tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
 
 
 def _pin(seg: Segment) -> None:

@@ -130,7 +130,6 @@ class Checkpointer:
             raise ValueError(f"interval must be 'auto', ckpt.Auto(...), ckpt.Every(...) or None, not {interval!r}")
         self.interval = interval
         self._coordinator: Coordinator | None = None  # for Auto, made on enter (needs the world size)
-        self._waited_for_slot = 0.0
         self.keep = keep
         self.restore_mode = restore
         self.save_on_exit = save_on_exit
@@ -273,7 +272,6 @@ class Checkpointer:
         waiting = time.perf_counter()
         self.wait()
         started = time.perf_counter()
-        self._waited_for_slot = started - waiting  # blocking too, told to the coordinator
         counters = {"step": self._step, **self.counters}
         state = self.state.capture(counters, self._io.rank)
         need = self._stager.bytes_for(state)
@@ -301,7 +299,8 @@ class Checkpointer:
                 copies.run()
         blocking_s = time.perf_counter() - started
         assert self._pool is not None, "use the Checkpointer as a context manager"
-        waited_before = self.staging_wait_s - self._waited_for_slot
+        # The wait for the previous save's slot was blocking too: counted as if a staging wait.
+        waited_before = self.staging_wait_s - (started - waiting)
         self._inflight = self._pool.submit(
             self._save_in_background, self._step, staged, copies, counters, blocking_s, started, waited_before
         )

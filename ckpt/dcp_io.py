@@ -45,8 +45,6 @@ from .errors import InvalidCheckpoint
 from .manifest import Manifest
 from .storage import Store
 
-DATA_SUFFIX = ".distcp"
-
 # A single process saving without torch.distributed is a supported use, not a mistake.
 warnings.filterwarnings(
     "ignore", message="torch.distributed is disabled, unavailable or uninitialized", category=UserWarning

@@ -36,7 +36,7 @@ from torch.futures import Future
 
 from ._faults import fault_point
 from .arena import PAGE, Arena
-from .filewrite import Piece
+from .filewrite import Piece, piece_len
 from .manifest import METADATA_NAME, FileEntry
 from .storage import Store, checksum
 from .writer_proc import Segment
@@ -161,7 +161,7 @@ class _Layout:
         offset = self.size
         for p in parts:
             self.pieces.append(p)
-            self.size += len(p) if isinstance(p, bytes) else p[2]
+            self.size += piece_len(p)
         return offset, self.size - offset
 
     def pad_to_page(self, head: int) -> None:

@@ -29,6 +29,10 @@ from .storage import Hasher, Store, storage_errors
 #: A piece of a file: literal bytes, or (segment id, offset, length) of the staging arena.
 Piece = bytes | tuple[int, int, int]
 
+def piece_len(piece: Piece) -> int:
+    return len(piece) if isinstance(piece, bytes) else piece[2]
+
+
 ALIGN = 4096  # O_DIRECT alignment of memory, file offsets and lengths (the page size)
 _BOUNCE = 8 << 20  # bytes gathered before a direct write
 _IOV_MAX = 512  # pieces per writev call on the buffered path

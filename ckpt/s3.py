@@ -144,8 +144,9 @@ class S3Transfers:
                 await asyncio.sleep(delay)
                 attempt += 1
 
-    async def call(self, what: str, method: str, **kwargs: Any) -> Any:
-        return await self.retry(what, lambda: self.fs._call_s3(method, **kwargs))
+    def call(self, what: str, method: str, **kwargs: Any) -> Any:
+        """One S3 request with retries, from synchronous code."""
+        return self.run(self.retry, what, lambda: self.fs._call_s3(method, **kwargs))
 
     def run(self, coro: Callable[..., Awaitable[T]], *args: Any, **kwargs: Any) -> T:
         """Run a coroutine on fsspec's I/O loop and wait for it."""
@@ -225,13 +226,7 @@ class Upload(io.RawIOBase):
 
     def _send_part(self) -> None:
         if self._upload_id is None:
-            out = self._t.run(
-                self._t.call,
-                f"writing {self._where}",
-                "create_multipart_upload",
-                Bucket=self._bucket,
-                Key=self._key,
-            )
+            out = self._t.call(f"writing {self._where}", "create_multipart_upload", Bucket=self._bucket, Key=self._key)
             self._upload_id = out["UploadId"]
         self._collect(self._t.config.concurrency - 1)
         self._parts += 1
@@ -301,8 +296,8 @@ class Upload(io.RawIOBase):
         self._collect(0)
         parts = [{"PartNumber": n, "ETag": etag} for n, etag in sorted(self._etags.items())]
         try:
-            self._t.run(
-                self._t.call, what, "complete_multipart_upload", Bucket=self._bucket, Key=self._key,
+            self._t.call(
+                what, "complete_multipart_upload", Bucket=self._bucket, Key=self._key,
                 UploadId=self._upload_id, MultipartUpload={"Parts": parts},
             )  # fmt: skip
         except StorageError as e:
@@ -313,13 +308,7 @@ class Upload(io.RawIOBase):
 
     def _stored_size(self) -> int | None:
         with contextlib.suppress(StorageError):
-            head = self._t.run(
-                self._t.call,
-                f"checking {self._where}",
-                "head_object",
-                Bucket=self._bucket,
-                Key=self._key,
-            )
+            head = self._t.call(f"checking {self._where}", "head_object", Bucket=self._bucket, Key=self._key)
             return int(head["ContentLength"])
         return None
 
@@ -335,8 +324,8 @@ class Upload(io.RawIOBase):
             # keep reading the caller's buffers after the block exits).
             self._t.run(self._stop_tasks)
             if self._upload_id is not None:
-                self._t.run(
-                    self._t.call, f"aborting the upload of {self._where}", "abort_multipart_upload",
+                self._t.call(
+                    f"aborting the upload of {self._where}", "abort_multipart_upload",
                     Bucket=self._bucket, Key=self._key, UploadId=self._upload_id,
                 )  # fmt: skip
                 self._upload_id = None
@@ -419,9 +408,7 @@ class Reader(_Stream):
         self._t, self._where = t, where
         self._bucket, self._key, _ = t.fs.split_path(path)
         try:
-            head = t.run(
-                t.call, f"reading {where}", "head_object", Bucket=self._bucket, Key=self._key
-            )
+            head = t.call(f"reading {where}", "head_object", Bucket=self._bucket, Key=self._key)
         except StorageError as e:
             if isinstance(e.__cause__, FileNotFoundError) or _is_code(
                 e.__cause__, "404", "NoSuchKey"

@@ -96,7 +96,7 @@ class Stager:
         if isinstance(state, dict):
             hit = self._memo.get(path) if path in _MEMO_PATHS else None
             if hit is not None and hit[0] is state:
-                return sum(d.numel() * d.element_size() for d, _ in itertools.chain(hit[2], hit[3]))
+                return _nbytes([d for d, _ in itertools.chain(hit[2], hit[3])])
             return sum(self.bytes_for(v, (*path, k)) for k, v in state.items())
         return tensor_bytes(state)
 
@@ -105,8 +105,7 @@ class Stager:
         if hit is not None and hit[0] is obj:  # IMPORTANT: identity, held alive by the memo
             _, staged, now, later = hit
             for dst, src in now:
-                dst.copy_(src, non_blocking=dst.is_pinned())
-                self._later.sync |= dst.is_pinned()
+                self._copy_now(dst, src)
             self._later.pairs.extend(later)
             return staged
         first_later, self._now = len(self._later.pairs), []
@@ -130,11 +129,14 @@ class Stager:
             if self._defer(path, s):
                 self._later.pairs.append((dst, s.detach()))
             else:
-                dst.copy_(s.detach(), non_blocking=dst.is_pinned())
-                self._later.sync |= dst.is_pinned()
+                self._copy_now(dst, s.detach())
                 if self._now is not None:
                     self._now.append((dst, s.detach()))
         return cached
+
+    def _copy_now(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        dst.copy_(src, non_blocking=dst.is_pinned())
+        self._later.sync |= dst.is_pinned()
 
     def _host_empty(self, t: torch.Tensor) -> torch.Tensor:
         arena = self.pinned_arena if t.device.type == "cuda" else self.arena

@@ -254,7 +254,7 @@ class Store:
     def read_bytes(self, rel: str) -> bytes:
         with storage_errors(f"reading {self.display}/{rel}"):
             if self._s3 is not None:
-                with self._s3.reader(self.path(rel), f"{self.display}/{rel}") as f:
+                with self.open_read(rel) as f:
                     return f.read()
             try:
                 return self.fs.cat_file(self.path(rel))

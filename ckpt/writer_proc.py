@@ -29,7 +29,7 @@ from typing import Any, Protocol
 
 from ._faults import fault_point
 from .errors import SaveFailed, StorageError
-from .filewrite import Piece, write_file
+from .filewrite import Piece, piece_len, write_file
 from .manifest import FileEntry
 from .storage import Store
 
@@ -123,7 +123,7 @@ class ProcessSink:
             self._sent.update(s.id for s in batch)
         live = [s.id for s in segments]
         self._sent.intersection_update(live)
-        nbytes = sum(len(p) if isinstance(p, bytes) else p[2] for p in pieces)
+        nbytes = sum(map(piece_len, pieces))
         deadline = self.timeout_s + nbytes / _SLOWEST_BYTES_PER_S
         reply = self._call(pickle.dumps(("write", rel, pieces, live, rank, step), protocol=5), deadline, f"writing {rel}")
         if reply[0] == "ok":
