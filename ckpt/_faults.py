@@ -4,8 +4,8 @@
 rank <rank> reaches <point> while saving step <step>; `*` matches any rank or step.
 `<point>:<rank>:<step>:sleep=<seconds>` stalls there instead (a slow store).
 Points: `write_item` (between two items of a data file), `writer_process` (in the writer
-process, before it writes a data file), `before_manifest` (all data files durable, manifest
-not yet written), `after_manifest`. Unset in production: one dict lookup.
+process, before it writes a data file), `before_manifest` (all data files and `.metadata`
+durable, the manifest not yet written), `after_manifest`. Unset in production: one dict lookup.
 """
 
 from __future__ import annotations

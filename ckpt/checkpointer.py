@@ -32,6 +32,7 @@ from .errors import CheckpointError, RestoreFailed, SaveFailed, StorageError
 from .events import History
 from .manifest import MANIFEST_NAME, Manifest
 from .policy import Auto, Every, Keep
+from .resave import Resaver
 from .stage import Copies, Stager, default_host_budget
 from .storage import Store, redact, step_dir_name
 from .writer_proc import ProcessSink, ThreadSink
@@ -154,6 +155,7 @@ class Checkpointer:
         #: Saves that came due while the previous one was still writing, with if_busy="skip".
         self.skipped_saves = 0
         self._stager = Stager()
+        self._resaver = Resaver()
         self.overlap = overlap
         self.host_memory_budget = host_memory_budget if host_memory_budget is not None else default_host_budget()
         self._warned_budget = False
@@ -396,6 +398,7 @@ class Checkpointer:
                 staged,
                 sink=sink,
                 arenas=arenas,
+                resaver=self._resaver,
                 counters=counters,
                 user=self.metadata,
                 schedule=self.schedule,

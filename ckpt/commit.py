@@ -25,7 +25,8 @@ from ._faults import fault_point
 from .arena import Arena
 from .dcp_write import Sink, Writer
 from .errors import CheckpointError, SaveFailed
-from .manifest import MANIFEST_NAME, FileEntry, Manifest, SaveCosts
+from .manifest import MANIFEST_NAME, METADATA_NAME, FileEntry, Manifest, SaveCosts
+from .resave import Layout, Resaver
 from .storage import Store, step_dir_name
 
 log = logging.getLogger(__name__)
@@ -96,6 +97,7 @@ def persist(
     *,
     sink: Sink,
     arenas: list[Arena],
+    resaver: Resaver | None = None,
     counters: dict[str, Any],
     user: dict[str, Any],
     schedule: dict[str, Any] | None = None,
@@ -113,20 +115,25 @@ def persist(
     refusal = group.broadcast(refusal)
     if refusal:
         raise SaveFailed(f"save of step {step} to {store.display} failed: {refusal}")
-    writer = Writer(store, rel, step, sink, arenas)  # local roots: directories are made as files are written
-    # The state's layout does not change between saves: rank 0's global planning is paid once.
-    planner = DefaultSavePlanner(enable_plan_caching=True)
-    planner._cached_plans_key = group.plan_key  # DCP keys its cache by class: one per Checkpointer
-    dcp.save(staged, storage_writer=writer, planner=planner, process_group=group.pg)
-    fault_point("before_manifest", group.rank, step)
-    all_files = group.gather((step, writer.files))
+    mine, layout = _write_data(store, group, rel, step, staged, sink, arenas, resaver)
+    everyone = group.gather(mine) or []
+    if group.rank != 0:
+        fault_point("before_manifest", group.rank, step)
     outcome: Manifest | str | None = None
     if group.rank == 0:
         try:
-            steps = {s for s, _ in all_files or []}
+            failed = [m for m in everyone if isinstance(m, str)]
+            if failed:
+                raise SaveFailed("; ".join(failed))
+            steps = {m[0] for m in everyone}
             if steps != {step}:  # IMPORTANT: never commit files that another step's save wrote
                 raise SaveFailed(f"ranks disagree on the step being saved: {sorted(steps)}")
-            files: dict[str, FileEntry] = {k: v for _, fs in all_files or [] for k, v in fs.items()}
+            if len({m[1] for m in everyone}) != 1:  # IMPORTANT: one layout, or .metadata lies
+                raise SaveFailed("ranks laid out their files from different saves; the next save is planned afresh")
+            files: dict[str, FileEntry] = {k: v for m in everyone for k, v in m[2].items()}
+            if layout is not None:
+                files[METADATA_NAME] = layout.write_metadata(store, rel, [m[3] for m in everyone])
+            fault_point("before_manifest", 0, step)
             manifest = Manifest(
                 step=step,
                 world_size=group.world,
@@ -145,9 +152,49 @@ def persist(
             outcome = f"commit of {rel} failed: {type(e).__name__}: {e}"
     outcome = group.broadcast(outcome)
     if not isinstance(outcome, Manifest):
+        if resaver is not None:
+            resaver.layout = None  # the next save is planned afresh, on every rank
         raise SaveFailed(str(outcome))
     fault_point("after_manifest", group.rank, step)
     return outcome
+
+
+def _write_data(
+    store: Store,
+    group: Group,
+    rel: str,
+    step: int,
+    staged: dict[str, Any],
+    sink: Sink,
+    arenas: list[Arena],
+    resaver: Resaver | None,
+) -> tuple[Any, Layout | None]:
+    """Every rank's data file, durable; rank 0's `.metadata` too when DCP plans the save.
+    Returns what to tell rank 0 ((step, layout generation, files, placed objects), or why
+    this rank failed) and the layout reused, if one was."""
+    # Every rank takes the same path: DCP's planned save if any rank's state changed shape.
+    layout = resaver.layout if resaver is not None and resaver.can_resave(staged) else None
+    if group.max([int(layout is None)])[0]:
+        layout = None
+    if layout is None:
+        writer = Writer(store, rel, step, sink, arenas)  # local roots: directories are made as files are written
+        # The state's layout does not change between saves: rank 0's global planning is paid once.
+        planner = DefaultSavePlanner(enable_plan_caching=True)
+        planner._cached_plans_key = group.plan_key  # DCP keys its cache by class: one per Checkpointer
+        if resaver is not None:
+            resaver.layout = None
+        dcp.save(staged, storage_writer=writer, planner=planner, process_group=group.pg)
+        if resaver is not None:
+            resaver.learn(writer, planner.mappings, staged)
+        mine: Any = (step, resaver.generation if resaver else 0, writer.files, {})
+    else:
+        try:
+            entry, placed = layout.write(sink, rel, staged, arenas, group.rank, step)
+            mine = (step, layout.generation, {layout.name: entry}, placed)
+        except Exception as e:  # reported to rank 0 below, not left to hang the others
+            log.warning("rank %d: writing step %d failed: %s", group.rank, step, e)
+            mine = f"rank {group.rank}: {type(e).__name__}: {e}"
+    return mine, layout
 
 
 def versions() -> dict[str, str]:

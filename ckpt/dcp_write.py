@@ -19,7 +19,6 @@ import functools
 import io
 import os
 import pickle
-import uuid
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -30,7 +29,7 @@ from torch.distributed.checkpoint.filesystem import (
     _StoragePrefix,
 )
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
@@ -69,11 +68,16 @@ class Writer(StorageWriter):
         self.arenas = list(arenas)
         self.files: dict[str, FileEntry] = {}
         self.rank = 0
-        self.save_id = uuid.uuid4().hex
+        self.data_name = ""
+        # What the data file looked like, for saving the same layout again (resave.Layout):
+        # None when a tensor was not in an arena (its bytes, not its place, were laid out).
+        self.tensor_part: tuple[list[Piece], int] | None = None
+        self.bytes_items: list[WriteItem] = []
+        self.metadata: Metadata | None = None  # rank 0, once finished, and its pickle:
+        self.metadata_blob = b""
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         self.files = {}
-        self.save_id = uuid.uuid4().hex
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.rank = int(kwargs.get("rank") or 0)
@@ -88,58 +92,55 @@ class Writer(StorageWriter):
         ]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        name = f"{plan.storage_data.prefix}0{DATA_SUFFIX}"
-        layout = _Layout()
+        self.data_name = name = f"{plan.storage_data.prefix}0{DATA_SUFFIX}"
+        layout = FileLayout()
         results: list[WriteResult] = []
-        # Small pickled objects first, then tensors: DCP's own order.
-        for item in sorted(plan.items, key=lambda it: it.type != WriteItemType.BYTE_IO):
+        # Tensors first, then the pickled objects: a pickle that grows from one save to the
+        # next (a step counter) moves no tensor, so the next save can reuse this layout.
+        tensors = [it for it in plan.items if it.type != WriteItemType.BYTE_IO]
+        self.bytes_items = [it for it in plan.items if it.type == WriteItemType.BYTE_IO]
+        located = True
+        for item in tensors:
             fault_point("write_item", self.rank, self.step)
-            data = planner.resolve_data(item)
-            if item.type == WriteItemType.BYTE_IO:
-                offset, length = layout.add([bytes(data.getbuffer())])
-            else:
-                offset, length = self._add_tensor(layout, data.detach())
-            results.append(
-                WriteResult(
-                    index=item.index,
-                    size_in_bytes=length,
-                    storage_data=_StorageInfo(name, offset, length),
-                )
-            )
-        segments = [s for a in self.arenas for s in a.segments.values()]
-        entry = self.sink.write(f"{self.step_dir}/{name}", layout.pieces, segments, self.rank, self.step)
-        if entry.size != layout.size:  # IMPORTANT: the offsets in .metadata must be the file's
-            raise OSError(f"{name}: {entry.size} bytes written, {layout.size} laid out")
-        self.files[name] = entry
+            offset, length, found = self._add_tensor(layout, planner.resolve_data(item).detach())
+            located &= found
+            results.append(written(item, name, offset, length))
+        self.tensor_part = (list(layout.pieces), layout.size) if located else None
+        for item in self.bytes_items:
+            fault_point("write_item", self.rank, self.step)
+            offset, length = layout.add([bytes(planner.resolve_data(item).getbuffer())])
+            results.append(written(item, name, offset, length))
+        self.files[name] = write_file(self.sink, f"{self.step_dir}/{name}", layout, self.arenas, self.rank, self.step)
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
 
-    def _add_tensor(self, layout: _Layout, tensor: torch.Tensor) -> tuple[int, int]:
+    def _add_tensor(self, layout: FileLayout, tensor: torch.Tensor) -> tuple[int, int, bool]:
+        """Lays out one tensor; the flag says it was found in an arena."""
         if tensor.device.type != "cpu":
             tensor = tensor.cpu()
         where = next((w for a in self.arenas if (w := a.locate(tensor)) is not None), None)
         if where is None:
             buf = io.BytesIO()
             torch.save(tensor, buf)
-            return layout.add([buf.getvalue()])
+            return (*layout.add([buf.getvalue()]), False)
         head, tail = _template(tensor.dtype, tuple(tensor.shape))
         nbytes = tensor.numel() * tensor.element_size()
         if nbytes >= _ALIGN_FROM:
             layout.pad_to_page(len(head))
-        return layout.add([head, (*where, nbytes), tail])
+        return (*layout.add([head, (*where, nbytes), tail]), True)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         metadata.version = CURRENT_DCP_VERSION
         metadata.storage_data = {wr.index: wr.storage_data for rs in results for wr in rs}
-        metadata.storage_meta = self.storage_meta()
-        blob = pickle.dumps(metadata)
-        with self.store.open_write(f"{self.step_dir}/{METADATA_NAME}") as f:
-            f.write(blob)
-        self.files[METADATA_NAME] = FileEntry(len(blob), checksum(blob), -1)
+        # Nothing that names this save or its directory: the same layout pickles to the same
+        # bytes save after save, and a copied checkpoint does not point back at its origin.
+        metadata.storage_meta = StorageMeta()
+        self.metadata, self.metadata_blob = metadata, pickle.dumps(metadata)
+        self.files[METADATA_NAME] = write_metadata(self.store, self.step_dir, self.metadata_blob)
 
     def storage_meta(self) -> StorageMeta:
-        return StorageMeta(checkpoint_id=self.step_dir, save_id=self.save_id)
+        return StorageMeta()
 
     @property
     def checkpoint_id(self) -> str:
@@ -150,12 +151,32 @@ class Writer(StorageWriter):
         return False
 
 
-class _Layout:
+def written(item: WriteItem, name: str, offset: int, length: int) -> WriteResult:
+    return WriteResult(index=item.index, size_in_bytes=length, storage_data=_StorageInfo(name, offset, length))
+
+
+def write_file(sink: Sink, rel: str, layout: FileLayout, arenas: Sequence[Arena], rank: int, step: int) -> FileEntry:
+    """Has the sink write a laid-out data file, durably; its checksum comes back."""
+    segments = [s for a in arenas for s in a.segments.values()]
+    entry = sink.write(rel, layout.pieces, segments, rank, step)
+    if entry.size != layout.size:  # IMPORTANT: the offsets in .metadata must be the file's
+        raise OSError(f"{rel}: {entry.size} bytes written, {layout.size} laid out")
+    return entry
+
+
+def write_metadata(store: Store, step_dir: str, blob: bytes) -> FileEntry:
+    """Rank 0: DCP's global `.metadata`, written once every rank's data file is durable."""
+    with store.open_write(f"{step_dir}/{METADATA_NAME}") as f:
+        f.write(blob)
+    return FileEntry(len(blob), checksum(blob), -1)
+
+
+class FileLayout:
     """The pieces of one file in order, and where each item lands."""
 
-    def __init__(self) -> None:
-        self.pieces: list[Piece] = []
-        self.size = 0
+    def __init__(self, pieces: list[Piece] | None = None, size: int = 0) -> None:
+        self.pieces: list[Piece] = pieces if pieces is not None else []
+        self.size = size
 
     def add(self, parts: list[Piece]) -> tuple[int, int]:
         offset = self.size

@@ -1,0 +1,116 @@
+"""Saves after the first lay their files out as the last planned save did (ckpt.resave).
+
+What must hold: a resaved file is the file DCP's planned save would have written, byte for
+byte, and loads with plain `dcp.load`; a state that changed shape on any rank is planned
+afresh on every rank; a resave that fails on one rank fails that save on all of them, and
+the next save commits.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import launch
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from compare import assert_bitwise_equal
+
+from ckpt.commit import Group, persist
+from ckpt.resave import Resaver
+from ckpt.stage import Stager
+from ckpt.storage import Store
+from ckpt.writer_proc import ThreadSink
+
+HERE = Path(__file__).resolve().parent
+
+
+def _state(step: int, note: str) -> dict:
+    g = torch.Generator().manual_seed(step)
+    return {
+        "model": {"w": torch.randn(300, 1000, generator=g), "b": torch.randn(7, generator=g).half()},
+        "optim": {"state": {0: {"exp_avg": torch.randn(300, 1000, generator=g), "step": torch.tensor(float(step)), "count": step}}, "lr": 0.1 / step},
+        "step": step,  # 255 -> 70000: its pickle grows
+        "note": note,
+        "hist": list(range(step % 5)),
+    }
+
+
+def _persist(root: Path, step: int, staged: dict, stager: Stager, resaver: Resaver) -> None:
+    store = Store(root)
+    persist(store, Group(None, 0, 1), step, staged, sink=ThreadSink(store), arenas=stager.arenas, resaver=resaver,
+            counters={}, user={}, blocking_s=0.0, started=0.0)
+
+
+def _empty(like):
+    if isinstance(like, dict):
+        return {k: _empty(v) for k, v in like.items()}
+    return torch.empty_like(like) if isinstance(like, torch.Tensor) else None
+
+
+def _load(step_dir: Path, like: dict) -> dict:
+    got = _empty(like)
+    dcp.load(got, checkpoint_id=str(step_dir))
+    # DCP loads a non-tensor under the key made a string ("0"), tensors in place (0):
+    state = got["optim"]["state"]
+    state[0].update(state.pop("0", {}))
+    return got
+
+
+def test_a_resaved_file_is_byte_for_byte_the_file_dcp_plans(tmp_path):
+    stager, resaver = Stager(), Resaver()
+    _persist(tmp_path / "a", 255, stager.stage(_state(255, "x")), stager, resaver)
+    assert resaver.generation == 1 and resaver.layout is not None
+    for step, note in [(256, "x"), (70000, "a longer note than before"), (70001, "")]:
+        live = _state(step, note)
+        staged = stager.stage(live)
+        _persist(tmp_path / "a", step, staged, stager, resaver)
+        assert resaver.generation == 1  # laid out from the first save's plan, not planned again
+        # The same staged state saved by a planner that has seen nothing before:
+        _persist(tmp_path / "b", step, staged, stager, Resaver())
+        a, b = tmp_path / "a" / f"step-{step:010d}", tmp_path / "b" / f"step-{step:010d}"
+        for name in ("__0_0.distcp", ".metadata"):
+            assert (a / name).read_bytes() == (b / name).read_bytes(), (step, name)
+        assert_bitwise_equal(_load(a, live), live, f"step {step}")
+
+
+@pytest.mark.parametrize("change", ["new key", "new shape", "new dtype", "None to tensor"])
+def test_a_state_that_changes_shape_is_planned_afresh_and_loads(tmp_path, change):
+    stager, resaver = Stager(), Resaver()
+    live = _state(1, "x")
+    live["opt"] = None
+    _persist(tmp_path, 1, stager.stage(live), stager, resaver)
+    live = _state(2, "x")
+    live["opt"] = None
+    if change == "new key":
+        live["model"]["extra"] = torch.arange(5)
+    elif change == "new shape":
+        live["model"]["b"] = torch.randn(8).half()
+    elif change == "new dtype":
+        live["model"]["b"] = live["model"]["b"].float()
+    else:
+        live["opt"] = torch.ones(3)
+    _persist(tmp_path, 2, stager.stage(live), stager, resaver)
+    assert resaver.generation == 2
+    assert_bitwise_equal(_load(tmp_path / "step-0000000002", live), live)
+
+
+def test_two_ranks_resave_replan_when_one_rank_changes_and_fail_together(tmp_path):
+    """Rank 1's writer dies in a resave (step 3): the save fails on both ranks and commits
+    nothing; rank 1 alone gains a tensor at step 5: both ranks plan step 5 afresh."""
+    root = tmp_path / "root"
+    codes = launch.run(2, HERE / "resave_worker.py", str(root), str(tmp_path), env={"CKPT_FAULT": "writer_process:1:3"},
+                       log_dir=tmp_path, timeout=240)
+    logs = "".join((tmp_path / f"rank{r}.log").read_text() for r in range(2))
+    assert codes == [0, 0], logs
+    committed = sorted(int(p.parent.name[5:]) for p in root.glob("step-*/manifest.json"))
+    assert committed == [1, 2, 4, 5, 6], logs
+    for r in range(2):
+        gens = (tmp_path / f"generations{r}.txt").read_text().split()
+        # planned at 1; resaved at 2; 3 failed (forgets its layout); planned at 4 and 5 (shape); resaved at 6
+        assert gens == ["1", "1", "1", "2", "3", "3"], (r, gens)
+    for step in (2, 4, 5, 6):
+        want = torch.load(tmp_path / f"want{step}.pt")
+        got = {k: torch.empty_like(v) for k, v in want.items()}
+        dcp.load(got, checkpoint_id=str(root / f"step-{step:010d}"))  # one process reads both ranks' files
+        assert_bitwise_equal(got, want, f"step {step}")
