@@ -176,8 +176,10 @@ class _StateDictCache:
         self._value: dict[str, Any] = {}
 
     def get(self, model: torch.nn.Module, optimizers: list[torch.optim.Optimizer], reuse: bool) -> dict[str, Any]:
-        checkable = _checkable(model, optimizers)
-        key = _fingerprint(model, optimizers) if reuse and checkable else None
+        modules = list(model.modules())  # walked once: 10,000 modules take milliseconds a walk
+        tensors = _tensors(modules)
+        checkable = _checkable(modules, tensors, optimizers)
+        key = _fingerprint(tensors, optimizers) if reuse and checkable else None
         if key is not None and key == self._key:
             if "optim" in self._value:
                 groups = itertools.chain.from_iterable(o.param_groups for o in optimizers)
@@ -190,7 +192,7 @@ class _StateDictCache:
         else:
             value = {"model": get_model_state_dict(model)}
         # Taken after: FSDP2's hook may have swapped unsharded parameters for sharded ones.
-        self._key = _fingerprint(model, optimizers) if checkable else None
+        self._key = _fingerprint(_tensors(list(model.modules())), optimizers) if checkable else None
         self._value = value
         return dict(value)
 
@@ -204,24 +206,37 @@ _STATE_DICT_METHODS = ("state_dict", "_save_to_state_dict", "get_extra_state")
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter, torch.nn.Buffer)
 
 
-def _checkable(model: torch.nn.Module, optimizers: list[torch.optim.Optimizer]) -> bool:
-    """Whether a state dict of `model` is fully determined by its tensors' storages: no
-    hooks, no overridden state-dict methods (quantized or custom modules), no tensor
-    subclasses (float8, NF4: their storage is not where their data lives)."""
-    for m in model.modules():
+def _tensors(modules: list[torch.nn.Module]) -> list[torch.Tensor]:
+    """Every parameter and buffer of the modules, each once (shared ones too)."""
+    seen: set[int] = set()
+    out = []
+    for m in modules:
+        for t in itertools.chain(m._parameters.values(), m._buffers.values()):
+            if t is not None and id(t) not in seen:
+                seen.add(id(t))
+                out.append(t)
+    return out
+
+
+def _checkable(modules: list[torch.nn.Module], tensors: list[torch.Tensor], optimizers: list[torch.optim.Optimizer]) -> bool:
+    """Whether a state dict of the model (all its `modules`, their parameters and buffers
+    `tensors`) is fully determined by its tensors' storages: no hooks, no overridden
+    state-dict methods (quantized or custom modules), no tensor subclasses (float8, NF4:
+    their storage is not where their data lives)."""
+    for m in modules:
         hooks = itertools.chain(m._state_dict_hooks.values(), m._state_dict_pre_hooks.values())
         if any(getattr(h, "__qualname__", "") not in _KNOWN_HOOKS for h in hooks):
             return False
         if any(getattr(type(m), n) is not getattr(torch.nn.Module, n) for n in _STATE_DICT_METHODS):
             return False
-    for t in itertools.chain(model.parameters(), model.buffers()):
+    for t in tensors:
         local = t._local_tensor if isinstance(t, DTensor) else t
         if type(local) not in _PLAIN_TENSORS:
             return False
     return not any(o._optimizer_state_dict_pre_hooks or o._optimizer_state_dict_post_hooks for o in optimizers)
 
 
-def _fingerprint(model: torch.nn.Module, optimizers: list[torch.optim.Optimizer]) -> tuple[Any, ...]:
+def _fingerprint(tensors: list[torch.Tensor], optimizers: list[torch.optim.Optimizer]) -> tuple[Any, ...]:
     """What a state dict of these objects is made of: which storage every parameter, buffer
     and optimizer state tensor lives in (and its shape), every other state value, and the
     parameters of every optimizer group. Equal fingerprints, equal state dicts."""
@@ -230,7 +245,7 @@ def _fingerprint(model: torch.nn.Module, optimizers: list[torch.optim.Optimizer]
         local = t._local_tensor if isinstance(t, DTensor) else t
         return (local.data_ptr(), local.shape, local.stride(), local.dtype, type(t))
 
-    parts: list[Any] = [tensor(t) for t in itertools.chain(model.parameters(), model.buffers())]
+    parts: list[Any] = [tensor(t) for t in tensors]
     for opt in optimizers:
         for group in opt.param_groups:
             parts.append(len(group["params"]))

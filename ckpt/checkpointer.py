@@ -23,6 +23,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from . import catalog
+from ._gc import gc_paused
 from .capture import TrainingState
 from .commit import Group, persist
 from .coordinator import Coordinator
@@ -275,6 +276,26 @@ class Checkpointer:
         self.wait()
         started = time.perf_counter()
         counters = {"step": self._step, **self.counters}
+        staged, copies = self._stage(counters)
+        blocking = blocking or copies is None
+        blocking_s = time.perf_counter() - started
+        assert self._pool is not None, "use the Checkpointer as a context manager"
+        # The wait for the previous save's slot was blocking too: counted as if a staging wait.
+        waited_before = self.staging_wait_s - (started - waiting)
+        self._inflight = self._pool.submit(
+            self._save_in_background, self._step, staged, copies, counters, blocking_s, started, waited_before
+        )
+        self._interval_anchor = self._saved_step = self._step
+        self._last_save_time = time.monotonic()
+        log.debug("step %d staged in %.1f ms", self._step, blocking_s * 1e3)
+        if blocking:
+            self.wait()
+
+    @gc_paused
+    def _stage(self, counters: dict[str, Any]) -> tuple[Any, Copies | None]:
+        """The loop's part of a save: capture, and copy into staging buffers (or start the
+        copies that overlap the next forward and backward). No staging copy (None) when the
+        state is over the host memory budget: the save streams from the live state."""
         state = self.state.capture(counters, self._io.rank)
         need = self._stager.bytes_for(state)
         # All ranks must agree to stream: a collective-free save mixes with no other.
@@ -292,25 +313,13 @@ class Checkpointer:
                     self.host_memory_budget / 1e9,
                 )
                 self._warned_budget = True
-            staged, copies, blocking = state, None, True
+            return state, None
+        staged, copies = self._stager.prepare(state, defer=self.state.deferrable() if self.overlap else _now)
+        if self.overlap:
+            self._staged.clear()  # IMPORTANT: the next optimizer.step() waits for the copies
         else:
-            staged, copies = self._stager.prepare(state, defer=self.state.deferrable() if self.overlap else _now)
-            if self.overlap:
-                self._staged.clear()  # IMPORTANT: the next optimizer.step() waits for the copies
-            else:
-                copies.run()
-        blocking_s = time.perf_counter() - started
-        assert self._pool is not None, "use the Checkpointer as a context manager"
-        # The wait for the previous save's slot was blocking too: counted as if a staging wait.
-        waited_before = self.staging_wait_s - (started - waiting)
-        self._inflight = self._pool.submit(
-            self._save_in_background, self._step, staged, copies, counters, blocking_s, started, waited_before
-        )
-        self._interval_anchor = self._saved_step = self._step
-        self._last_save_time = time.monotonic()
-        log.debug("step %d staged in %.1f ms", self._step, blocking_s * 1e3)
-        if blocking:
-            self.wait()
+            copies.run()
+        return staged, copies
 
     def wait_for_staging(self) -> None:
         """Block until the save in flight has copied the state it needs. Called by itself

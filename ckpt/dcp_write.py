@@ -9,7 +9,9 @@ header and trailer come from a template made once per dtype and shape
 serialized; the sink (the writer process) writes the pieces, checksums them and makes the
 file durable before `dcp.save` returns. Large tensors start on a page of the file, so the
 writer can move them to disk with O_DIRECT. Tensors outside the arena (a save streamed from
-live state) are torch.save'd here, as DCP would.
+live state) are torch.save'd here, as DCP would. Tensors come first in the file and pickled
+objects after them, so that a pickle which grows between saves moves no tensor: the next save
+can reuse this layout without DCP's planning (ckpt.resave).
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ metadata; only their local shards are copied.
 from __future__ import annotations
 
 import copy
-import itertools
+import dataclasses
 import os
 from collections.abc import Callable
 from typing import Any
@@ -40,8 +40,7 @@ class Stager:
         self.bytes_staged = 0  # host bytes held, for the memory ledger
         self.arena = Arena()
         self.pinned_arena = Arena(pin=True)
-        # path -> (source dict, its staged dict, copies made at once, copies deferred)
-        self._memo: dict[Path, tuple[Any, Any, list[Pair], list[Pair]]] = {}
+        self._memo: dict[Path, _Memo] = {}
         self._now: list[Pair] | None = None
 
     @property
@@ -95,23 +94,27 @@ class Stager:
         its staged copies."""
         if isinstance(state, dict):
             hit = self._memo.get(path) if path in _MEMO_PATHS else None
-            if hit is not None and hit[0] is state:
-                return _nbytes([d for d, _ in itertools.chain(hit[2], hit[3])])
+            if hit is not None and hit.source is state:
+                return hit.nbytes
             return sum(self.bytes_for(v, (*path, k)) for k, v in state.items())
         return tensor_bytes(state)
 
     def _memoized(self, obj: dict[Any, Any], path: Path) -> Any:
         hit = self._memo.get(path)
-        if hit is not None and hit[0] is obj:  # IMPORTANT: identity, held alive by the memo
-            _, staged, now, later = hit
-            for dst, src in now:
+        if hit is not None and hit.source is obj:  # IMPORTANT: identity, held alive by the memo
+            for dst, src in hit.now:
                 self._copy_now(dst, src)
-            self._later.pairs.extend(later)
-            return staged
+            self._later.pairs.extend(hit.later)
+            self._later.cuda |= hit.cuda
+            return hit.staged
         first_later, self._now = len(self._later.pairs), []
         try:
             staged = {k: self._stage(v, (*path, k)) for k, v in obj.items()}
-            self._memo[path] = (obj, staged, self._now, self._later.pairs[first_later:])
+            later = self._later.pairs[first_later:]
+            pairs = self._now + later
+            self._memo[path] = _Memo(
+                obj, staged, self._now, later, _nbytes([d for d, _ in pairs]), any(s.is_cuda for _, s in pairs)
+            )
         finally:
             self._now = None
         return staged
@@ -128,6 +131,7 @@ class Stager:
         for dst, s in zip(locals_of(cached), src_locals, strict=True):
             if self._defer(path, s):
                 self._later.pairs.append((dst, s.detach()))
+                self._later.cuda |= s.is_cuda
             else:
                 self._copy_now(dst, s.detach())
                 if self._now is not None:
@@ -146,6 +150,19 @@ class Stager:
 Pair = tuple[torch.Tensor, torch.Tensor]  # (staging buffer, live tensor)
 
 
+@dataclasses.dataclass
+class _Memo:
+    """A subtree staged before: while capture hands back the same `source` dict, its staged
+    copy and its copies (made at once, deferred) are reused as they are."""
+
+    source: Any
+    staged: Any
+    now: list[Pair]
+    later: list[Pair]
+    nbytes: int
+    cuda: bool  # a source lives on a GPU
+
+
 class Copies:
     """Tensor copies into staging buffers, made by whoever calls `run` (once).
 
@@ -160,13 +177,14 @@ class Copies:
         # IMPORTANT: copies to pinned memory made at once were asynchronous too: the writer
         # (another process, blind to CUDA streams) must not read their buffers before they land.
         self.sync = False
+        self.cuda = False  # a deferred copy's source lives on a GPU
         self._ready: Any = None  # CUDA event: the state is final (recorded when the save began)
         self._device: torch.device | None = None
 
     def mark_ready(self) -> None:
         """Called in the training thread when the save begins: what its stream has queued so
         far (the last optimizer step, the copies made at once) is what is saved."""
-        if self.sync or any(s.is_cuda for _, s in self.pairs):
+        if self.sync or self.cuda:
             # The background thread has its own current device (device 0): name it.
             self._device = next((s.device for _, s in self.pairs if s.is_cuda), torch.device("cuda", torch.cuda.current_device()))
             self._ready = torch.cuda.Event()
@@ -189,7 +207,7 @@ class Copies:
                 for dst, src in self.pairs:
                     dst.copy_(src, non_blocking=dst.is_pinned())
             stream.synchronize()  # the deferred copies, and (after the event) the ones made at once
-        self.pairs, self.sync, self._ready = [], False, None
+        self.pairs, self.sync, self.cuda, self._ready = [], False, False, None
 
 
 def _same_layout(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
