@@ -480,6 +480,7 @@ class Checkpointer:
             log.warning("retention skipped: %s", e)
 
     # -- restore ------------------------------------------------------------------------------
+    @gc_paused  # the restore makes many small objects: a full collection costs more than the read
     def _restore(self) -> None:
         plan: list[int] | str = []
         taken: set[int] = set()

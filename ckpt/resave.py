@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
 from ._faults import fault_point
+from ._gc import gc_paused
 from .arena import Arena
 from .dcp_write import FileLayout, Sink, Writer, write_file, write_metadata
 from .manifest import FileEntry
@@ -89,11 +90,18 @@ class Layout:
     metadata: Metadata | None = None
     metadata_blob: bytes = b""
 
+    @gc_paused  # in the background, but a collection it set off would hold the trainer's GIL
     def fits(self, staged: Any) -> bool:
         return shape_of(staged) == self.shape
 
     def write(self, sink: Sink, step_dir: str, staged: Any, arenas: list[Arena], rank: int, step: int) -> tuple[FileEntry, Placed]:
         """This rank's data file for `staged` (which `fits`), durable on return."""
+        layout, placed = self._lay_out(staged)
+        fault_point("write_item", rank, step)
+        return write_file(sink, f"{step_dir}/{self.name}", layout, arenas, rank, step), placed
+
+    @gc_paused
+    def _lay_out(self, staged: Any) -> tuple[FileLayout, Placed]:
         layout = FileLayout(list(self.tensor_pieces), self.tensor_size)
         placed: Placed = {}
         for index, path in self.objects:
@@ -101,8 +109,7 @@ class Layout:
             torch.save(_element(staged, path), buf)  # what DCP's planner does with a non-tensor
             offset, length = layout.add([buf.getvalue()])
             placed[index] = _StorageInfo(self.name, offset, length)
-        fault_point("write_item", rank, step)
-        return write_file(sink, f"{step_dir}/{self.name}", layout, arenas, rank, step), placed
+        return layout, placed
 
     def write_metadata(self, store: Store, step_dir: str, placed: list[Placed]) -> FileEntry:
         """Rank 0, after every rank's data file is durable."""
