@@ -239,21 +239,35 @@ def _checkable(modules: list[torch.nn.Module], tensors: list[torch.Tensor], opti
 def _fingerprint(tensors: list[torch.Tensor], optimizers: list[torch.optim.Optimizer]) -> tuple[Any, ...]:
     """What a state dict of these objects is made of: which storage every parameter, buffer
     and optimizer state tensor lives in (and its shape), every other state value, and the
-    parameters of every optimizer group. Equal fingerprints, equal state dicts."""
-
-    def tensor(t: torch.Tensor) -> tuple[Any, ...]:
-        local = t._local_tensor if isinstance(t, DTensor) else t
-        return (local.data_ptr(), local.shape, local.stride(), local.dtype, type(t))
-
-    parts: list[Any] = [tensor(t) for t in tensors]
+    parameters of every optimizer group. Equal fingerprints, equal state dicts. (Built a
+    column at a time: it runs in the loop's part of every save, over every tensor.)"""
+    parts: list[Any] = [_describe(tensors)]
     for opt in optimizers:
         for group in opt.param_groups:
-            parts.append(len(group["params"]))
-            for p in group["params"]:
-                parts.append(id(p))
-                for k, v in opt.state.get(p, {}).items():
-                    parts.append((k, tensor(v)) if isinstance(v, torch.Tensor) else (k, type(v), v))
+            params = group["params"]
+            states = [opt.state.get(p, _NO_STATE) for p in params]
+            values = [v for st in states for v in st.values()]
+            parts += [
+                [id(p) for p in params],
+                [tuple(st) for st in states],  # the keys, in order
+                [None if isinstance(v, torch.Tensor) else (type(v), v) for v in values],
+                _describe([v for v in values if isinstance(v, torch.Tensor)]),
+            ]
     return tuple(parts)
+
+
+_NO_STATE: dict[str, Any] = {}
+
+
+def _describe(tensors: list[torch.Tensor]) -> tuple[list[Any], ...]:
+    local = [t._local_tensor if isinstance(t, DTensor) else t for t in tensors]
+    return (
+        [t.data_ptr() for t in local],
+        [t.shape for t in local],
+        [t.stride() for t in local],
+        [t.dtype for t in local],
+        [type(t) for t in tensors],
+    )
 
 
 def _json(obj: Any, what: str) -> str:

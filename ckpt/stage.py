@@ -87,7 +87,7 @@ class Stager:
             return self._reuse(path, obj, _locals_of_sharded, _new_host_sharded)
         if isinstance(obj, torch.Tensor):
             return self._reuse(path, obj, lambda t: [t], _new_host_tensor)
-        return copy.deepcopy(obj)
+        return _copy_value(obj)
 
     def bytes_for(self, state: Any, path: Path = ()) -> int:
         """`tensor_bytes(state)`, a subtree staged before as the same object counted from
@@ -206,6 +206,20 @@ class Copies:
                 _copy_all(self.pairs, non_blocking=True)  # into pinned buffers: DMA on the stream
             stream.synchronize()  # the deferred copies, and (after the event) the ones made at once
         self.pairs, self.sync, self.cuda, self._ready = [], False, False, None
+
+
+_ATOMS = (str, int, float, bool, bytes, type(None))
+
+
+def _copy_value(obj: Any) -> Any:
+    """A copy of a non-tensor value that no later change to `obj` can reach. Values that
+    cannot change are shared, and a list of them copied flat (an optimizer's param_groups
+    holds one name per parameter: deepcopy walks them one by one)."""
+    if type(obj) in _ATOMS:
+        return obj
+    if type(obj) is list and all(type(v) in _ATOMS for v in obj):
+        return list(obj)
+    return copy.deepcopy(obj)
 
 
 def _copy_all(pairs: list[Pair], non_blocking: bool) -> None:
