@@ -35,8 +35,8 @@ from .dcp_write import FileLayout, Sink, Writer, write_file, write_metadata
 from .manifest import FileEntry
 from .storage import Store
 
-# What each rank sends rank 0 after a resave: which layout it used, and where its pickled
-# objects landed (their sizes can change from save to save).
+# Where a rank's pickled objects landed in its file this save, sent to rank 0 for `.metadata`
+# (their sizes can change from save to save).
 Placed = dict[MetadataIndex, _StorageInfo]
 
 
