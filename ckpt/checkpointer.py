@@ -19,7 +19,6 @@ import threading
 import time
 from typing import Any, Literal
 
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from . import catalog
@@ -28,12 +27,12 @@ from .capture import TrainingState
 from .commit import Group, persist
 from .coordinator import Coordinator
 from .data import data_position
-from .dcp_io import SafeLoadPlanner, make_reader
-from .errors import CheckpointError, RestoreFailed, SaveFailed, StorageError
+from .errors import CheckpointError, SaveFailed, dcp_causes
 from .events import History
-from .manifest import MANIFEST_NAME, Manifest
+from .manifest import Manifest
 from .policy import Auto, Every, Keep
 from .resave import Resaver
+from .restore import restore, start_fresh
 from .stage import Copies, Stager, default_host_budget
 from .storage import Store, redact, step_dir_name
 from .writer_proc import ProcessSink, ThreadSink
@@ -196,9 +195,12 @@ class Checkpointer:
             if self._ctrl.rank == 0:
                 self._coordinator.learn_history(self.store)
         if self.restore_mode != "none":
-            self._restore()
+            restored, self._taken = restore(self.store, self._ctrl, self.state, self.restore_mode)
+            if restored is not None:
+                self._step = self.restored_step = restored.step
+                self.counters, self.last_commit = restored.counters, restored.manifest
         else:
-            self._start_fresh()
+            self._taken = start_fresh(self.store, self._ctrl)
         #: The restart event this start wrote (rank 0, after a restore), for the curious.
         self.restart_event = self.history.start(self._step, self.last_commit if self.restored_step is not None else None)
         self._interval_anchor = self._saved_step = self._step
@@ -417,7 +419,7 @@ class Checkpointer:
         except SaveFailed:
             raise
         except CheckpointException as e:  # DCP's error is a BaseException: say what it wraps
-            raise SaveFailed(f"save of step {step} to {self.store.display} failed: {_causes(e)}") from e
+            raise SaveFailed(f"save of step {step} to {self.store.display} failed: {dcp_causes(e)}") from e
         except Exception as e:
             raise SaveFailed(f"save of step {step} to {self.store.display} failed: {e}") from e
         if self._io.rank == 0:
@@ -479,150 +481,6 @@ class Checkpointer:
         except CheckpointError as e:  # retention is housekeeping: never fail a save for it
             log.warning("retention skipped: %s", e)
 
-    # -- restore ------------------------------------------------------------------------------
-    @gc_paused  # the restore makes many small objects: a full collection costs more than the read
-    def _restore(self) -> None:
-        plan: list[int] | str = []
-        taken: set[int] = set()
-        if self._ctrl.rank == 0:
-            try:
-                plan, taken = self._restore_plan()
-            except CheckpointError as e:
-                plan = f"{type(e).__name__}: {e}"
-        plan, self._taken = self._ctrl.broadcast((plan, taken))
-        if isinstance(plan, str):
-            kind = plan.partition(":")[0]  # the error's type name, as rank 0 raised it
-            raise (RestoreFailed if kind in ("NotFound", "InvalidCheckpoint", "RestoreFailed") else StorageError)(plan)
-        problems = []
-        for step in plan:
-            outcome, why = self._try_restore(step)
-            worst = self._ctrl.max([outcome])[0]
-            if worst == 0:
-                return
-            if worst == 2:
-                raise StorageError(f"restoring step {step} from {self.store.display}: {why}")
-            if worst == 3:
-                raise RestoreFailed(
-                    f"{self.store.display}/{step_dir_name(step)} does not hold what this job has "
-                    f"(another model, optimizer, or objects added since it was saved): {why[:500]}"
-                )
-            problems.append(f"{step_dir_name(step)}: {why}")
-            log.warning("could not restore %s (%s); falling back to the one before", step_dir_name(step), why)
-        if plan:
-            raise RestoreFailed(
-                f"no checkpoint under {self.store.display} could be restored ("
-                + "; ".join(problems)
-                + "). The checkpoints are left as they are (the model may hold partly loaded "
-                + "values). To start fresh, pass restore='none' (the corrupt directories are kept "
-                + "and their steps skipped) or use a new root."
-            )
-
-    def _start_fresh(self) -> None:
-        """restore='none': train from step 0, never writing into what the root already holds."""
-        taken: set[int] | str = set()
-        if self._ctrl.rank == 0:
-            try:
-                self.store.check_reachable()
-                taken = {s for s, lst in self.store.scan().items() if lst.has_manifest}
-            except CheckpointError as e:
-                taken = str(e)
-        taken = self._ctrl.broadcast(taken)
-        if isinstance(taken, str):
-            raise StorageError(taken)
-        self._taken = taken
-        if taken and self._ctrl.rank == 0:
-            log.warning(
-                "restore='none' but %s holds checkpoints at steps %s: they are kept, this run skips "
-                "saving at those steps, and a later restore picks the newest valid one of either run",
-                self.store.display,
-                sorted(taken),
-            )
-
-    def _restore_plan(self) -> tuple[list[int], set[int]]:
-        """Rank 0: the steps to try, best first, and the steps that hold a manifest."""
-        self.store.check_reachable()
-        if isinstance(self.restore_mode, int):
-            entry = catalog.find(self.store, self.restore_mode)
-            return [entry.step], {s for s, lst in self.store.scan().items() if lst.has_manifest}
-        good, skipped = catalog.restore_candidates(self.store)
-        taken = {e.step for e in good} | {e.step for e in skipped if e.state == catalog.CORRUPT}
-        for e in skipped:
-            log.warning("passing over %s/%s: %s", self.store.display, e.dir, e.problem)
-        if good:
-            log.info("restoring from %s/%s", self.store.display, good[0].dir)
-        elif any(e.state == catalog.CORRUPT for e in skipped):
-            # Checkpoints were committed but none can be trusted: never silently start over.
-            raise RestoreFailed(
-                f"no checkpoint under {self.store.display} could be restored ("
-                + "; ".join(f"{e.dir}: {e.problem}" for e in skipped)
-                + "). The checkpoints are left as they are (the model may hold partly loaded "
-                + "values). To start fresh, pass restore='none' (the corrupt directories are kept "
-                + "and their steps skipped) or use a new root."
-            )
-        return [e.step for e in good], taken
-
-    def _try_restore(self, step: int) -> tuple[int, str]:
-        """Load `step` into the objects: 0 ok, 1 invalid (fall back), 2 storage error, 3 the
-        training state does not match the checkpoint's (no fallback can help). Every phase
-        ends with all ranks knowing its outcome, so no rank enters a collective alone."""
-        rel = step_dir_name(step)
-        rank = self._ctrl.rank
-        doc: bytes | str = b""
-        if rank == 0:  # one read of the manifest, the same for every rank
-            try:
-                doc = self.store.read_bytes(f"{rel}/{MANIFEST_NAME}")
-            except CheckpointError as e:
-                doc = f"{type(e).__name__}: {e}"
-        doc = self._ctrl.broadcast(doc)
-        if isinstance(doc, str):
-            return (2 if doc.startswith("StorageError") else 1), doc
-        prep: tuple[int, str] = (0, "")
-        try:
-            manifest = Manifest.from_json(doc, f"{self.store.display}/{rel}")
-            sd = self.state.template(rank, self._ctrl.world, manifest.world_size)
-        except (CheckpointError, ValueError, TypeError, KeyError) as e:
-            prep = (1, f"{type(e).__name__}: {e}")
-        if self._ctrl.max([prep[0]])[0]:
-            return prep if prep[0] else (1, "another rank could not prepare the restore")
-        try:
-            dcp.load(
-                sd,
-                storage_reader=make_reader(self.store, rel, manifest),
-                planner=SafeLoadPlanner(),
-                process_group=self._ctrl.pg,
-            )
-            counters = self.state.apply(sd, rank)
-        except StorageError as e:
-            return 2, str(e)
-        except CheckpointException as e:
-            causes = _failures(e)
-            text = _causes(e)
-            if any(isinstance(c, StorageError) for c in causes):
-                return 2, text
-            if "Missing key in checkpoint" in text:
-                return 3, text
-            return 1, text
-        except (CheckpointError, RuntimeError, KeyError, ValueError, TypeError) as e:
-            return 1, f"{type(e).__name__}: {e}"
-        self._step = int(counters.pop("step"))
-        self.counters = counters
-        self.restored_step = self._step
-        self.last_commit = manifest
-        if rank == 0 and manifest.world_size != self._ctrl.world:
-            log.warning(
-                "resuming step %d on %d ranks (saved on %d): model and optimizer resharded%s",
-                self._step,
-                self._ctrl.world,
-                manifest.world_size,
-                ""
-                if self.state.loader is None
-                else "; the data loader's per-rank state is dropped and the global data position rules"
-                if self.state.data is not None
-                else "; THE DATA POSITION IS LOST: the data loader's per-rank state cannot apply to "
-                "another world size and it has no ckpt.ElasticSampler; its data starts over",
-            )
-        return 0, ""
-
     # -- preemption ---------------------------------------------------------------------------
     def _install_sigterm(self) -> None:
         if threading.current_thread() is not threading.main_thread():
@@ -644,15 +502,6 @@ class Checkpointer:
             log.error("preempted at step %d without a checkpoint of it; exiting with status 1", self._step)
             raise SystemExit(1)
         raise SystemExit(self.preempt_exit_code)
-
-
-def _failures(e: CheckpointException) -> list[BaseException]:
-    return [f[0] if isinstance(f, tuple) else f for f in e.failures.values()]
-
-
-def _causes(e: CheckpointException) -> str:
-    """What a DCP error wraps, rank by rank, instead of "CheckpointException ranks: [0]"."""
-    return "; ".join(f"rank {r}: {c}" for r, c in zip(e.failures, _failures(e), strict=True))
 
 
 def _first_line(exc: BaseException) -> str:

@@ -25,3 +25,13 @@ class SaveFailed(CheckpointError):
 
 class RestoreFailed(CheckpointError):
     """No committed checkpoint could be restored although at least one exists."""
+
+
+def dcp_failures(e: BaseException) -> list[BaseException]:
+    """The errors a DCP `CheckpointException` wraps, one per failed rank."""
+    return [f[0] if isinstance(f, tuple) else f for f in e.failures.values()]  # type: ignore[attr-defined]
+
+
+def dcp_causes(e: BaseException) -> str:
+    """What a DCP error wraps, rank by rank, instead of "CheckpointException ranks: [0]"."""
+    return "; ".join(f"rank {r}: {c}" for r, c in zip(e.failures, dcp_failures(e), strict=True))  # type: ignore[attr-defined]

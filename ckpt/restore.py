@@ -1,0 +1,186 @@
+"""Restore on enter: the newest checkpoint that loads, into the training state of every rank.
+
+Rank 0 lists the root and picks the candidates (committed, newest first; incomplete and
+corrupt ones passed over, saying why); every rank loads the same one through ckpt's verified
+reader, and all ranks learn each phase's outcome together, so none is left alone in a
+collective. A checkpoint that fails to load falls back to the one before; a storage error or
+a state that does not match the checkpoint (another model) stops the restore, and committed
+checkpoints that cannot be trusted are never silently replaced by a fresh start.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+from . import catalog
+from ._gc import gc_paused
+from .capture import TrainingState
+from .commit import Group
+from .dcp_io import SafeLoadPlanner, make_reader
+from .errors import CheckpointError, RestoreFailed, StorageError, dcp_causes, dcp_failures
+from .manifest import MANIFEST_NAME, Manifest
+from .storage import Store, step_dir_name
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Restored:
+    """What a restore loaded: the step it resumes at, the saved counters, the manifest."""
+
+    step: int
+    counters: dict[str, Any]
+    manifest: Manifest
+
+
+@gc_paused  # the restore makes many small objects: a full collection costs more than the read
+def restore(store: Store, ctrl: Group, state: TrainingState, mode: str | int) -> tuple[Restored | None, set[int]]:
+    """Load the newest checkpoint that loads (`mode` "latest") or step `mode` into `state`
+    on every rank. Returns what was restored (None: the root holds nothing to restore) and
+    the steps that hold a manifest, which this run must never write into."""
+    plan: list[int] | str = []
+    taken: set[int] = set()
+    if ctrl.rank == 0:
+        try:
+            plan, taken = _restore_plan(store, mode)
+        except CheckpointError as e:
+            plan = f"{type(e).__name__}: {e}"
+    plan, taken = ctrl.broadcast((plan, taken))
+    if isinstance(plan, str):
+        kind = plan.partition(":")[0]  # the error's type name, as rank 0 raised it
+        raise (RestoreFailed if kind in ("NotFound", "InvalidCheckpoint", "RestoreFailed") else StorageError)(plan)
+    problems = []
+    for step in plan:
+        outcome, why, restored = _try_restore(store, ctrl, state, step)
+        worst = ctrl.max([outcome])[0]
+        if worst == 0:
+            return restored, taken
+        if worst == 2:
+            raise StorageError(f"restoring step {step} from {store.display}: {why}")
+        if worst == 3:
+            raise RestoreFailed(
+                f"{store.display}/{step_dir_name(step)} does not hold what this job has "
+                f"(another model, optimizer, or objects added since it was saved): {why[:500]}"
+            )
+        problems.append(f"{step_dir_name(step)}: {why}")
+        log.warning("could not restore %s (%s); falling back to the one before", step_dir_name(step), why)
+    if plan:
+        raise RestoreFailed(
+            f"no checkpoint under {store.display} could be restored ("
+            + "; ".join(problems)
+            + "). The checkpoints are left as they are (the model may hold partly loaded "
+            + "values). To start fresh, pass restore='none' (the corrupt directories are kept "
+            + "and their steps skipped) or use a new root."
+        )
+    return None, taken
+
+
+def start_fresh(store: Store, ctrl: Group) -> set[int]:
+    """restore='none': train from step 0, never writing into what the root already holds."""
+    taken: set[int] | str = set()
+    if ctrl.rank == 0:
+        try:
+            store.check_reachable()
+            taken = {s for s, lst in store.scan().items() if lst.has_manifest}
+        except CheckpointError as e:
+            taken = str(e)
+    taken = ctrl.broadcast(taken)
+    if isinstance(taken, str):
+        raise StorageError(taken)
+    if taken and ctrl.rank == 0:
+        log.warning(
+            "restore='none' but %s holds checkpoints at steps %s: they are kept, this run skips "
+            "saving at those steps, and a later restore picks the newest valid one of either run",
+            store.display,
+            sorted(taken),
+        )
+    return taken
+
+
+def _restore_plan(store: Store, mode: str | int) -> tuple[list[int], set[int]]:
+    """Rank 0: the steps to try, best first, and the steps that hold a manifest."""
+    store.check_reachable()
+    if isinstance(mode, int):
+        entry = catalog.find(store, mode)
+        return [entry.step], {s for s, lst in store.scan().items() if lst.has_manifest}
+    good, skipped = catalog.restore_candidates(store)
+    taken = {e.step for e in good} | {e.step for e in skipped if e.state == catalog.CORRUPT}
+    for e in skipped:
+        log.warning("passing over %s/%s: %s", store.display, e.dir, e.problem)
+    if good:
+        log.info("restoring from %s/%s", store.display, good[0].dir)
+    elif any(e.state == catalog.CORRUPT for e in skipped):
+        # Checkpoints were committed but none can be trusted: never silently start over.
+        raise RestoreFailed(
+            f"no checkpoint under {store.display} could be restored ("
+            + "; ".join(f"{e.dir}: {e.problem}" for e in skipped)
+            + "). The checkpoints are left as they are (the model may hold partly loaded "
+            + "values). To start fresh, pass restore='none' (the corrupt directories are kept "
+            + "and their steps skipped) or use a new root."
+        )
+    return [e.step for e in good], taken
+
+
+def _try_restore(store: Store, ctrl: Group, state: TrainingState, step: int) -> tuple[int, str, Restored | None]:
+    """Load `step` into the objects: 0 ok, 1 invalid (fall back), 2 storage error, 3 the
+    training state does not match the checkpoint's (no fallback can help). Every phase
+    ends with all ranks knowing its outcome, so no rank enters a collective alone."""
+    rel = step_dir_name(step)
+    rank = ctrl.rank
+    doc: bytes | str = b""
+    if rank == 0:  # one read of the manifest, the same for every rank
+        try:
+            doc = store.read_bytes(f"{rel}/{MANIFEST_NAME}")
+        except CheckpointError as e:
+            doc = f"{type(e).__name__}: {e}"
+    doc = ctrl.broadcast(doc)
+    if isinstance(doc, str):
+        return (2 if doc.startswith("StorageError") else 1), doc, None
+    prep: tuple[int, str] = (0, "")
+    try:
+        manifest = Manifest.from_json(doc, f"{store.display}/{rel}")
+        sd = state.template(rank, ctrl.world, manifest.world_size)
+    except (CheckpointError, ValueError, TypeError, KeyError) as e:
+        prep = (1, f"{type(e).__name__}: {e}")
+    if ctrl.max([prep[0]])[0]:
+        return (*prep, None) if prep[0] else (1, "another rank could not prepare the restore", None)
+    try:
+        dcp.load(
+            sd,
+            storage_reader=make_reader(store, rel, manifest),
+            planner=SafeLoadPlanner(),
+            process_group=ctrl.pg,
+        )
+        counters = state.apply(sd, rank)
+    except StorageError as e:
+        return 2, str(e), None
+    except CheckpointException as e:
+        causes = dcp_failures(e)
+        text = dcp_causes(e)
+        if any(isinstance(c, StorageError) for c in causes):
+            return 2, text, None
+        if "Missing key in checkpoint" in text:
+            return 3, text, None
+        return 1, text, None
+    except (CheckpointError, RuntimeError, KeyError, ValueError, TypeError) as e:
+        return 1, f"{type(e).__name__}: {e}", None
+    restored = Restored(int(counters.pop("step")), counters, manifest)
+    if rank == 0 and manifest.world_size != ctrl.world:
+        log.warning(
+            "resuming step %d on %d ranks (saved on %d): model and optimizer resharded%s",
+            restored.step,
+            ctrl.world,
+            manifest.world_size,
+            ""
+            if state.loader is None
+            else "; the data loader's per-rank state is dropped and the global data position rules"
+            if state.data is not None
+            else "; THE DATA POSITION IS LOST: the data loader's per-rank state cannot apply to "
+            "another world size and it has no ckpt.ElasticSampler; its data starts over",
+        )
+    return 0, "", restored
