@@ -97,7 +97,7 @@ def persist(
     *,
     sink: Sink,
     arenas: list[Arena],
-    resaver: Resaver | None = None,
+    resaver: Resaver,
     counters: dict[str, Any],
     user: dict[str, Any],
     schedule: dict[str, Any] | None = None,
@@ -152,8 +152,7 @@ def persist(
             outcome = f"commit of {rel} failed: {type(e).__name__}: {e}"
     outcome = group.broadcast(outcome)
     if not isinstance(outcome, Manifest):
-        if resaver is not None:
-            resaver.layout = None  # the next save is planned afresh, on every rank
+        resaver.layout = None  # the next save is planned afresh, on every rank
         raise SaveFailed(str(outcome))
     fault_point("after_manifest", group.rank, step)
     return outcome
@@ -167,13 +166,13 @@ def _write_data(
     staged: dict[str, Any],
     sink: Sink,
     arenas: list[Arena],
-    resaver: Resaver | None,
+    resaver: Resaver,
 ) -> tuple[Any, Layout | None]:
     """Every rank's data file, durable; rank 0's `.metadata` too when DCP plans the save.
     Returns what to tell rank 0 ((step, layout generation, files, placed objects), or why
     this rank failed) and the layout reused, if one was."""
     # Every rank takes the same path: DCP's planned save if any rank's state changed shape.
-    layout = resaver.layout if resaver is not None and resaver.can_resave(staged) else None
+    layout = resaver.layout if resaver.can_resave(staged) else None
     if group.max([int(layout is None)])[0]:
         layout = None
     if layout is None:
@@ -181,12 +180,10 @@ def _write_data(
         # The state's layout does not change between saves: rank 0's global planning is paid once.
         planner = DefaultSavePlanner(enable_plan_caching=True)
         planner._cached_plans_key = group.plan_key  # DCP keys its cache by class: one per Checkpointer
-        if resaver is not None:
-            resaver.layout = None
+        resaver.layout = None  # learnt again once DCP's save has succeeded
         dcp.save(staged, storage_writer=writer, planner=planner, process_group=group.pg)
-        if resaver is not None:
-            resaver.learn(writer, planner.mappings, staged)
-        mine: Any = (step, resaver.generation if resaver else 0, writer.files, {})
+        resaver.learn(writer, planner.mappings, staged)
+        mine: Any = (step, resaver.generation, writer.files, {})
     else:
         try:
             entry, placed = layout.write(sink, rel, staged, arenas, group.rank, step)

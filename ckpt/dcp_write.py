@@ -137,7 +137,7 @@ class Writer(StorageWriter):
         metadata.storage_data = {wr.index: wr.storage_data for rs in results for wr in rs}
         # Nothing that names this save or its directory: the same layout pickles to the same
         # bytes save after save, and a copied checkpoint does not point back at its origin.
-        metadata.storage_meta = StorageMeta()
+        metadata.storage_meta = self.storage_meta()
         self.metadata, self.metadata_blob = metadata, pickle.dumps(metadata)
         self.files[METADATA_NAME] = write_metadata(self.store, self.step_dir, self.metadata_blob)
 

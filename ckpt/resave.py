@@ -132,10 +132,10 @@ class Resaver:
         return self.layout is not None and self.layout.fits(staged)
 
     def learn(self, writer: Writer, mappings: dict[str, tuple[Any, ...]], staged: Any) -> None:
-        """After a save planned by DCP: remember its layout, or forget the last one when a
-        tensor of it was written from outside the arenas (nothing to point at next time)."""
+        """After a save planned by DCP (the last layout already forgotten): remember this
+        one, unless a tensor of it was written from outside the arenas (nothing to point at
+        next time) or an object cannot be found again by its path."""
         self.generation += 1
-        self.layout = None
         if writer.tensor_part is None:
             return
         objects = []

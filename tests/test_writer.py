@@ -227,6 +227,7 @@ def test_tensors_staged_in_two_arenas_are_written_from_the_right_one(tmp_path, w
     # the bytes of a pinned segment).
     from ckpt.arena import Arena
     from ckpt.commit import Group, persist
+    from ckpt.resave import Resaver
     from ckpt.writer_proc import ProcessSink, ThreadSink
 
     arenas = [Arena(), Arena()]
@@ -238,7 +239,7 @@ def test_tensors_staged_in_two_arenas_are_written_from_the_right_one(tmp_path, w
     store = Store(tmp_path)
     sink = ProcessSink(store) if writer == "process" else ThreadSink(store)
     try:
-        persist(store, Group(None, 0, 1), 1, {"extra": staged}, sink=sink, arenas=arenas, counters={}, user={}, blocking_s=0.0, started=time.perf_counter())
+        persist(store, Group(None, 0, 1), 1, {"extra": staged}, sink=sink, arenas=arenas, resaver=Resaver(), counters={}, user={}, blocking_s=0.0, started=time.perf_counter())
     finally:
         sink.close()
     assert len({s for a in arenas for s in a.segments}) == 2
