@@ -50,7 +50,7 @@ def read_verified(store: Store, step_dir: str, name: str, manifest: Manifest) ->
     where = f"{store.display}/{step_dir}/{name}"
     entry = _entry(where, name, manifest)
     data = store.read_bytes(f"{step_dir}/{name}")
-    _check(where, entry, len(data), checksum(data))
+    _check(where, entry, len(data), checksum(data, entry.block))
     return data
 
 
@@ -62,29 +62,37 @@ def verify_file(store: Store, step_dir: str, name: str, manifest: Manifest) -> N
 
 
 class VerifyingReader:
-    """One file of a checkpoint, read front to back exactly once: every byte handed out or
-    skipped goes through the checksum and the byte count, and `finish()` compares them with
-    the manifest. Bytes handed out before `finish()` returned are not trusted yet: a caller
-    may put them in place, but decodes (unpickles) nothing from them before.
+    """One file of a checkpoint, read front to back: every byte handed out or skipped goes
+    through the checksum and the byte count, and `finish()` compares them with the manifest.
+    Bytes handed out before `finish()` returned are not trusted yet: a caller may put them in
+    place, but decodes (unpickles) nothing from them before.
+
+    A file with block checksums is verified a block at a time, as each block is read whole.
+    Opened `partial`, a skip over whole blocks seeks past them instead of reading them, and
+    `finish()` verifies the blocks that were read, not the rest of the file: a rank that needs
+    a few items of another rank's file reads only the blocks that hold them.
 
     Each piece is hashed right after it is read, while it is still in the CPU cache."""
 
-    def __init__(self, f: BinaryIO, where: str, entry: FileEntry) -> None:
+    def __init__(self, f: BinaryIO, where: str, entry: FileEntry, *, partial: bool = False) -> None:
         self._f = f
         self.where = where
         self.entry = entry
         self.pos = 0  # bytes consumed by the caller
-        self._hasher = Hasher()
+        self._hasher = Hasher(entry.block, self._check_block)
+        self._partial = partial and entry.block > 0 and f.seekable()
         self._ahead = b""  # read and hashed, not consumed yet (peek)
         self._scratch = memoryview(b"")
 
     @classmethod
     @contextlib.contextmanager
-    def open(cls, store: Store, step_dir: str, name: str, manifest: Manifest) -> Iterator[VerifyingReader]:
+    def open(
+        cls, store: Store, step_dir: str, name: str, manifest: Manifest, *, partial: bool = False
+    ) -> Iterator[VerifyingReader]:
         where = f"{store.display}/{step_dir}/{name}"
         entry = _entry(where, name, manifest)
         with store.open_read(f"{step_dir}/{name}") as f:
-            yield cls(f, where, entry)
+            yield cls(f, where, entry, partial=partial)
 
     def peek(self, n: int) -> bytes:
         """Up to `n` next bytes (fewer only where the file ends), without consuming them."""
@@ -128,24 +136,66 @@ class VerifyingReader:
             done += got
 
     def skip(self, n: int) -> None:
-        """Consume `n` bytes (hashed like any other)."""
+        """Consume `n` bytes (hashed like any other, unless whole blocks can be left unread)."""
         ahead = min(n, len(self._ahead))
         self._ahead = self._ahead[ahead:]
         self.pos += ahead
         n -= ahead
+        if self._partial and n:
+            n = self._seek_blocks(n)
+        self._consume(n)
+
+    def finish(self) -> None:
+        """InvalidCheckpoint unless what was read matches the manifest: the rest of the file,
+        its size and checksum; opened `partial`, the rest of the current block."""
+        self.skip(len(self._ahead))
+        if self._partial:
+            self._consume(self._to_block_end())
+            if self._hasher.size == self.entry.size:
+                self._hasher.end_block()
+            return
+        while self._read_scratch(READ_CHUNK):
+            pass
+        if self._hasher.size != self.entry.size:
+            self._short()
+        _check(self.where, self.entry, self._hasher.size, self._hasher.hexdigest())
+
+    def _seek_blocks(self, n: int) -> int:
+        """Skip toward `n` bytes ahead: finish the current block, seek past the blocks wholly
+        skipped; what is left to read of the block where the skip ends."""
+        block, at = self.entry.block, self._hasher.size
+        if (at + n) // block * block <= at or at + n > self.entry.size:
+            return n  # the skip ends in this block (or past the end: read, and fail, as usual)
+        rest = self._to_block_end()
+        self._consume(rest)
+        at, n = at + rest, n - rest
+        whole = n // block
+        if whole:
+            self._f.seek(at + whole * block)
+            self._hasher.jump(at // block + whole)
+            self.pos += whole * block
+        return n - whole * block
+
+    def _to_block_end(self) -> int:
+        at = self._hasher.size
+        return 0 if at % self.entry.block == 0 else min(self.entry.size, at - at % self.entry.block + self.entry.block) - at
+
+    def _consume(self, n: int) -> None:
         while n > 0:
             got = self._read_scratch(n)
             if not got:
                 self._short()
             n -= got
 
-    def finish(self) -> None:
-        """Read the rest of the file; InvalidCheckpoint unless its size and checksum are the
-        manifest's."""
-        self.skip(len(self._ahead))
-        while self._read_scratch(READ_CHUNK):
-            pass
-        _check(self.where, self.entry, self._hasher.size, self._hasher.hexdigest())
+    def _check_block(self, index: int, digest: str) -> None:
+        blocks = self.entry.blocks
+        if index >= len(blocks):
+            raise InvalidCheckpoint(f"{self.where}: longer than the {self.entry.size} bytes of the manifest")
+        if digest != blocks[index]:
+            first = index * self.entry.block
+            raise InvalidCheckpoint(
+                f"{self.where}: checksum mismatch in bytes {first}-{min(first + self.entry.block, self.entry.size) - 1} (corrupt file)"
+            )
 
     def _read_scratch(self, n: int) -> int:
         if not self._scratch:

@@ -1,9 +1,11 @@
 """DCP's storage reader for ckpt: restore reads every byte through the manifest's checksum.
 
-The files are plain DCP (written by `ckpt.dcp_write`). Each data file is read once, front to
-back, through its checksum; tensor data goes straight into the tensors being restored, and
-pickled values are unpickled (with `weights_only=True`) only after the whole file matched
-the manifest. A mismatch fails the restore, which then falls back to an older checkpoint.
+The files are plain DCP (written by `ckpt.dcp_write`). Each data file this rank needs is read
+once, front to back, through its checksums: the whole file, or of a large one the blocks that
+hold this rank's items (the manifest has a checksum per block). Tensor data goes straight into
+the tensors being restored, and pickled values are unpickled (with `weights_only=True`) only
+after everything read of the file matched the manifest. A mismatch fails the restore, which
+then falls back to an older checkpoint.
 """
 
 from __future__ import annotations
@@ -132,9 +134,10 @@ def load_metadata(blob: bytes) -> Metadata:
 
 class _Reader(FileSystemReader):
     """DCP's reader, but each data file is read once, front to back, in bounded chunks through
-    its checksum: tensors go straight into their targets (or through a small scratch buffer),
-    and everything that must be decoded (pickled values, any blob the parser does not know)
-    waits until the whole file matched the manifest."""
+    its checksums (skipping the blocks that hold nothing this rank needs): tensors go straight
+    into their targets (or through a small scratch buffer), and everything that must be decoded
+    (pickled values, any blob the parser does not know) waits until all that was read of the
+    file matched the manifest."""
 
     def __init__(self, store: Store, step_dir: str, manifest: Manifest) -> None:
         super().__init__(step_dir)
@@ -180,11 +183,13 @@ class _Reader(FileSystemReader):
         if any(len({r.type == LoadItemType.BYTE_IO for r in group}) > 1 for group in spans.values()):
             return False
         after_verified: list[Callable[[], None]] = []
-        with VerifyingReader.open(self.store, self.path, name, self.manifest) as src:
+        with VerifyingReader.open(self.store, self.path, name, self.manifest, partial=True) as src:
             try:
                 for offset, length in order:
                     group = spans[(offset, length)]
-                    src.skip(offset - src.pos)  # padding between items is hashed like the rest
+                    # Padding and items of other ranks are hashed like the rest, or the blocks
+                    # wholly between two items are not read at all.
+                    src.skip(offset - src.pos)
                     if group[0].type == LoadItemType.BYTE_IO:
                         blob = src.read(length)
                         after_verified += [functools.partial(planner.load_bytes, r, io.BytesIO(blob)) for r in group]

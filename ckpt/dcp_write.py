@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import io
+import math
 import os
 import pickle
 from collections.abc import Sequence
@@ -99,7 +100,12 @@ class Writer(StorageWriter):
         results: list[WriteResult] = []
         # Tensors first, then the pickled objects: a pickle that grows from one save to the
         # next (a step counter) moves no tensor, so the next save can reuse this layout.
-        tensors = [it for it in plan.items if it.type != WriteItemType.BYTE_IO]
+        # Small tensors lead: those another rank may need (a replicated scalar that DCP saved
+        # once, in this file) then lie in the file's first checksum block, which that rank
+        # reads and verifies without the rest.
+        tensors = sorted(
+            (it for it in plan.items if it.type != WriteItemType.BYTE_IO), key=lambda it: _nbytes(it) >= _ALIGN_FROM
+        )
         self.bytes_items = [it for it in plan.items if it.type == WriteItemType.BYTE_IO]
         located = True
         for item in tensors:
@@ -151,6 +157,12 @@ class Writer(StorageWriter):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
         return False
+
+
+def _nbytes(item: WriteItem) -> int:
+    """The bytes of the (local part of the) tensor an item writes."""
+    data = item.tensor_data
+    return math.prod(data.chunk.sizes) * data.properties.dtype.itemsize if data is not None else 0
 
 
 def written(item: WriteItem, name: str, offset: int, length: int) -> WriteResult:

@@ -1,4 +1,4 @@
-"""Writing one data file of a checkpoint from a list of pieces, durably, with its checksum.
+"""Writing one data file of a checkpoint from a list of pieces, durably, with its checksums.
 
 A file is described by pieces in order: literal `bytes` (torch.save headers, pickled
 objects, alignment padding) and `(segment, offset, length)` ranges of the staging arena, the
@@ -24,7 +24,7 @@ import os
 from collections.abc import Iterable, Mapping
 
 from .manifest import FileEntry
-from .storage import Hasher, Store, storage_errors
+from .storage import Hasher, Store, block_size, storage_errors
 
 #: A piece of a file: literal bytes, or (segment id, offset, length) of the staging arena.
 Piece = bytes | tuple[int, int, int]
@@ -49,23 +49,24 @@ def write_file(
 ) -> FileEntry:
     """Write `pieces` (literal bytes and arena ranges) as the file `rel` of `store`."""
     pieces = list(pieces)
+    block = block_size(sum(map(piece_len, pieces)))
     if store.is_local and direct and hasattr(os, "O_DIRECT"):
         path = store.path(rel)
         with storage_errors(f"writing {store.display}/{rel}"):
             os.makedirs(os.path.dirname(path), exist_ok=True)
             try:
-                return _write_direct(path, pieces, segments, rank)
+                return _write_direct(path, pieces, segments, rank, block)
             except _NoDirectIO:
                 pass  # the filesystem refused O_DIRECT: the buffered path below
     with store.open_write(rel) as f:
-        hasher = Hasher()
+        hasher = Hasher(block)
         if store.is_local:
             _writev_all(f.fileno(), _views(pieces, segments), hasher)
         else:
             for view in _views(pieces, segments):
                 f.write(view)
                 hasher.update(view)
-    return FileEntry(hasher.size, hasher.hexdigest(), rank)
+    return hasher.entry(rank)
 
 
 def _views(pieces: list[Piece], segments: Mapping[int, memoryview]) -> Iterable[memoryview]:
@@ -105,7 +106,7 @@ class _NoDirectIO(Exception):
 
 
 def _write_direct(
-    path: str, pieces: list[Piece], segments: Mapping[int, memoryview], rank: int
+    path: str, pieces: list[Piece], segments: Mapping[int, memoryview], rank: int, block: int
 ) -> FileEntry:
     try:
         fd = os.open(
@@ -116,7 +117,7 @@ def _write_direct(
             raise _NoDirectIO from e
         raise
     try:
-        out = _DirectFile(fd)
+        out = _DirectFile(fd, block)
         for piece in pieces:
             if isinstance(piece, bytes):
                 out.write(memoryview(piece), aligned=False)
@@ -132,7 +133,7 @@ def _write_direct(
             os.unlink(path)
         raise
     os.close(fd)
-    return FileEntry(out.hasher.size, out.hasher.hexdigest(), rank)
+    return out.hasher.entry(rank)
 
 
 class _DirectFile:
@@ -140,9 +141,9 @@ class _DirectFile:
     file; the rest is gathered in an aligned bounce buffer and written a page-multiple at a
     time. The last partial page is written with O_DIRECT switched off."""
 
-    def __init__(self, fd: int) -> None:
+    def __init__(self, fd: int, block: int) -> None:
         self.fd = fd
-        self.hasher = Hasher()
+        self.hasher = Hasher(block)
         self.bounce = mmap.mmap(-1, _BOUNCE)  # anonymous mappings are page-aligned
         self.fill = 0  # bytes waiting in the bounce buffer
         self.written = 0  # bytes in the file

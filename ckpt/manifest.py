@@ -15,7 +15,7 @@ from typing import Any
 from .errors import InvalidCheckpoint
 
 FORMAT = "ckpt"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: per-block checksums of data files
 MANIFEST_NAME = "manifest.json"
 METADATA_NAME = ".metadata"  # DCP's pickled global metadata, written by rank 0
 
@@ -27,6 +27,11 @@ class FileEntry:
     size: int  # bytes
     checksum: str  # "<algorithm>:<hex digest>", e.g. "xxh3_64:0f1e..."
     rank: int  # the rank that wrote it (-1: written by the coordinator for all)
+    # A large file's checksum is also kept per block of `block` bytes (the last may be
+    # shorter), so that a reader can verify just the blocks it reads; `checksum` is then
+    # "xxh3_64-blocks:" and the xxh3-64 of the block checksums. 0 and []: one checksum.
+    block: int = 0
+    blocks: tuple[str, ...] = ()
 
 
 @dataclass
@@ -75,7 +80,7 @@ class Manifest:
                     f"format version {doc['format_version']} is newer than this ckpt "
                     f"understands ({FORMAT_VERSION}); upgrade ckpt"
                 )
-            files = {name: FileEntry(**entry) for name, entry in doc["files"].items()}
+            files = {name: _file_entry(name, entry) for name, entry in doc["files"].items()}
             return cls(
                 step=int(doc["step"]),
                 world_size=int(doc["world_size"]),
@@ -91,3 +96,10 @@ class Manifest:
             )
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise InvalidCheckpoint(f"{where}: unreadable manifest ({e})") from e
+
+
+def _file_entry(name: str, doc: dict[str, Any]) -> FileEntry:
+    entry = FileEntry(**{**doc, "blocks": tuple(doc.get("blocks", ()))})
+    if entry.block < 0 or (entry.block and len(entry.blocks) != -(-entry.size // entry.block)):
+        raise ValueError(f"{name}: {len(entry.blocks)} block checksums for {entry.size} bytes in blocks of {entry.block}")
+    return entry

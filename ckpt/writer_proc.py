@@ -127,7 +127,8 @@ class ProcessSink:
         deadline = self.timeout_s + nbytes / _SLOWEST_BYTES_PER_S
         reply = self._call(pickle.dumps(("write", rel, pieces, live, rank, step), protocol=5), deadline, f"writing {rel}")
         if reply[0] == "ok":
-            return FileEntry(reply[1], reply[2], rank)
+            entry: FileEntry = reply[1]
+            return entry
         kind, message = reply[1], reply[2]
         raise (StorageError if kind == "StorageError" else SaveFailed)(message)
 
@@ -245,7 +246,7 @@ def serve(sock: socket.socket) -> None:
                 entry = write_file(
                     store, rel, pieces, {i: memoryview(maps[i]) for i in live}, rank=rank
                 )
-                reply = ("ok", entry.size, entry.checksum)
+                reply = ("ok", entry)
             except Exception as e:  # reported to the trainer, which fails the save
                 kind = "StorageError" if isinstance(e, StorageError) else type(e).__name__
                 reply = (

@@ -10,7 +10,9 @@ makes today and those it will make: `torch.serialization.skip_data` zips filled 
 
 from __future__ import annotations
 
+import contextlib
 import io
+import json
 import os
 import pickle
 import struct
@@ -450,6 +452,116 @@ def test_verify_file_streams_and_says_what_is_wrong(tmp_path):
         catalog.verify_file(store, step.name, DATA, manifest)
     with pytest.raises(InvalidCheckpoint, match="not listed in the manifest"):
         catalog.verify_file(store, step.name, "__9_0.distcp", manifest)
+
+
+class _CountingFile:
+    """A file of the store, counting the bytes read from it."""
+
+    def __init__(self, f, counts: dict, name: str) -> None:
+        self._f, self._counts, self._name = f, counts, name
+
+    def _count(self, n: int) -> None:
+        self._counts[self._name] = self._counts.get(self._name, 0) + n
+
+    def read(self, n: int = -1) -> bytes:
+        data = self._f.read(n)
+        self._count(len(data))
+        return data
+
+    def readinto(self, buf) -> int:
+        got = self._f.readinto(buf) or 0
+        self._count(got)
+        return got
+
+    def seek(self, *args) -> int:
+        return self._f.seek(*args)
+
+    def seekable(self) -> bool:
+        return self._f.seekable()
+
+
+@pytest.fixture
+def bytes_read(monkeypatch):
+    """Bytes read from each file of any store from here on, by file name."""
+    counts: dict[str, int] = {}
+    real = Store.open_read
+
+    @contextlib.contextmanager
+    def counting(self, rel):
+        with real(self, rel) as f:
+            yield _CountingFile(f, counts, os.path.basename(rel))
+
+    monkeypatch.setattr(Store, "open_read", counting)
+    return counts
+
+
+def test_a_restore_reads_and_verifies_only_the_blocks_holding_what_it_loads(tmp_path, bytes_read, monkeypatch):
+    """What another rank needs of a large file (a replicated scalar DCP saved once, half of a
+    resharded tensor) costs it the blocks holding that, each verified against its own
+    checksum before anything in it is decoded; not the whole file."""
+    MiB = 1 << 20
+    big = torch.randn(12 * MiB // 4)
+    values = {"big": big, "a": torch.arange(10.0), "b": torch.ones(3, dtype=torch.int64), "n": 5}
+    step = save(tmp_path / "root", values)
+    store = Store(str(tmp_path / "root"))
+    manifest = Manifest.from_json((step / MANIFEST_NAME).read_bytes())
+    entry, size = manifest.files[DATA], (step / DATA).stat().st_size
+    assert (entry.block, len(entry.blocks)) == (MiB, -(-size // MiB))
+    assert entry.checksum.startswith("xxh3_64-blocks:")
+    for k in "ab":  # small tensors are laid out first: they share the first block
+        off, length = item(step, f"extra.h.{k}")
+        assert off + length <= MiB
+    n_at, _ = item(step, "extra.h.n")  # pickles come after the tensors: the last block
+    assert n_at // MiB == len(entry.blocks) - 1
+
+    flip(step / DATA, 6 * MiB + 123)  # in `big`, which the first load does not need
+    small = {"a": torch.zeros(10), "b": torch.zeros(3, dtype=torch.int64), "n": 0}
+    bytes_read.clear()
+    load_step(step, {"extra": {"h": small}})
+    assert torch.equal(small["a"], values["a"]) and torch.equal(small["b"], values["b"]) and small["n"] == 5
+    assert bytes_read[DATA] <= 2 * MiB, f"read {bytes_read[DATA]} of {size} bytes for two small tensors and an int"
+
+    target = {**small, "big": torch.zeros_like(big)}
+    with pytest.raises(CheckpointException, match=f"{DATA}: checksum mismatch in bytes {6 * MiB}-{7 * MiB - 1} \\(corrupt file\\)"):
+        load_step(step, {"extra": {"h": target}})
+    with pytest.raises(InvalidCheckpoint, match=f"{DATA}: checksum mismatch in bytes {6 * MiB}-"):
+        catalog.verify_file(store, step.name, DATA, manifest)  # verify reads all of it
+
+    # A flipped bit in the pickle: its block fails before the pickle is decoded.
+    flip(step / DATA, 6 * MiB + 123)
+    catalog.verify_file(store, step.name, DATA, manifest)
+    flip(step / DATA, n_at + 3)
+    seen = []
+    monkeypatch.setattr(SafeLoadPlanner, "load_bytes", lambda self, req, value: seen.append(req))
+    with pytest.raises(CheckpointException, match="checksum mismatch in bytes"):
+        load_step(step, {"extra": {"h": {"n": 0}}})
+    assert seen == []
+
+
+def test_a_blocked_file_cut_short_or_grown_is_caught(tmp_path):
+    MiB = 1 << 20
+    step = save(tmp_path / "root", {"w": torch.randn(5 * MiB // 4)})
+    store = Store(str(tmp_path / "root"))
+    manifest = Manifest.from_json((step / MANIFEST_NAME).read_bytes())
+    full = (step / DATA).stat().st_size
+    assert manifest.files[DATA].block == MiB
+    with open(step / DATA, "ab") as f:
+        f.write(b"x")
+    with pytest.raises(InvalidCheckpoint, match=f"{DATA}: {full + 1} bytes, manifest says {full}"):
+        catalog.verify_file(store, step.name, DATA, manifest)
+    os.truncate(step / DATA, full - MiB)
+    with pytest.raises(InvalidCheckpoint, match=f"{DATA}: {full - MiB} bytes, manifest says {full}"):
+        catalog.verify_file(store, step.name, DATA, manifest)
+    with pytest.raises(CheckpointException, match=f"{DATA}: {full - MiB} bytes, manifest says {full}"):
+        load_step(step, {"extra": {"h": {"w": torch.zeros(5 * MiB // 4)}}})
+
+
+def test_a_manifest_whose_block_checksums_do_not_cover_the_file_is_refused(tmp_path):
+    step = save(tmp_path / "root", {"w": torch.randn(3 << 20)})
+    doc = json.loads((step / MANIFEST_NAME).read_bytes())
+    doc["files"][DATA]["blocks"].pop()
+    with pytest.raises(InvalidCheckpoint, match=f"unreadable manifest.*{DATA}: .* block checksums for"):
+        Manifest.from_json(json.dumps(doc).encode())
 
 
 # -- the parser ---------------------------------------------------------------------------------

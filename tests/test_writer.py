@@ -64,7 +64,11 @@ def test_pieces_land_in_order_with_their_checksum_on_any_filesystem(tmp_path, wh
     finally:
         store.fs.rm(store.root, recursive=True)
     assert got == want
-    assert (entry.size, entry.checksum, entry.rank) == (len(want), f"xxh3_64:{xxhash.xxh3_64(want).hexdigest()}", 3)
+    # 22 MB: blocks of 1 MiB, each with its own xxh3-64, the file's checksum that of theirs
+    blocks = [xxhash.xxh3_64(want[i : i + MB]).hexdigest() for i in range(0, len(want), MB)]
+    whole = xxhash.xxh3_64(b"".join(bytes.fromhex(b) for b in blocks)).hexdigest()
+    assert (entry.size, entry.rank, entry.block, entry.blocks) == (len(want), 3, MB, tuple(blocks))
+    assert entry.checksum == f"xxh3_64-blocks:{whole}"
 
 
 def _state() -> dict[str, torch.Tensor]:
