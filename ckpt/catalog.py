@@ -151,6 +151,8 @@ class VerifyingReader:
         self.skip(len(self._ahead))
         if self._partial:
             self._consume(self._to_block_end())
+            if self._hasher.size > self.entry.size:
+                self._longer()
             if self._hasher.size == self.entry.size:
                 self._hasher.end_block()
             return
@@ -178,7 +180,7 @@ class VerifyingReader:
 
     def _to_block_end(self) -> int:
         at = self._hasher.size
-        return 0 if at % self.entry.block == 0 else min(self.entry.size, at - at % self.entry.block + self.entry.block) - at
+        return 0 if at % self.entry.block == 0 else max(0, min(self.entry.size, at - at % self.entry.block + self.entry.block) - at)
 
     def _consume(self, n: int) -> None:
         while n > 0:
@@ -189,8 +191,8 @@ class VerifyingReader:
 
     def _check_block(self, index: int, digest: str) -> None:
         blocks = self.entry.blocks
-        if index >= len(blocks):
-            raise InvalidCheckpoint(f"{self.where}: longer than the {self.entry.size} bytes of the manifest")
+        if index >= len(blocks) or self._hasher.size > self.entry.size:
+            self._longer()
         if digest != blocks[index]:
             first = index * self.entry.block
             raise InvalidCheckpoint(
@@ -204,6 +206,9 @@ class VerifyingReader:
         self._hasher.update(self._scratch[:got])
         self.pos += got
         return got
+
+    def _longer(self) -> None:
+        raise InvalidCheckpoint(f"{self.where}: longer than the {self.entry.size} bytes the manifest says")
 
     def _short(self) -> None:
         size = self._hasher.size

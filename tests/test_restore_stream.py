@@ -549,11 +549,53 @@ def test_a_blocked_file_cut_short_or_grown_is_caught(tmp_path):
         f.write(b"x")
     with pytest.raises(InvalidCheckpoint, match=f"{DATA}: {full + 1} bytes, manifest says {full}"):
         catalog.verify_file(store, step.name, DATA, manifest)
+    with open(step / DATA, "ab") as f:  # now enough to fill the short last block
+        f.write(b"x" * MiB)
+    with pytest.raises(InvalidCheckpoint, match=f"{DATA}: longer than the {full} bytes the manifest says"):
+        catalog.verify_file(store, step.name, DATA, manifest)
+    os.truncate(step / DATA, full)
     os.truncate(step / DATA, full - MiB)
     with pytest.raises(InvalidCheckpoint, match=f"{DATA}: {full - MiB} bytes, manifest says {full}"):
         catalog.verify_file(store, step.name, DATA, manifest)
     with pytest.raises(CheckpointException, match=f"{DATA}: {full - MiB} bytes, manifest says {full}"):
         load_step(step, {"extra": {"h": {"w": torch.zeros(5 * MiB // 4)}}})
+
+
+def test_a_partial_read_verifies_every_block_it_touched_and_nothing_past_the_manifests_size():
+    """VerifyingReader on its own, over 3.5 blocks: peeks, mid-block skips and the short last
+    block are all checked; a skipped block is not read; bytes past the recorded size fail."""
+    from ckpt.storage import Hasher
+
+    B = 1 << 20
+    good = os.urandom(3 * B + B // 2)
+    hasher = Hasher(B)
+    hasher.update(good)
+    entry = hasher.entry(0)
+
+    def run(data: bytes, *steps) -> None:
+        src = catalog.VerifyingReader(io.BytesIO(data), "f", entry, partial=True)
+        for op, n in steps:
+            getattr(src, op)(n)
+        src.finish()
+
+    def flipped(at: int) -> bytes:
+        bad = bytearray(good)
+        bad[at] ^= 1
+        return bytes(bad)
+
+    run(flipped(B + 5), ("read", 10), ("skip", 2 * B))  # block 1 is never read: fine
+    run(good, ("skip", 3 * B), ("read", B // 2))  # a read ending at the very end
+    for data, steps, where in [
+        (flipped(B + 5), [("skip", B - 10), ("peek", 100)], "1048576-2097151"),  # a peek into block 1
+        (flipped(B + 5), [("skip", B + 1), ("read", 2)], "1048576-2097151"),  # read before the flip, same block
+        (flipped(3 * B + 5), [("skip", 3 * B + 100), ("read", 10)], "3145728-3670015"),  # the short last block
+    ]:
+        with pytest.raises(InvalidCheckpoint, match=f"checksum mismatch in bytes {where}"):
+            run(data, *steps)
+    with pytest.raises(InvalidCheckpoint, match="longer than the 3670016 bytes"):
+        run(good + b"x" * 100, ("skip", 3 * B), ("read", B // 2 + 50))
+    with pytest.raises(InvalidCheckpoint, match="3145728 bytes, manifest says 3670016"):
+        run(good[: B + B // 2], ("skip", 3 * B + 1), ("read", 10))
 
 
 def test_a_manifest_whose_block_checksums_do_not_cover_the_file_is_refused(tmp_path):
