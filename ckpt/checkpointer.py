@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from . import catalog
 from ._gc import gc_paused
+from .agreement import Agreement
 from .capture import TrainingState
 from .commit import Group, persist
 from .coordinator import Coordinator
@@ -72,7 +73,8 @@ class Checkpointer:
         on_error: a failed background save raises ``SaveFailed`` at the next ``step_done``
             ("raise", default) or is only logged ("log"); either way nothing half-written is
             ever restored.
-        handle_sigterm: SIGTERM takes a checkpoint at the next step boundary and exits.
+        handle_sigterm: SIGTERM takes a checkpoint and exits: at the next step boundary on one
+            rank, at the next meeting (``agree_every_s``) of several.
         preempt_exit_code: the exit status after a SIGTERM checkpoint committed. The default,
             143 (terminated by SIGTERM), tells torchrun and schedulers the job is not done:
             elastic agents restart the survivors, a Kubernetes Job retries. 0 would end it.
@@ -90,6 +92,11 @@ class Checkpointer:
             more is streamed from the live state instead, item by item, and the loop waits
             for it; ckpt says so once.
         metadata: JSON values stored in every manifest (run id, git commit, ...).
+        agree_every_s: with several ranks, they meet at a step boundary (one small
+            collective) no more than this many seconds of rank 0's time apart, to save by
+            the clock, to stop for a SIGTERM that reached any rank, and to report a failed
+            background save, all at the same step; other steps cost no collective. Rank 0
+            turns seconds into steps from its measured step time (``ckpt.agreement``).
     """
 
     def __init__(
@@ -116,6 +123,7 @@ class Checkpointer:
         overlap: bool = True,
         host_memory_budget: int | None = None,
         metadata: dict[str, Any] | None = None,
+        agree_every_s: float = 2.0,
     ) -> None:
         if on_error not in ("raise", "log"):
             raise ValueError(f"on_error must be 'raise' or 'log', not {on_error!r}")
@@ -173,10 +181,11 @@ class Checkpointer:
         self._ctrl = self._io = Group(None, 0, 1)
         self._taken: set[int] = set()  # steps whose directories hold a manifest: never written into
         self._deferred = False  # a due save found its step taken; save at the next step
-        # A signal reaches one rank, a clock runs per rank: both need one small collective a step.
-        self._agree_each_step = handle_sigterm or isinstance(interval, Auto) or (
+        # A signal reaches one rank, a clock runs per rank: both need the ranks to meet.
+        needs_meetings = handle_sigterm or isinstance(interval, Auto) or (
             isinstance(interval, Every) and interval.seconds is not None
         )
+        self._agree = Agreement(agree_every_s) if needs_meetings else None
 
     # -- the loop's four touch points ---------------------------------------------------------
     @property
@@ -203,8 +212,8 @@ class Checkpointer:
             self._taken = start_fresh(self.store, self._ctrl)
         #: The restart event this start wrote (rank 0, after a restore), for the curious.
         self.restart_event = self.history.start(self._step, self.last_commit if self.restored_step is not None else None)
-        self._interval_anchor = self._saved_step = self._step
-        self._last_save_time = time.monotonic()
+        self._saved_step = self._step
+        self._restart_interval()
         if self.handle_sigterm:
             self._install_sigterm()
         self._hooks = [o.register_step_pre_hook(lambda *_: self.wait_for_staging()) for o in self.state.optimizers]
@@ -221,17 +230,25 @@ class Checkpointer:
         by_step = self._deferred or (
             self.interval is not None and self.interval.due_by_step(self._step, self._interval_anchor)
         )
-        since = time.monotonic() - self._last_save_time
-        by_time = self._ctrl.rank == 0 and (
-            (isinstance(self.interval, Every) and self.interval.due_by_time(since))
-            or (self._coordinator is not None and since >= self._coordinator.seconds)
-        )
-        preempt = self._preempt.is_set()
-        if self._ctrl.world > 1 and self._agree_each_step:
-            # Every rank must save at the same step: share rank 0's clock and any rank's signal.
-            preempt, due, failed = self._ctrl.max([int(preempt), int(by_step or by_time), int(failed)])
+        preempt, by_time, now = self._preempt.is_set(), False, time.monotonic()
+        if self._agree is not None and self._ctrl.rank == 0:
+            self._agree.tick(now)
+        if self._ctrl.world > 1 and self._agree is not None:
+            # Every rank must save at the same step: rank 0's clock and any rank's signal or
+            # failure are shared at meetings on steps known to all (ckpt.agreement).
+            if self._agree.meets(self._step):
+                mine = [int(preempt), int(failed), 0, 0, 0]
+                if self._ctrl.rank == 0:
+                    mine[2:] = self._agree.propose(now - self._last_save_time, self._interval_s())
+                agreed = self._agree.meet(self._step, self._ctrl.max(mine))
+                preempt, failed, by_time = agreed.preempt, agreed.failed, agreed.save
+            else:
+                preempt = failed = False  # acted on at the next meeting
         else:
-            due, failed = by_step or by_time, self._ctrl.world == 1 and failed
+            interval_s = self._interval_s()
+            by_time = interval_s is not None and now - self._last_save_time >= interval_s
+            failed = self._ctrl.world == 1 and failed
+        due = by_step or by_time
         if failed:
             # A failed collective can leave the writers' group unusable (gloo closes its pairs
             # on a timeout): every rank is here at this step, so replace it together.
@@ -243,10 +260,27 @@ class Checkpointer:
             self.skipped_saves += 1
             # The interval counts from the skipped point; the step stays unsaved, so a final
             # save on exit still happens.
-            self._interval_anchor, self._last_save_time = self._step, time.monotonic()
+            self._restart_interval()
             log.info("step %d: a save is due but the last one is still writing; skipped", self._step)
         elif due:
             self.save()
+
+    @property
+    def meetings(self) -> int:
+        """How many times the ranks met at a step boundary to agree (``agree_every_s``)."""
+        return self._agree.meetings if self._agree is not None else 0
+
+    def _interval_s(self) -> float | None:
+        """Seconds between saves by the clock: the coordinator's, or Every(seconds=)'s."""
+        if self._coordinator is not None:
+            return self._coordinator.seconds
+        return self.interval.seconds if isinstance(self.interval, Every) else None
+
+    def _restart_interval(self) -> None:
+        """A save was taken (or skipped) at this step, on every rank alike."""
+        self._interval_anchor, self._last_save_time = self._step, time.monotonic()
+        if self._agree is not None:
+            self._agree.replan(self._step)
 
     def _busy_somewhere(self) -> bool:
         """Is the previous save still writing on any rank? Asked of all ranks together, since
@@ -287,8 +321,8 @@ class Checkpointer:
         self._inflight = self._pool.submit(
             self._save_in_background, self._step, staged, copies, counters, blocking_s, started, waited_before
         )
-        self._interval_anchor = self._saved_step = self._step
-        self._last_save_time = time.monotonic()
+        self._saved_step = self._step
+        self._restart_interval()
         log.debug("step %d staged in %.1f ms", self._step, blocking_s * 1e3)
         if blocking:
             self.wait()
@@ -439,7 +473,8 @@ class Checkpointer:
                 # stays busy until retention and history are done too, not just the commit.
                 blocked = manifest.costs.blocking_s + self.staging_wait_s - waited_before
                 busy = time.perf_counter() - started
-                self._coordinator.retune(blocked, busy, self.history.record.started)
+                step_s = self._agree.step_s if self._agree is not None else None
+                self._coordinator.retune(blocked, busy, self.history.record.started, step_s)
         return manifest
 
     @property

@@ -3,8 +3,8 @@
 It holds the MTBF estimate (the `Auto` prior, updated by the job's past runs in
 `<root>/events/` when the run starts and by nothing else: failures end runs), and after each
 commit turns what that save cost into the next interval. The loop's thread reads `seconds`
-at each step; rank 0's "save now" is shared with every rank by the per-step agreement, so all
-ranks save at the same step.
+at the ranks' meetings, where rank 0 turns it into a step number from its measured step time
+and every rank learns it (ckpt.agreement), so all ranks save at the same step.
 """
 
 from __future__ import annotations
@@ -66,9 +66,10 @@ class Coordinator:
         past = [(r.world_size, r.updated - r.started, failed(r.ended)) for r in runs]
         self.mtbf = self.mtbf.observe(*exposure(past, ranks_per_node()))
 
-    def retune(self, blocking_s: float, persist_s: float, run_started: float) -> None:
+    def retune(self, blocking_s: float, persist_s: float, run_started: float, step_s: float | None = None) -> None:
         """After a commit: the next interval, from what this save cost. `run_started` (unix
-        time) is when this run began, the last restart (for Weibull hazards)."""
+        time) is when this run began, the last restart (for Weibull hazards); `step_s`, the
+        measured seconds per step, says how many steps the interval comes to."""
         mtbf_s = self.mtbf.job_mtbf_s(self.nodes)
         new = self.policy.seconds(blocking_s, persist_s, mtbf_s, time.time() - run_started)
         old, self.seconds = self.seconds, new
@@ -81,11 +82,16 @@ class Coordinator:
             "nodes": self.nodes,
             "failures_seen": self.mtbf.failures,
         }
+        steps = ""
+        if step_s:
+            self.schedule.update(step_s=round(step_s, 4), steps=max(1, round(new / step_s)))
+            steps = f" = {self.schedule['steps']} steps of {step_s:.3g} s"
         if not self._measured or abs(new - old) > 0.1 * old:
             self._measured = True
             log.info(
-                "interval: every %.3g s (blocking %.3g s, busy %.3g s, job MTBF %.3g h on %d node(s); rank 0's costs)",
+                "interval: every %.3g s%s (blocking %.3g s, busy %.3g s, job MTBF %.3g h on %d node(s); rank 0's costs)",
                 new,
+                steps,
                 blocking_s,
                 persist_s,
                 mtbf_s / 3600,

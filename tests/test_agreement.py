@@ -1,0 +1,97 @@
+"""Ranks meet at step boundaries known to all, not every step: rank 0 turns seconds into steps."""
+
+from __future__ import annotations
+
+import json
+from itertools import pairwise
+from pathlib import Path
+
+import pytest
+
+import ckpt
+from ckpt.agreement import Agreement
+
+HERE = Path(__file__).resolve().parent
+
+
+def _timed(agree: Agreement, steps: int, step_s: float) -> None:
+    for i in range(steps):
+        agree.tick(i * step_s)
+
+
+def test_without_a_step_time_the_ranks_meet_every_step():
+    agree = Agreement(every_s=1.0)
+    assert agree.meets(0)
+    assert agree.propose(since_save_s=0.0, interval_s=5.0) == [0, 1, 0]
+    agree.meet(1, [0, 0, 0, 1, 0])
+    assert not agree.meets(1) and agree.meets(2)
+
+
+def test_rank0_names_the_save_step_from_its_step_time():
+    agree = Agreement(every_s=1.0)
+    _timed(agree, 5, 0.01)
+    assert agree.step_s == pytest.approx(0.01)
+    # 0.5 s to the save is 50 steps, within the 100 steps of every_s: that meeting saves
+    assert agree.propose(since_save_s=0.1, interval_s=0.6) == [0, 50, 1]
+    agreed = agree.meet(10, [0, 0, 0, 50, 1])
+    assert not agreed.save and not agree.meets(59) and agree.meets(60)
+    # at that meeting the save happens whatever the clock says now (the step was named)
+    assert agree.propose(since_save_s=0.59, interval_s=0.6)[0] == 1
+
+
+def test_a_long_interval_is_polled_every_every_s_and_a_due_one_saves_at_once():
+    agree = Agreement(every_s=1.0)
+    _timed(agree, 5, 0.01)
+    assert agree.propose(since_save_s=0.0, interval_s=100.0) == [0, 100, 0]
+    assert agree.propose(since_save_s=0.0, interval_s=None) == [0, 100, 0]
+    assert agree.propose(since_save_s=100.0, interval_s=100.0) == [1, 100, 0]
+    # a step slower than every_s: still one step at a time, never zero
+    _timed(agree, 50, 3.0)
+    assert agree.propose(since_save_s=0.0, interval_s=None) == [0, 1, 0]
+
+
+def test_a_save_replans_on_every_rank_and_forgets_a_named_save():
+    agree = Agreement(every_s=1.0)
+    _timed(agree, 5, 0.01)
+    agree.meet(10, [0, 0, 0, 30, 1])
+    agree.replan(15)  # a save by step count or by hand, at the same step on every rank
+    assert agree.meets(16)
+    assert agree.propose(since_save_s=0.01, interval_s=0.6)[0] == 0
+    agreed = agree.meet(16, [1, 1, 0, 5, 0])
+    assert (agreed.preempt, agreed.failed, agreed.save) == (True, True, False)
+    with pytest.raises(ValueError, match="seconds > 0"):
+        Agreement(every_s=0)
+
+
+def _run(tmp_path: Path, how: str, steps: int, step_s: float) -> tuple[list[dict], list[ckpt.Manifest]]:
+    import launch
+
+    root, out = tmp_path / "root", tmp_path / "out"
+    out.mkdir()
+    codes = launch.run(2, HERE / "agree_worker.py", str(root), str(out), how, str(steps), str(step_s), log_dir=tmp_path)
+    logs = "\n".join((tmp_path / f"rank{r}.log").read_text()[-3000:] for r in range(2))
+    assert codes == [0, 0], logs
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    manifests = [ckpt.Manifest.from_json(p.read_bytes()) for p in sorted(root.glob("step-*/manifest.json"))]
+    return ranks, manifests
+
+
+def test_two_ranks_save_by_rank0s_clock_at_the_same_steps_meeting_a_few_times(tmp_path):
+    steps = 150
+    ranks, manifests = _run(tmp_path, "seconds", steps, 0.01)
+    # every save committed (both ranks wrote the step), about every 0.3 s of ~10 ms steps
+    saved = [m.step for m in manifests]
+    assert len(saved) >= 3, saved
+    assert all(10 <= b - a <= 60 for a, b in pairwise(saved)), saved
+    # the ranks met alike, a few times per save and every 0.1 s, not every step
+    assert ranks[0]["meetings"] == ranks[1]["meetings"] <= steps // 3, ranks
+
+
+def test_auto_records_the_interval_as_a_number_of_steps(tmp_path):
+    ranks, manifests = _run(tmp_path, "auto", 120, 0.01)
+    measured = [m.schedule for m in manifests if "step_s" in m.schedule]
+    assert measured, [m.schedule for m in manifests]
+    last = measured[-1]
+    assert last["steps"] == max(1, round(last["seconds"] / last["step_s"]))
+    assert 0.005 <= last["step_s"] <= 0.05, last
+    assert ranks[0]["meetings"] == ranks[1]["meetings"] < 120, ranks
