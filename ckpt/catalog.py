@@ -54,6 +54,22 @@ def read_verified(store: Store, step_dir: str, name: str, manifest: Manifest) ->
     return data
 
 
+def _blocks_holding(items: list[tuple[int, int]], entry: FileEntry) -> list[tuple[int, int]] | None:
+    """The byte ranges of the blocks holding `items` ((offset, length)), merged; None for a
+    file checksummed whole."""
+    block = entry.block
+    if not block:
+        return None
+    ranges: list[tuple[int, int]] = []
+    for offset, length in sorted(items):
+        first, end = offset - offset % block, min(entry.size, -(-(offset + max(length, 1)) // block) * block)
+        if ranges and first <= ranges[-1][1]:
+            ranges[-1] = (ranges[-1][0], max(ranges[-1][1], end))
+        else:
+            ranges.append((first, end))
+    return ranges
+
+
 def verify_file(store: Store, step_dir: str, name: str, manifest: Manifest) -> None:
     """Check one file's size and checksum against the manifest, holding at most a few
     chunks of it in memory."""
@@ -68,9 +84,10 @@ class VerifyingReader:
     place, but decodes (unpickles) nothing from them before.
 
     A file with block checksums is verified a block at a time, as each block is read whole.
-    Opened `partial`, a skip over whole blocks seeks past them instead of reading them, and
-    `finish()` verifies the blocks that were read, not the rest of the file: a rank that needs
-    a few items of another rank's file reads only the blocks that hold them.
+    Opened for some `items` ((offset, length) ranges) only, a skip over whole blocks seeks
+    past them instead of reading them, `finish()` verifies the blocks that were read, not the
+    rest of the file, and an object store fetches ahead only the blocks holding those items:
+    a rank that needs a few items of another rank's file reads only those blocks.
 
     Each piece is hashed right after it is read, while it is still in the CPU cache."""
 
@@ -87,12 +104,13 @@ class VerifyingReader:
     @classmethod
     @contextlib.contextmanager
     def open(
-        cls, store: Store, step_dir: str, name: str, manifest: Manifest, *, partial: bool = False
+        cls, store: Store, step_dir: str, name: str, manifest: Manifest, *, items: list[tuple[int, int]] | None = None
     ) -> Iterator[VerifyingReader]:
         where = f"{store.display}/{step_dir}/{name}"
         entry = _entry(where, name, manifest)
-        with store.open_read(f"{step_dir}/{name}") as f:
-            yield cls(f, where, entry, partial=partial)
+        ranges = _blocks_holding(items, entry) if items is not None else None
+        with store.open_read(f"{step_dir}/{name}", ranges) as f:
+            yield cls(f, where, entry, partial=items is not None)
 
     def peek(self, n: int) -> bytes:
         """Up to `n` next bytes (fewer only where the file ends), without consuming them."""

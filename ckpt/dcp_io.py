@@ -183,7 +183,7 @@ class _Reader(FileSystemReader):
         if any(len({r.type == LoadItemType.BYTE_IO for r in group}) > 1 for group in spans.values()):
             return False
         after_verified: list[Callable[[], None]] = []
-        with VerifyingReader.open(self.store, self.path, name, self.manifest, partial=True) as src:
+        with VerifyingReader.open(self.store, self.path, name, self.manifest, items=order) as src:
             try:
                 for offset, length in order:
                     group = spans[(offset, length)]

@@ -170,9 +170,9 @@ class S3Transfers:
         finally:
             up.close()
 
-    def reader(self, path: str, where: str) -> Reader:
-        """The object `path`, to read (and close: a `with` block does)."""
-        return Reader(self, path, where)
+    def reader(self, path: str, where: str, ranges: list[tuple[int, int]] | None = None) -> Reader:
+        """The object `path`, to read (and close: a `with` block does); see `Reader`."""
+        return Reader(self, path, where, ranges)
 
 
 class Upload(io.RawIOBase):
@@ -402,9 +402,12 @@ class _Pieces(_Stream):
 
 class Reader(_Stream):
     """A readable stream over one object: ranged GETs of `read_size` bytes, `readahead` of them
-    in flight ahead of the position, so the reader waits only when it outruns the network."""
+    in flight ahead of the position, so the reader waits only when it outruns the network.
+    Given `ranges` ((start, end), in order), it fetches ahead only within them: a reader that
+    needs a few blocks of a large object does not have all of it sent. A read elsewhere is
+    served all the same, and from then on the hint is ignored."""
 
-    def __init__(self, t: S3Transfers, path: str, where: str) -> None:
+    def __init__(self, t: S3Transfers, path: str, where: str, ranges: list[tuple[int, int]] | None = None) -> None:
         self._t, self._where = t, where
         self._bucket, self._key, _ = t.fs.split_path(path)
         try:
@@ -417,7 +420,9 @@ class Reader(_Stream):
             raise
         self.size = int(head["ContentLength"])
         self._etag = head.get("ETag")  # IMPORTANT: every range from the same version of the object
-        self._ahead: collections.deque[tuple[int, concurrent.futures.Future[bytes]]] = (
+        self._ranges = ranges
+        # (start, end, its GET), in order
+        self._ahead: collections.deque[tuple[int, int, concurrent.futures.Future[bytes]]] = (
             collections.deque()
         )
         self._next = 0  # where the next range to fetch starts
@@ -465,25 +470,33 @@ class Reader(_Stream):
     def _view(self) -> memoryview:
         """The bytes of the current range from the position on (at least one)."""
         if not self._start <= self._pos < self._start + len(self._data):
-            while self._ahead and self._ahead[0][0] + self._t.config.read_size <= self._pos:
-                self._ahead.popleft()[1].cancel()  # seeked past
+            while self._ahead and self._ahead[0][1] <= self._pos:
+                self._ahead.popleft()[2].cancel()  # seeked past
             if not self._ahead or self._ahead[0][0] > self._pos:
                 self._drop_ahead()
+                if self._ranges is not None and not any(a <= self._pos < b for a, b in self._ranges):
+                    self._ranges = None  # a read the hint did not foresee
                 self._next = self._pos
             self._fetch_ahead()
-            start, fut = self._ahead.popleft()
+            start, _, fut = self._ahead.popleft()
             self._fetch_ahead()
             self._data, self._start = fut.result(), start
         return memoryview(self._data)[self._pos - self._start :]
 
     def _fetch_ahead(self) -> None:
         while len(self._ahead) < self._t.config.readahead and self._next < self.size:
-            end = min(self.size, self._next + self._t.config.read_size)
-            self._ahead.append((self._next, self._t.start(self._get(self._next, end))))
+            start, stop = self._next, self.size
+            if self._ranges is not None:
+                within = next(((a, b) for a, b in self._ranges if b > start), None)
+                if within is None:
+                    return
+                start, stop = max(start, within[0]), min(stop, within[1])
+            end = min(stop, start + self._t.config.read_size)
+            self._ahead.append((start, end, self._t.start(self._get(start, end))))
             self._next = end
 
     def _drop_ahead(self) -> None:
-        for _, fut in self._ahead:
+        for _, _, fut in self._ahead:
             fut.cancel()
         self._ahead.clear()
 

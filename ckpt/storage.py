@@ -333,12 +333,14 @@ class Store:
                 raise NotFound(f"{self.display}/{rel} does not exist") from e
 
     @contextlib.contextmanager
-    def open_read(self, rel: str) -> Iterator[BinaryIO]:
+    def open_read(self, rel: str, ranges: list[tuple[int, int]] | None = None) -> Iterator[BinaryIO]:
         """A sequential binary stream over one file (`read`, `readinto`, `seek`). On S3 it
-        reads ahead with parallel ranged GETs (`Transfer.read_size`, `readahead`)."""
+        reads ahead with parallel ranged GETs (`Transfer.read_size`, `readahead`), only
+        within `ranges` ((start, end) byte ranges, in order) when the caller knows that it
+        will read nothing else."""
         with storage_errors(f"reading {self.display}/{rel}"):
             if self._s3 is not None:
-                with self._s3.reader(self.path(rel), f"{self.display}/{rel}") as f:
+                with self._s3.reader(self.path(rel), f"{self.display}/{rel}", ranges) as f:
                     yield f
                 return
             try:

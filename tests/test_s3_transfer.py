@@ -174,6 +174,7 @@ class FaultyProxy:
     def __init__(self, upstream: str) -> None:
         self.upstream = urlsplit(upstream).netloc
         self.seen: Counter[str] = Counter()
+        self.ranges: list[str] = []  # the Range header of every ranged GET
         self.failed: Counter[str] = Counter()
         self._plan: dict[str, list[str]] = {}
         self._lock = threading.Lock()
@@ -216,6 +217,8 @@ class FaultyProxy:
             kind = "put"
         elif req.command == "GET" and "Range" in req.headers:
             kind = "range"
+            with self._lock:
+                self.ranges.append(req.headers["Range"])
         else:
             kind = req.command.lower()
         with self._lock:
@@ -277,6 +280,26 @@ def through(proxy: FaultyProxy, root: str, options: dict, **transfer: object) ->
         {**options, "endpoint_url": proxy.url},
         transfer=dataclasses.replace(SMALL, **transfer),
     )
+
+
+def test_a_reader_told_what_it_will_read_fetches_only_that(proxy, s3_root, s3_options):
+    """A rank that needs two blocks of another rank's 20 MiB file gets those sent, not the
+    file (readahead would otherwise have 3 x 2 MiB in flight from the first byte on)."""
+    store = through(proxy, s3_root, s3_options)
+    data = payload(20 * MiB)
+    with store.open_write("big") as f:
+        f.write(data)
+    proxy.ranges.clear()
+    with store.open_read("big", [(0, MiB), (15 * MiB, 16 * MiB)]) as f:
+        assert f.read(MiB) == data[:MiB]
+        f.seek(15 * MiB)
+        assert f.read(MiB) == data[15 * MiB : 16 * MiB]
+        assert proxy.ranges == [f"bytes=0-{MiB - 1}", f"bytes={15 * MiB}-{16 * MiB - 1}"]
+        f.seek(3 * MiB)  # where the hint did not say: still served, then read ahead as usual
+        assert f.read(10) == data[3 * MiB : 3 * MiB + 10]
+    # from 3 MiB on, 2 MiB ranges: one read, 3 ahead (one of them may still be in flight)
+    assert proxy.ranges[2:5] == [f"bytes={a * MiB}-{(a + 2) * MiB - 1}" for a in (3, 5, 7)]
+    assert proxy.ranges[5:] in ([], [f"bytes={9 * MiB}-{11 * MiB - 1}"])
 
 
 def test_transient_failures_are_retried_and_the_data_still_round_trips(
