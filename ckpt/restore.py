@@ -11,8 +11,9 @@ checkpoints that cannot be trusted are never silently replaced by a fresh start.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
@@ -149,26 +150,22 @@ def _try_restore(store: Store, ctrl: Group, state: TrainingState, step: int) -> 
         prep = (1, f"{type(e).__name__}: {e}")
     if ctrl.max([prep[0]])[0]:
         return (*prep, None) if prep[0] else (1, "another rank could not prepare the restore", None)
-    try:
-        dcp.load(
-            sd,
-            storage_reader=make_reader(store, rel, manifest),
-            planner=SafeLoadPlanner(),
-            process_group=ctrl.pg,
-        )
-        counters = state.apply(sd, rank)
-    except StorageError as e:
-        return 2, str(e), None
-    except CheckpointException as e:
-        causes = dcp_failures(e)
-        text = dcp_causes(e)
-        if any(isinstance(c, StorageError) for c in causes):
-            return 2, text, None
-        if "Missing key in checkpoint" in text:
-            return 3, text, None
-        return 1, text, None
-    except (CheckpointError, RuntimeError, KeyError, ValueError, TypeError) as e:
-        return 1, f"{type(e).__name__}: {e}", None
+    # Each rank plans and reads its part alone (DCP's default load planning has no global
+    # step: its collectives would only carry the plans around and wait); the ranks then
+    # agree on the outcome before anything is applied, as applying may take collectives.
+    loaded = _outcome(
+        lambda: dcp.load(sd, storage_reader=make_reader(store, rel, manifest), planner=SafeLoadPlanner(), no_dist=True)
+    )
+    if ctrl.max([loaded[0]])[0]:
+        # Rare: every rank's reason, so that rank 0 can say what went wrong where.
+        whys = ctrl.gather(loaded[:2]) or [loaded[:2]]  # rank 0 gets all; the others their own
+        code = max(max(c for c, _ in whys), 1)  # the caller agrees on the worst code anyway
+        text = "; ".join(f"rank {r}: {why}" if len(whys) > 1 else why for r, (c, why) in enumerate(whys) if c)
+        return code, text or "another rank could not load its part", None
+    applied = _outcome(lambda: state.apply(sd, rank))
+    if applied[0]:
+        return (*applied, None)
+    counters = cast(dict, applied[2])
     restored = Restored(int(counters.pop("step")), counters, manifest)
     if rank == 0 and manifest.world_size != ctrl.world:
         log.warning(
@@ -184,3 +181,22 @@ def _try_restore(store: Store, ctrl: Group, state: TrainingState, step: int) -> 
             "another world size and it has no ckpt.ElasticSampler; its data starts over",
         )
     return 0, "", restored
+
+
+def _outcome(load: Callable[[], Any]) -> tuple[int, str, Any]:
+    """Run one phase of a restore: (0, "", its result), or the code and reason of its failure
+    as `_try_restore` returns them."""
+    try:
+        return 0, "", load()
+    except StorageError as e:
+        return 2, str(e), None
+    except CheckpointException as e:
+        causes = dcp_failures(e)
+        text = dcp_causes(e)
+        if any(isinstance(c, StorageError) for c in causes):
+            return 2, text, None
+        if "Missing key in checkpoint" in text:
+            return 3, text, None
+        return 1, text, None
+    except (CheckpointError, RuntimeError, KeyError, ValueError, TypeError) as e:
+        return 1, f"{type(e).__name__}: {e}", None
