@@ -100,6 +100,7 @@ class VerifyingReader:
         self._partial = partial and entry.block > 0 and f.seekable()
         self._ahead = b""  # read and hashed, not consumed yet (peek)
         self._scratch = memoryview(b"")
+        self.read_bytes = 0  # bytes read from the file (blocks left unread are not)
 
     @classmethod
     @contextlib.contextmanager
@@ -118,6 +119,7 @@ class VerifyingReader:
             more = self._f.read(n - len(self._ahead))
             if not more:
                 break
+            self.read_bytes += len(more)
             self._hasher.update(more)
             self._ahead += more
         return self._ahead[:n]
@@ -131,6 +133,7 @@ class VerifyingReader:
             more = self._f.read(min(n - have, READ_CHUNK))
             if not more:
                 self._short()
+            self.read_bytes += len(more)
             self._hasher.update(more)
             parts.append(more)
             have += len(more)
@@ -149,6 +152,7 @@ class VerifyingReader:
             got = self._f.readinto(piece)
             if not got:
                 self._short()
+            self.read_bytes += got
             self._hasher.update(piece[:got])
             self.pos += got
             done += got
@@ -221,6 +225,7 @@ class VerifyingReader:
         if not self._scratch:
             self._scratch = memoryview(bytearray(READ_CHUNK))
         got = self._f.readinto(self._scratch[: min(n, READ_CHUNK)]) or 0
+        self.read_bytes += got
         self._hasher.update(self._scratch[:got])
         self.pos += got
         return got

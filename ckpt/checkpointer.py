@@ -31,6 +31,7 @@ from .data import data_position
 from .errors import CheckpointError, SaveFailed, dcp_causes
 from .events import History
 from .manifest import Manifest
+from .metrics import Metrics, port_from_env
 from .policy import Auto, Every, Keep
 from .resave import Resaver
 from .restore import restore, start_fresh
@@ -97,6 +98,9 @@ class Checkpointer:
             the clock, to stop for a SIGTERM that reached any rank, and to report a failed
             background save, all at the same step; other steps cost no collective. Rank 0
             turns seconds into steps from its measured step time (``ckpt.agreement``).
+        metrics_port: serve this rank's Prometheus metrics (``cp.metrics``) on this port plus
+            its local rank, on loopback (``CKPT_METRICS_ADDR`` to change); default
+            ``CKPT_METRICS_PORT``, else not served. See ``ckpt.metrics``.
     """
 
     def __init__(
@@ -124,6 +128,7 @@ class Checkpointer:
         host_memory_budget: int | None = None,
         metadata: dict[str, Any] | None = None,
         agree_every_s: float = 2.0,
+        metrics_port: int | None = None,
     ) -> None:
         if on_error not in ("raise", "log"):
             raise ValueError(f"on_error must be 'raise' or 'log', not {on_error!r}")
@@ -186,6 +191,9 @@ class Checkpointer:
             isinstance(interval, Every) and interval.seconds is not None
         )
         self._agree = Agreement(agree_every_s) if needs_meetings else None
+        #: This rank's Prometheus metrics (``cp.metrics.registry``), served with ``metrics_port``.
+        self.metrics = Metrics()
+        self._metrics_port = port_from_env(metrics_port)
 
     # -- the loop's four touch points ---------------------------------------------------------
     @property
@@ -203,10 +211,16 @@ class Checkpointer:
             self._coordinator = Coordinator(self.interval, self._ctrl.world)
             if self._ctrl.rank == 0:
                 self._coordinator.learn_history(self.store)
+        self.metrics.identify(self._ctrl.rank, self._ctrl.world)
+        self.metrics.schedule(self.schedule)
+        if self._metrics_port is not None:
+            self.metrics.serve(self._metrics_port, os.environ.get("CKPT_METRICS_ADDR", "127.0.0.1"))
         if self.restore_mode != "none":
+            began = time.perf_counter()
             restored, self._taken = restore(self.store, self._ctrl, self.state, self.restore_mode)
             if restored is not None:
                 self._step = self.restored_step = restored.step
+                self.metrics.restored(time.perf_counter() - began, restored.read_bytes, restored.manifest)
                 self.counters, self.last_commit = restored.counters, restored.manifest
         else:
             self._taken = start_fresh(self.store, self._ctrl)
@@ -241,6 +255,7 @@ class Checkpointer:
                 if self._ctrl.rank == 0:
                     mine[2:] = self._agree.propose(now - self._last_save_time, self._interval_s())
                 agreed = self._agree.meet(self._step, self._ctrl.max(mine))
+                self.metrics.meetings.inc()
                 preempt, failed, by_time = agreed.preempt, agreed.failed, agreed.save
             else:
                 preempt = failed = False  # acted on at the next meeting
@@ -261,6 +276,7 @@ class Checkpointer:
             # The interval counts from the skipped point; the step stays unsaved, so a final
             # save on exit still happens.
             self._restart_interval()
+            self.metrics.skipped()
             log.info("step %d: a save is due but the last one is still writing; skipped", self._step)
         elif due:
             self.save()
@@ -323,6 +339,7 @@ class Checkpointer:
         )
         self._saved_step = self._step
         self._restart_interval()
+        self.metrics.staged(blocking_s)
         log.debug("step %d staged in %.1f ms", self._step, blocking_s * 1e3)
         if blocking:
             self.wait()
@@ -413,6 +430,7 @@ class Checkpointer:
             # this object does) tears gloo down in arbitrary order and aborts the process.
             self._ctrl = Group(None, self._ctrl.rank, self._ctrl.world)
             self._io = Group(None, self._io.rank, self._io.world)
+            self.metrics.close()
 
     # -- background ---------------------------------------------------------------------------
     def _save_in_background(
@@ -426,6 +444,26 @@ class Checkpointer:
         waited_before: float,
     ) -> Manifest:
         """`copies` is None for a save streamed from the live state (nothing staged)."""
+        try:
+            manifest = self._persist_in_background(step, staged, copies, counters, blocking_s, started, waited_before)
+        except BaseException as e:
+            self.metrics.failed(e)
+            raise
+        self.metrics.committed(manifest, self._io.rank)
+        if self._coordinator is not None and self._io.rank == 0:
+            self.metrics.schedule(self._coordinator.schedule)
+        return manifest
+
+    def _persist_in_background(
+        self,
+        step: int,
+        staged: Any,
+        copies: Copies | None,
+        counters: dict[str, Any],
+        blocking_s: float,
+        started: float,
+        waited_before: float,
+    ) -> Manifest:
         try:
             try:
                 if copies is not None:

@@ -62,13 +62,16 @@ class _VerifiedFiles(FileSystemBase):
         self.store = store
         self.step_dir = step_dir
         self.manifest = manifest
+        self.read_bytes = 0
 
     @contextlib.contextmanager
     def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[io.BytesIO]:
         if "r" not in mode or "+" in mode:
             raise PermissionError("a checkpoint is read-only once committed")
         name = os.path.basename(os.fspath(path))
-        yield io.BytesIO(read_verified(self.store, self.step_dir, name, self.manifest))
+        data = read_verified(self.store, self.step_dir, name, self.manifest)
+        self.read_bytes += len(data)
+        yield io.BytesIO(data)
 
     def concat_path(self, path: str | os.PathLike, suffix: str) -> str:
         return f"{os.fspath(path)}/{suffix}"
@@ -146,6 +149,12 @@ class _Reader(FileSystemReader):
         self.store = store
         self.manifest = manifest
         self._scratch = _Scratch()  # reused across tensors and files
+        self._streamed = 0  # bytes read by _stream_file
+
+    @property
+    def read_bytes(self) -> int:
+        """Bytes this reader read from storage."""
+        return self._streamed + self.fs.read_bytes
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         with self.fs.create_stream(self._get_metadata_path(kwargs.get("rank")), "rb") as f:
@@ -199,6 +208,7 @@ class _Reader(FileSystemReader):
                 src.finish()
             finally:
                 self._scratch.drain()
+                self._streamed += src.read_bytes
         for step in after_verified:
             step()
         return True
@@ -377,7 +387,7 @@ def _load_blob(blob: bytes, reqs: list[ReadItem], planner: LoadPlanner) -> None:
         planner.commit_tensor(req, target)
 
 
-def make_reader(store: Store, step_dir: str, manifest: Manifest) -> FileSystemReader:
+def make_reader(store: Store, step_dir: str, manifest: Manifest) -> _Reader:
     return _Reader(store, step_dir, manifest)
 
 

@@ -32,11 +32,13 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Restored:
-    """What a restore loaded: the step it resumes at, the saved counters, the manifest."""
+    """What a restore loaded: the step it resumes at, the saved counters, the manifest, and
+    how many bytes this rank read for it."""
 
     step: int
     counters: dict[str, Any]
     manifest: Manifest
+    read_bytes: int = 0
 
 
 @gc_paused  # the restore makes many small objects: a full collection costs more than the read
@@ -153,9 +155,8 @@ def _try_restore(store: Store, ctrl: Group, state: TrainingState, step: int) -> 
     # Each rank plans and reads its part alone (DCP's default load planning has no global
     # step: its collectives would only carry the plans around and wait); the ranks then
     # agree on the outcome before anything is applied, as applying may take collectives.
-    loaded = _outcome(
-        lambda: dcp.load(sd, storage_reader=make_reader(store, rel, manifest), planner=SafeLoadPlanner(), no_dist=True)
-    )
+    reader = make_reader(store, rel, manifest)
+    loaded = _outcome(lambda: dcp.load(sd, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True))
     if ctrl.max([loaded[0]])[0]:
         # Rare: every rank's reason, so that rank 0 can say what went wrong where.
         whys = ctrl.gather(loaded[:2]) or [loaded[:2]]  # rank 0 gets all; the others their own
@@ -166,7 +167,7 @@ def _try_restore(store: Store, ctrl: Group, state: TrainingState, step: int) -> 
     if applied[0]:
         return (*applied, None)
     counters = cast(dict, applied[2])
-    restored = Restored(int(counters.pop("step")), counters, manifest)
+    restored = Restored(int(counters.pop("step")), counters, manifest, reader.read_bytes)
     if rank == 0 and manifest.world_size != ctrl.world:
         log.warning(
             "resuming step %d on %d ranks (saved on %d): model and optimizer resharded%s",

@@ -1,0 +1,149 @@
+"""What a rank's checkpointing is doing, as Prometheus metrics.
+
+Every `Checkpointer` keeps its metrics in its own registry (`cp.metrics.registry`: register
+it with your exporter, or have ckpt serve it). With `metrics_port=` (or `CKPT_METRICS_PORT`)
+the rank serves `/metrics` over HTTP on that port plus its local rank, on loopback unless
+`CKPT_METRICS_ADDR` says otherwise. Names follow Prometheus conventions; the rank is a label
+of `ckpt_rank_info` only, since each rank is its own scrape target.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from torch.distributed.checkpoint.api import CheckpointException
+
+from .errors import SaveFailed, dcp_failures
+from .manifest import Manifest
+
+log = logging.getLogger(__name__)
+
+_BLOCKING_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+_LONG_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600)
+
+# The coordinator's record (Manifest.schedule) and the gauge each value goes to.
+_SCHEDULE = {
+    "seconds": ("interval_seconds", "Seconds between saves the interval policy chose"),
+    "steps": ("interval_steps", "The chosen interval in steps, from rank 0's measured step time"),
+    "step_s": ("step_seconds", "Rank 0's measured seconds per step"),
+    "blocking_s": ("blocking_estimate_seconds", "C_b: the blocking time the interval was chosen from"),
+    "persist_s": ("persist_estimate_seconds", "L: the persist time the interval was chosen from"),
+    "mtbf_s": ("mtbf_seconds", "The job's MTBF estimate the interval was chosen from"),
+}
+
+
+def failure_kind(exc: BaseException) -> str:
+    """A bounded label for why a save failed: the class of its first cause."""
+    while isinstance(exc, SaveFailed) and exc.__cause__ is not None:
+        exc = exc.__cause__
+    if isinstance(exc, CheckpointException):
+        causes = dcp_failures(exc)
+        exc = causes[0] if causes else exc
+    return type(exc).__name__
+
+
+class Metrics:
+    """The series of one rank. Methods are called by the Checkpointer as things happen."""
+
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry(auto_describe=True)
+        self._info = Gauge("ckpt_rank_info", "This process's rank and the job's world size", ["rank", "world_size"], registry=r)
+        self.saves = Counter("ckpt_saves", "Saves by outcome: committed, failed, skipped (due while the last was writing)", ["outcome"], registry=r)
+        self.failures = Counter("ckpt_save_failures", "Failed saves by the class of their first cause", ["kind"], registry=r)
+        self.blocking = Histogram("ckpt_blocking_seconds", "Seconds a save blocked the training loop (capture and staging)", registry=r, buckets=_BLOCKING_BUCKETS)
+        self.persist = Histogram("ckpt_persist_seconds", "Seconds from the start of a save to its commit", registry=r, buckets=_LONG_BUCKETS)
+        self.written = Counter("ckpt_written_bytes", "Bytes of checkpoint files this rank wrote", registry=r)
+        self.read = Counter("ckpt_read_bytes", "Bytes of checkpoint files this rank read to restore", registry=r)
+        self.last_step = Gauge("ckpt_last_committed_step", "The step of the last checkpoint this job committed", registry=r)
+        self.last_time = Gauge("ckpt_last_commit_timestamp_seconds", "Unix time of the last commit", registry=r)
+        self._last_commit: float | None = None
+        Gauge("ckpt_checkpoint_age_seconds", "Seconds since the last commit (or since the start, before one)", registry=r).set_function(
+            self._age
+        )
+        self._started = time.time()
+        self.in_flight = Gauge("ckpt_saves_in_flight", "1 while a save is writing in the background", registry=r)
+        self.restores = Counter("ckpt_restores", "Restores by where the files came from (store, spool)", ["source"], registry=r)
+        self.restore_time = Histogram("ckpt_restore_seconds", "Seconds a restore took, discovery to the loaded state", registry=r, buckets=_LONG_BUCKETS)
+        self.meetings = Counter("ckpt_rank_meetings", "Times the ranks met at a step boundary to agree (agree_every_s)", registry=r)
+        self._schedule = {k: Gauge(f"ckpt_coordinator_{name}", text, registry=r) for k, (name, text) in _SCHEDULE.items()}
+        self._server: Any = None
+        #: (address, port) being served, once `serve` ran.
+        self.address: tuple[str, int] | None = None
+
+    def _age(self) -> float:
+        return time.time() - (self._last_commit if self._last_commit is not None else self._started)
+
+    # -- events ---------------------------------------------------------------------------------
+    def identify(self, rank: int, world: int) -> None:
+        self._info.clear()
+        self._info.labels(str(rank), str(world)).set(1)
+
+    def staged(self, blocking_s: float) -> None:
+        self.blocking.observe(blocking_s)
+        self.in_flight.set(1)
+
+    def committed(self, manifest: Manifest, rank: int) -> None:
+        self.saves.labels("committed").inc()
+        self.persist.observe(manifest.costs.persist_s)
+        self.written.inc(sum(f.size for f in manifest.files.values() if f.rank == rank or (f.rank < 0 and rank == 0)))
+        self.commit_seen(manifest)
+        self.in_flight.set(0)
+
+    def commit_seen(self, manifest: Manifest) -> None:
+        """The last commit of the job, whoever made it (a restore finds one too)."""
+        self.last_step.set(manifest.step)
+        self.last_time.set(manifest.created)
+        self._last_commit = manifest.created
+
+    def failed(self, exc: BaseException) -> None:
+        self.saves.labels("failed").inc()
+        self.failures.labels(failure_kind(exc)).inc()
+        self.in_flight.set(0)
+
+    def skipped(self) -> None:
+        self.saves.labels("skipped").inc()
+
+    def restored(self, seconds: float, bytes_read: int, manifest: Manifest, source: str = "store") -> None:
+        self.restores.labels(source).inc()
+        self.restore_time.observe(seconds)
+        self.read.inc(bytes_read)
+        self.commit_seen(manifest)
+
+    def schedule(self, record: dict[str, Any]) -> None:
+        for key, gauge in self._schedule.items():
+            value = record.get(key)
+            if isinstance(value, (int, float)):
+                gauge.set(value)
+
+    # -- serving --------------------------------------------------------------------------------
+    def serve(self, port: int, addr: str = "127.0.0.1") -> int:
+        """Serve `/metrics` on `addr:port` (0: any free port); returns the port."""
+        self._server, _ = start_http_server(port, addr=addr, registry=self.registry)
+        self.address = (addr, self._server.server_port)
+        log.info("metrics on http://%s:%d/metrics", *self.address)
+        return self._server.server_port
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+
+def port_from_env(port: int | None) -> int | None:
+    """The port this rank serves on: `port` (or CKPT_METRICS_PORT) plus its local rank."""
+    if port is None:
+        raw = os.environ.get("CKPT_METRICS_PORT", "")
+        if not raw:
+            return None
+        try:
+            port = int(raw)
+        except ValueError:
+            raise ValueError(f"CKPT_METRICS_PORT must be a port number, not {raw!r}") from None
+    if port == 0:
+        return 0
+    return port + int(os.environ.get("LOCAL_RANK", "0") or 0)

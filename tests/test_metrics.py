@@ -1,0 +1,121 @@
+"""A rank's Prometheus metrics, scraped live from the port it serves them on."""
+
+from __future__ import annotations
+
+import logging
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+
+import ckpt
+from ckpt.metrics import port_from_env
+
+
+def scrape(cp: ckpt.Checkpointer) -> dict[tuple[str, tuple], float]:
+    """Every sample served, by (name, sorted labels)."""
+    assert cp.metrics.address is not None
+    host, port = cp.metrics.address
+    text = urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=10).read().decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def train(cp: ckpt.Checkpointer, model: torch.nn.Module, opt: torch.optim.Optimizer, until: int, sleep_s: float = 0.0) -> None:
+    while cp.step < until:
+        time.sleep(sleep_s)
+        model(torch.randn(2, 4)).pow(2).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        cp.step_done()
+
+
+def job() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def test_saves_restores_and_failures_show_in_a_live_scrape(tmp_path: Path):
+    root = tmp_path / "root"
+    model, opt = job()
+    with ckpt.Checkpointer(root, model=model, optimizer=opt, interval=ckpt.Every(steps=2), metrics_port=0, on_error="log") as cp:
+        assert cp.metrics.address[0] == "127.0.0.1"  # loopback unless configured
+        train(cp, model, opt, 4)
+        cp.wait()
+        m = scrape(cp)
+        manifests = [ckpt.Manifest.from_json(p.read_bytes()) for p in sorted(root.glob("step-*/manifest.json"))]
+        assert [x.step for x in manifests] == [2, 4]
+        assert m[("ckpt_rank_info", (("rank", "0"), ("world_size", "1")))] == 1
+        assert m[("ckpt_saves_total", (("outcome", "committed"),))] == 2
+        assert m[("ckpt_blocking_seconds_count", ())] == 2 and m[("ckpt_persist_seconds_count", ())] == 2
+        assert m[("ckpt_persist_seconds_sum", ())] == pytest.approx(sum(x.costs.persist_s for x in manifests))
+        assert m[("ckpt_written_bytes_total", ())] == sum(x.total_bytes for x in manifests)
+        assert m[("ckpt_last_committed_step", ())] == 4
+        assert m[("ckpt_last_commit_timestamp_seconds", ())] == manifests[-1].created
+        assert 0 <= m[("ckpt_checkpoint_age_seconds", ())] < 60
+        assert m[("ckpt_saves_in_flight", ())] == 0
+        assert m[("ckpt_coordinator_interval_steps", ())] == 2
+
+        root.rename(tmp_path / "aside")  # the next save cannot make its directory
+        root.write_text("not a directory")
+        train(cp, model, opt, 6)
+        cp.wait()
+        m = scrape(cp)
+        assert m[("ckpt_saves_total", (("outcome", "failed"),))] == 1
+        assert sum(v for (name, _), v in m.items() if name == "ckpt_save_failures_total") == 1
+        assert m[("ckpt_last_committed_step", ())] == 4
+        root.unlink()
+        (tmp_path / "aside").rename(root)
+        train(cp, model, opt, 7)  # the save on leaving commits step 7
+        port = cp.metrics.address[1]
+    with pytest.raises(OSError):  # the server went with the Checkpointer
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5)
+
+    model2, opt2 = job()
+    with ckpt.Checkpointer(root, model=model2, optimizer=opt2, interval=None, save_on_exit=False, metrics_port=0) as cp2:
+        m = scrape(cp2)
+        assert cp2.step == 7
+        assert m[("ckpt_restores_total", (("source", "store"),))] == 1
+        assert m[("ckpt_restore_seconds_count", ())] == 1
+        total = ckpt.Manifest.from_json((root / "step-0000000007" / "manifest.json").read_bytes()).total_bytes
+        assert 0 < m[("ckpt_read_bytes_total", ())] <= total
+        assert m[("ckpt_last_committed_step", ())] == 7
+
+
+def test_auto_interval_decisions_are_gauges(tmp_path: Path, caplog):
+    caplog.set_level(logging.INFO, logger="ckpt")
+    model, opt = job()
+    auto = ckpt.Auto(node_mtbf_s=20.0, first_after_s=0.05)
+    with ckpt.Checkpointer(tmp_path, model=model, optimizer=opt, interval=auto, metrics_port=0, save_on_exit=False, handle_sigterm=False) as cp:
+        train(cp, model, opt, 40, sleep_s=0.01)
+        cp.wait()
+        m = scrape(cp)
+    schedule = cp.schedule
+    assert "step_s" in schedule, schedule
+    assert m[("ckpt_coordinator_mtbf_seconds", ())] == pytest.approx(20.0, rel=0.01)
+    assert m[("ckpt_coordinator_interval_seconds", ())] == pytest.approx(schedule["seconds"])
+    assert m[("ckpt_coordinator_interval_steps", ())] == schedule["steps"]
+    assert m[("ckpt_coordinator_step_seconds", ())] == pytest.approx(schedule["step_s"])
+    assert m[("ckpt_coordinator_blocking_estimate_seconds", ())] == pytest.approx(schedule["blocking_s"])
+    assert m[("ckpt_coordinator_persist_estimate_seconds", ())] == pytest.approx(schedule["persist_s"])
+    assert f"= {schedule['steps']} steps of" in caplog.text
+
+
+def test_each_local_rank_serves_on_its_own_port(monkeypatch):
+    monkeypatch.delenv("CKPT_METRICS_PORT", raising=False)
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert port_from_env(None) is None
+    assert port_from_env(9400) == 9403
+    assert port_from_env(0) == 0  # any free port
+    monkeypatch.setenv("CKPT_METRICS_PORT", "9500")
+    assert port_from_env(None) == 9503
+    monkeypatch.setenv("CKPT_METRICS_PORT", "nine")
+    with pytest.raises(ValueError, match="CKPT_METRICS_PORT must be a port number"):
+        port_from_env(None)
