@@ -12,11 +12,13 @@ and exits.
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import logging
 import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from typing import Any, Literal
 
 from torch.distributed.checkpoint.api import CheckpointException
@@ -186,6 +188,7 @@ class Checkpointer:
         self._ctrl = self._io = Group(None, 0, 1)
         self._taken: set[int] = set()  # steps whose directories hold a manifest: never written into
         self._deferred = False  # a due save found its step taken; save at the next step
+        self._failed_step = -1  # the step of the last save that failed
         # A signal reaches one rank, a clock runs per rank: both need the ranks to meet.
         needs_meetings = handle_sigterm or isinstance(interval, Auto) or (
             isinstance(interval, Every) and interval.seconds is not None
@@ -238,8 +241,8 @@ class Checkpointer:
         self._step += 1
         self.history.progress(self._step)
         # A failed save is reported where every rank learns of it at the same step (each
-        # rank's background thread fails at its own time): here when the ranks agree each
-        # step, else when the next save waits for it.
+        # rank's background thread fails at its own time): at the ranks' next meeting, or
+        # when the next save waits for it.
         failed = self._inflight is not None and self._inflight.done() and self._inflight.exception() is not None
         by_step = self._deferred or (
             self.interval is not None and self.interval.due_by_step(self._step, self._interval_anchor)
@@ -335,7 +338,8 @@ class Checkpointer:
         # The wait for the previous save's slot was blocking too: counted as if a staging wait.
         waited_before = self.staging_wait_s - (started - waiting)
         self._inflight = self._pool.submit(
-            self._save_in_background, self._step, staged, copies, counters, blocking_s, started, waited_before
+            self._counted,
+            functools.partial(self._save_in_background, self._step, staged, copies, counters, blocking_s, started, waited_before),
         )
         self._saved_step = self._step
         self._restart_interval()
@@ -392,6 +396,7 @@ class Checkpointer:
         try:
             self.last_commit = fut.result()
         except SaveFailed as e:
+            self._failed_step = self._saved_step  # one save in flight: the last one taken
             log.error("%s", e)
             if self.on_error == "raise":
                 raise
@@ -404,8 +409,8 @@ class Checkpointer:
         else:
             how, failure = f"error: {exc_type.__name__}: {_first_line(exc)}", True
         try:
-            if exc_type is None and self.save_on_exit and self._saved_step != self._step:
-                self.save(blocking=True)
+            if exc_type is None and self.save_on_exit:
+                self._final_save()
             elif exc_type is None:
                 self.wait()
             else:
@@ -432,7 +437,33 @@ class Checkpointer:
             self._io = Group(None, self._io.rank, self._io.world)
             self.metrics.close()
 
+    def _final_save(self) -> None:
+        """Leaving normally: the last step ends committed if it can be. A save of it that
+        failed (on any rank: all must agree) is tried once more."""
+        if self._saved_step == self._step:
+            try:
+                self.wait()
+            except CheckpointError:
+                pass  # logged; tried again below
+            if not self._ctrl.max([int(self._failed_step == self._step)])[0]:
+                return
+            log.warning("the save of step %d failed; trying it once more before leaving", self._step)
+            self._saved_step = -1
+        self.save(blocking=True)
+
     # -- background ---------------------------------------------------------------------------
+    def _counted(self, save: Callable[[], Manifest]) -> Manifest:
+        """Run one background save, into the metrics."""
+        try:
+            manifest = save()
+        except BaseException as e:
+            self.metrics.failed(e)
+            raise
+        self.metrics.committed(manifest, self._io.rank)
+        if self._coordinator is not None and self._io.rank == 0:
+            self.metrics.schedule(self._coordinator.schedule)
+        return manifest
+
     def _save_in_background(
         self,
         step: int,
@@ -444,26 +475,6 @@ class Checkpointer:
         waited_before: float,
     ) -> Manifest:
         """`copies` is None for a save streamed from the live state (nothing staged)."""
-        try:
-            manifest = self._persist_in_background(step, staged, copies, counters, blocking_s, started, waited_before)
-        except BaseException as e:
-            self.metrics.failed(e)
-            raise
-        self.metrics.committed(manifest, self._io.rank)
-        if self._coordinator is not None and self._io.rank == 0:
-            self.metrics.schedule(self._coordinator.schedule)
-        return manifest
-
-    def _persist_in_background(
-        self,
-        step: int,
-        staged: Any,
-        copies: Copies | None,
-        counters: dict[str, Any],
-        blocking_s: float,
-        started: float,
-        waited_before: float,
-    ) -> Manifest:
         try:
             try:
                 if copies is not None:
