@@ -24,12 +24,14 @@ __version__ = "0.1.0"
 if TYPE_CHECKING:
     from .checkpointer import Checkpointer
     from .data import ElasticSampler, accumulation_steps
+    from .storage import Transfer
 
 # The names that need torch load on first use, so that `ckpt ls` starts in a blink.
 _LAZY = {
     "Checkpointer": "checkpointer",
     "ElasticSampler": "data",
     "accumulation_steps": "data",
+    "Transfer": "storage",
 }
 
 
@@ -46,6 +48,7 @@ __all__ = [
     "Auto",
     "Every",
     "Keep",
+    "Transfer",
     "ElasticSampler",
     "accumulation_steps",
     "Manifest",

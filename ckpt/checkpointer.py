@@ -38,7 +38,7 @@ from .policy import Auto, Every, Keep
 from .resave import Resaver
 from .restore import restore, start_fresh
 from .stage import Copies, Stager, default_host_budget
-from .storage import Store, redact, step_dir_name
+from .storage import Store, Transfer, redact, step_dir_name
 from .writer_proc import ProcessSink, ThreadSink
 
 log = logging.getLogger(__name__)
@@ -70,6 +70,8 @@ class Checkpointer:
             asked. Time-based choices are made on rank 0 and shared by every rank.
         keep: retention, applied by rank 0 after each commit, in the background.
         storage_options: passed to fsspec (``{"endpoint_url": ...}`` for an S3-compatible store).
+        transfer: how files move to and from an S3 root (``ckpt.Transfer``: part size, parts
+            in flight, read size and readahead, retries and backoff).
         restore: "latest" (default) restores the newest committed checkpoint; "none" starts
             fresh whatever the root holds; a step number restores exactly that step.
         save_on_exit: leaving the block normally takes a final save if the last step is unsaved.
@@ -131,12 +133,13 @@ class Checkpointer:
         metadata: dict[str, Any] | None = None,
         agree_every_s: float = 2.0,
         metrics_port: int | None = None,
+        transfer: Transfer | None = None,
     ) -> None:
         if on_error not in ("raise", "log"):
             raise ValueError(f"on_error must be 'raise' or 'log', not {on_error!r}")
         if not (restore in ("latest", "none") or (isinstance(restore, int) and restore >= 0)):
             raise ValueError(f"restore must be 'latest', 'none' or a step number, not {restore!r}")
-        self.store = Store(root, storage_options)
+        self.store = Store(root, storage_options, transfer)
         self._storage_options = storage_options
         data, loader = data_position(data, dataloader)
         self.state = TrainingState.of(model, optimizer, scheduler, scaler, extra, data, loader)

@@ -232,11 +232,12 @@ class Store:
         # IMPORTANT: a directory that cannot be read is an error, never an empty listing (a
         # local walk omits unreadable directories by default: "no checkpoint", then "debris").
         self._strict: dict[str, Any] = {"on_error": "raise"} if self.is_local else {}
+        self.transfer = transfer or Transfer()
         self._s3: S3Transfers | None = None  # parallel, retried transfers; others use fsspec's files
         if protocol in ("s3", "s3a"):
             from .s3 import S3Transfers
 
-            self._s3 = S3Transfers(self.fs, transfer or Transfer())
+            self._s3 = S3Transfers(self.fs, self.transfer)
 
     def __repr__(self) -> str:
         return f"Store({self.display!r})"

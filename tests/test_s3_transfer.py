@@ -302,6 +302,28 @@ def test_a_reader_told_what_it_will_read_fetches_only_that(proxy, s3_root, s3_op
     assert proxy.ranges[5:] in ([], [f"bytes={9 * MiB}-{11 * MiB - 1}"])
 
 
+def test_the_checkpointers_transfer_settings_reach_its_writer_process(proxy, s3_root, s3_options):
+    """`Checkpointer(transfer=)`: the writer process uploads the data file in parts of the
+    size asked for (5 MiB: a 12 MB file in 3 parts), not the default 64 MiB (one PUT)."""
+    import torch
+
+    import ckpt
+
+    model = torch.nn.Linear(1024, 1024)
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(2, 1024)).sum().backward()
+    opt.step()
+    transfer = ckpt.Transfer(part_size=5 * MiB, concurrency=2)
+    with ckpt.Checkpointer(s3_root, model=model, optimizer=opt, interval=None, save_on_exit=False, restore="none",
+                           storage_options={**s3_options, "endpoint_url": proxy.url}, transfer=transfer) as cp:  # fmt: skip
+        proxy.seen.clear()
+        cp.save(blocking=True)
+        assert cp._sink is not None and type(cp._sink).__name__ == "ProcessSink"
+    size = max(e.size for e in cp.last_commit.files.values())
+    assert 10 * MiB < size <= 15 * MiB
+    assert proxy.seen["part"] == -(-size // (5 * MiB))
+
+
 def test_transient_failures_are_retried_and_the_data_still_round_trips(
     proxy, s3_root, s3_options, caplog
 ):
