@@ -102,9 +102,11 @@ class Hasher:
         self._in_block = 0  # bytes of the current block hashed
 
     def update(self, data: bytes | bytearray | memoryview) -> None:
-        if not self.block:
+        n = len(data)
+        if not self.block or self._in_block + n < self.block:  # most pieces: within a block
             self._h.update(data)
-            self.size += len(data)
+            self.size += n
+            self._in_block += n if self.block else 0
             return
         view = data if isinstance(data, memoryview) else memoryview(data)
         while len(view):
