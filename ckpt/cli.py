@@ -313,6 +313,8 @@ def cmd_show(store: Store, args: argparse.Namespace) -> int:
         f"  save: blocked {m.costs.blocking_s * 1e3:.1f} ms, persisted in {m.costs.persist_s:.2f} s"
     )
     print(f"  counters: {json.dumps(m.counters)}")
+    if m.schedule:
+        print(f"  schedule: {json.dumps(m.schedule)}")
     print(f"  versions: {', '.join(f'{k} {v}' for k, v in m.versions.items())}")
     if m.user:
         print(f"  metadata: {json.dumps(m.user)}")

@@ -244,6 +244,7 @@ def test_show_describes_newest_committed_step_or_the_one_asked_for(root):
     assert newest.rc == first_json.rc == 0, (newest.err, first_json.err)
     assert newest.out.splitlines()[0] == f"{root.url}/{step_dir(3)}"
     assert "step 3, world size 1" in newest.out
+    assert 'schedule: {"policy": "every", "steps": 1, "seconds": null}' in newest.out  # why it was saved
     want = {
         f"model.{k}": (str(v.dtype).removeprefix("torch."), list(v.shape))
         for k, v in model.state_dict().items()
