@@ -219,8 +219,6 @@ class Checkpointer:
                 self._coordinator.learn_history(self.store)
         self.metrics.identify(self._ctrl.rank, self._ctrl.world)
         self.metrics.schedule(self.schedule)
-        if self._metrics_port is not None:
-            self.metrics.serve(self._metrics_port, os.environ.get("CKPT_METRICS_ADDR", "127.0.0.1"))
         if self.restore_mode != "none":
             began = time.perf_counter()
             restored, self._taken = restore(self.store, self._ctrl, self.state, self.restore_mode)
@@ -237,6 +235,8 @@ class Checkpointer:
         if self.handle_sigterm:
             self._install_sigterm()
         self._hooks = [o.register_step_pre_hook(lambda *_: self.wait_for_staging()) for o in self.state.optimizers]
+        if self._metrics_port is not None:  # last: an enter that fails leaves no listener
+            self.metrics.serve(self._metrics_port, os.environ.get("CKPT_METRICS_ADDR", "127.0.0.1"))
         return self
 
     def step_done(self) -> None:

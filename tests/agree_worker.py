@@ -26,14 +26,16 @@ def main() -> None:
     rng = random.Random(rank)
     with ckpt.Checkpointer(root, model=model, optimizer=opt, interval=interval, keep=ckpt.Keep(last=1000),
                            save_on_exit=False, restore="none", agree_every_s=0.1) as cp:  # fmt: skip
+        began = time.monotonic()
         for _ in range(steps):
             time.sleep(step_s if rank == 0 else rng.uniform(0, step_s))
             model(torch.randn(2, 8)).sum().backward()
             opt.step()
             opt.zero_grad()
             cp.step_done()
+        wall_s = time.monotonic() - began
         cp.wait()
-    out.joinpath(f"rank{rank}.json").write_text(json.dumps({"meetings": cp.meetings, "schedule": cp.schedule}))
+    out.joinpath(f"rank{rank}.json").write_text(json.dumps({"meetings": cp.meetings, "schedule": cp.schedule, "wall_s": wall_s}))
     dist.destroy_process_group()
 
 

@@ -79,12 +79,16 @@ def _run(tmp_path: Path, how: str, steps: int, step_s: float) -> tuple[list[dict
 def test_two_ranks_save_by_rank0s_clock_at_the_same_steps_meeting_a_few_times(tmp_path):
     steps = 150
     ranks, manifests = _run(tmp_path, "seconds", steps, 0.01)
-    # every save committed (both ranks wrote the step), about every 0.3 s of ~10 ms steps
+    # every save committed (both ranks wrote the step), 0.3 s or a little more apart
     saved = [m.step for m in manifests]
     assert len(saved) >= 3, saved
-    assert all(10 <= b - a <= 60 for a, b in pairwise(saved)), saved
-    # the ranks met alike, a few times per save and every 0.1 s, not every step
-    assert ranks[0]["meetings"] == ranks[1]["meetings"] <= steps // 3, ranks
+    assert all(b - a >= 3 for a, b in pairwise(saved)), saved
+    assert all(0.2 <= b.created - a.created <= 1.5 for a, b in pairwise(manifests)), [m.created for m in manifests]
+    # the ranks met alike: twice per save (after it, and at the next save's step) and every
+    # 0.1 s of rank 0's time in between, not every step
+    meetings = ranks[0]["meetings"]
+    assert meetings == ranks[1]["meetings"], ranks
+    assert meetings <= min(steps // 2, 2 * len(saved) + ranks[0]["wall_s"] / 0.1 + 6), ranks
 
 
 def test_auto_records_the_interval_as_a_number_of_steps(tmp_path):
