@@ -15,7 +15,6 @@ import concurrent.futures
 import functools
 import logging
 import os
-import signal
 import threading
 import time
 from collections.abc import Callable
@@ -35,6 +34,7 @@ from .events import History
 from .manifest import Manifest
 from .metrics import Metrics, port_from_env
 from .policy import Auto, Every, Keep
+from .preempt import Preemption
 from .resave import Resaver
 from .restore import restore, start_fresh
 from .stage import Copies, Stager, default_host_budget
@@ -80,6 +80,9 @@ class Checkpointer:
             ever restored.
         handle_sigterm: SIGTERM takes a checkpoint and exits: at the next step boundary on one
             rank, at the next meeting (``agree_every_s``) of several.
+        preempt_file: a path (default ``CKPT_PREEMPT_FILE``) whose appearance does what a
+            SIGTERM does, for preemption notices and preStop hooks; a file older than the run
+            is ignored (``ckpt.preempt``).
         preempt_exit_code: the exit status after a SIGTERM checkpoint committed. The default,
             143 (terminated by SIGTERM), tells torchrun and schedulers the job is not done:
             elastic agents restart the survivors, a Kubernetes Job retries. 0 would end it.
@@ -134,6 +137,7 @@ class Checkpointer:
         agree_every_s: float = 2.0,
         metrics_port: int | None = None,
         transfer: Transfer | None = None,
+        preempt_file: str | None = None,
     ) -> None:
         if on_error not in ("raise", "log"):
             raise ValueError(f"on_error must be 'raise' or 'log', not {on_error!r}")
@@ -186,14 +190,13 @@ class Checkpointer:
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._sink: ProcessSink | ThreadSink | None = None
         self._inflight: concurrent.futures.Future[Manifest] | None = None
-        self._preempt = threading.Event()
-        self._prev_handler: Any = None
+        self._preempt = Preemption(preempt_file)
         self._ctrl = self._io = Group(None, 0, 1)
         self._taken: set[int] = set()  # steps whose directories hold a manifest: never written into
         self._deferred = False  # a due save found its step taken; save at the next step
         self._failed_step = -1  # the step of the last save that failed
         # A signal reaches one rank, a clock runs per rank: both need the ranks to meet.
-        needs_meetings = handle_sigterm or isinstance(interval, Auto) or (
+        needs_meetings = handle_sigterm or self._preempt.notice_file is not None or isinstance(interval, Auto) or (
             isinstance(interval, Every) and interval.seconds is not None
         )
         self._agree = Agreement(agree_every_s) if needs_meetings else None
@@ -232,8 +235,7 @@ class Checkpointer:
         self.restart_event = self.history.start(self._step, self.last_commit if self.restored_step is not None else None)
         self._saved_step = self._step
         self._restart_interval()
-        if self.handle_sigterm:
-            self._install_sigterm()
+        self._preempt.start(sigterm=self.handle_sigterm)
         self._hooks = [o.register_step_pre_hook(lambda *_: self.wait_for_staging()) for o in self.state.optimizers]
         if self._metrics_port is not None:  # last: an enter that fails leaves no listener
             self.metrics.serve(self._metrics_port, os.environ.get("CKPT_METRICS_ADDR", "127.0.0.1"))
@@ -250,7 +252,7 @@ class Checkpointer:
         by_step = self._deferred or (
             self.interval is not None and self.interval.due_by_step(self._step, self._interval_anchor)
         )
-        preempt, by_time, now = self._preempt.is_set(), False, time.monotonic()
+        preempt, by_time, now = self._preempt.asked(), False, time.monotonic()
         if self._agree is not None and self._ctrl.rank == 0:
             self._agree.tick(now)
         if self._ctrl.world > 1 and self._agree is not None:
@@ -407,8 +409,8 @@ class Checkpointer:
             self.history.flush()
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        if exc_type is None or (exc_type is SystemExit and self._preempt.is_set()):
-            how, failure = ("preempted (SIGTERM)" if self._preempt.is_set() else "exited"), False
+        if exc_type is None or (exc_type is SystemExit and self._preempt.why):
+            how, failure = (f"preempted ({self._preempt.why})" if self._preempt.why else "exited"), False
         else:
             how, failure = f"error: {exc_type.__name__}: {_first_line(exc)}", True
         try:
@@ -425,7 +427,7 @@ class Checkpointer:
             for hook in self._hooks:
                 hook.remove()
             self.history.end(self._step, how, failure)
-            self._uninstall_sigterm()
+            self._preempt.stop()
             if self._pool is not None:
                 self._pool.shutdown(wait=True)
             if self._sink is not None:
@@ -569,19 +571,9 @@ class Checkpointer:
             log.warning("retention skipped: %s", e)
 
     # -- preemption ---------------------------------------------------------------------------
-    def _install_sigterm(self) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            log.warning("not in the main thread: SIGTERM will not trigger a checkpoint")
-            return
-        self._prev_handler = signal.signal(signal.SIGTERM, lambda *_: self._preempt.set())
-
-    def _uninstall_sigterm(self) -> None:
-        if self._prev_handler is not None:
-            signal.signal(signal.SIGTERM, self._prev_handler)
-            self._prev_handler = None
-
     def _exit_for_preemption(self) -> None:
-        log.warning("preempted (SIGTERM): checkpointing step %d before exiting", self._step)
+        self._preempt.ask("asked on another rank")  # the meeting told this rank
+        log.warning("preempted (%s): checkpointing step %d before exiting", self._preempt.why, self._step)
         self.save(blocking=True)
         if self.last_commit is None or self.last_commit.step != self._step:
             # The save could not happen here (the step's directory holds an older checkpoint):

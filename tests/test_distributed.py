@@ -172,6 +172,39 @@ def test_sigterm_to_one_rank_checkpoints_all_ranks_at_the_same_step_and_exits_14
 
 
 # -- 5. failed background saves (one process: nothing distributed is claimed) ------------------
+def test_a_preemption_notice_file_checkpoints_all_ranks_and_a_stale_one_is_ignored(tmp_path, monkeypatch):
+    """`CKPT_PREEMPT_FILE`: creating the file does what a SIGTERM does, on every rank at the
+    same step; the restarted job, which finds the same file there, runs to the end."""
+    root, notice = tmp_path / "root", tmp_path / "preempt-notice"
+    common = ("--mode", "plain", "--root", str(root), "--steps", "20", "--every", "4")
+    env = {"CKPT_PREEMPT_FILE": str(notice)}
+    procs = start(RANKS, WORKER, *common, "--step-sleep", "0.2", "--out", str(tmp_path / "stopped"), env=env, log_dir=tmp_path)
+    try:
+        deadline = time.monotonic() + 120
+        while not (root / "step-0000000004" / "manifest.json").exists():
+            assert all(p.poll() is None for p in procs), f"a rank exited early\n{rank_logs(tmp_path)}"
+            assert time.monotonic() < deadline, f"no checkpoint at step 4\n{rank_logs(tmp_path)}"
+            time.sleep(0.05)
+        notice.touch()
+        codes = wait(procs, timeout=60)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert codes == [143] * RANKS, f"exit codes {codes}\n{rank_logs(tmp_path)}"
+    stopped = dumps(tmp_path / "stopped")
+    stop = stopped[0]["step"]
+    assert [d["step"] for d in stopped] == [stop] * RANKS and 4 < stop < 20
+    assert committed_steps(root)[-1] == stop
+    assert f"preempted (notice file {notice})" in rank_logs(tmp_path)
+
+    monkeypatch.setenv("CKPT_PREEMPT_FILE", str(notice))  # the notice is still there
+    train(tmp_path, *common, "--out", tmp_path / "rerun")
+    rerun = dumps(tmp_path / "rerun")
+    assert [d["restored_step"] for d in rerun] == [stop] * RANKS
+    assert [d["step"] for d in rerun] == [20] * RANKS and not any(d["preempted"] for d in rerun)
+
+
 def break_root(root: Path) -> None:
     """Put a regular file where the root directory was: no step directory can be made under
     it (works as root too, which ignores permission bits)."""

@@ -1,0 +1,77 @@
+"""What asks a rank to checkpoint and stop: a SIGTERM, or a preemption notice file.
+
+A scheduler's SIGTERM reaches the process. A notice file serves the rest: a cloud's
+preemption notice or a Kubernetes preStop hook only has to create it (`touch`), and every
+rank that watches the path (`Checkpointer(preempt_file=)` or `CKPT_PREEMPT_FILE`) stops at
+its next step boundary, after a checkpoint. A notice already there when the run starts is not
+for it (it stopped the run before), so a restart does not stop again at once; touching it
+again, or creating it anew, is.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+# A notice file is looked for at most this often: a stat per step can be slow on a network
+# filesystem, and a preemption gives tens of seconds.
+CHECK_EVERY_S = 0.5
+
+
+class Preemption:
+    """Set once something asked this rank to stop; `why` says what."""
+
+    def __init__(self, notice_file: str | None = None) -> None:
+        self.notice_file = notice_file if notice_file is not None else (os.environ.get("CKPT_PREEMPT_FILE") or None)
+        self.why = ""
+        self._asked = threading.Event()
+        self._stale: float | None = None  # the mtime of a notice that predates the run
+        self._next_check = 0.0
+        self._prev_handler: Any = None
+
+    def start(self, sigterm: bool) -> None:
+        """From now on: a notice counts unless it is the one already there; with `sigterm`,
+        SIGTERM asks too."""
+        self._stale = self._mtime()
+        if not sigterm:
+            return
+        if threading.current_thread() is not threading.main_thread():
+            log.warning("not in the main thread: SIGTERM will not trigger a checkpoint")
+            return
+        self._prev_handler = signal.signal(signal.SIGTERM, lambda *_: self.ask("SIGTERM"))
+
+    def stop(self) -> None:
+        if self._prev_handler is not None:
+            signal.signal(signal.SIGTERM, self._prev_handler)
+            self._prev_handler = None
+
+    def ask(self, why: str) -> None:
+        if not self._asked.is_set():
+            self.why = why
+            self._asked.set()
+
+    def asked(self) -> bool:
+        """Whether to stop: asked already, or a notice file appeared (checked now and then)."""
+        if self._asked.is_set():
+            return True
+        if self.notice_file is not None and (now := time.monotonic()) >= self._next_check:
+            self._next_check = now + CHECK_EVERY_S
+            mtime = self._mtime()
+            if mtime is not None and mtime != self._stale:
+                self.ask(f"notice file {self.notice_file}")
+                return True
+        return False
+
+    def _mtime(self) -> float | None:
+        if self.notice_file is None:
+            return None
+        try:
+            return os.stat(self.notice_file).st_mtime_ns / 1e9
+        except OSError:
+            return None
