@@ -46,6 +46,7 @@ from .writer_proc import Segment
 DATA_SUFFIX = ".distcp"
 _ALIGN_FROM = 256 << 10  # tensors this large start on a page of the file
 _ZEROS = bytes(PAGE)
+_JOIN_UP_TO = 4 << 10  # adjacent literal pieces are joined up to this many bytes
 
 
 class Sink(Protocol):
@@ -195,7 +196,13 @@ class FileLayout:
     def add(self, parts: list[Piece]) -> tuple[int, int]:
         offset = self.size
         for p in parts:
-            self.pieces.append(p)
+            last = self.pieces[-1] if self.pieces else None
+            if isinstance(p, bytes) and isinstance(last, bytes) and len(last) + len(p) <= _JOIN_UP_TO:
+                # One trailer and the next header: the writer handles pieces one by one, and a
+                # state of many small tensors is mostly these.
+                self.pieces[-1] = last + p
+            else:
+                self.pieces.append(p)
             self.size += piece_len(p)
         return offset, self.size - offset
 
