@@ -781,7 +781,7 @@ class Ckpt(Peer):
             optimizer=self.ctx.opt,
             interval=None,
             save_on_exit=False,
-            handle_sigterm=False,  # no per-step agreement collective: the same loop as the others
+            handle_sigterm=False,  # the loop's own signals stay as the other peers have them
             keep=ckpt.Keep(last=1000),  # no retention while timing: no other peer deletes either
             restore="none",
         )

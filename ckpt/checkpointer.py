@@ -195,11 +195,10 @@ class Checkpointer:
         self._taken: set[int] = set()  # steps whose directories hold a manifest: never written into
         self._deferred = False  # a due save found its step taken; save at the next step
         self._failed_step = -1  # the step of the last save that failed
-        # A signal reaches one rank, a clock runs per rank: both need the ranks to meet.
-        needs_meetings = handle_sigterm or self._preempt.notice_file is not None or isinstance(interval, Auto) or (
-            isinstance(interval, Every) and interval.seconds is not None
-        )
-        self._agree = Agreement(agree_every_s) if needs_meetings else None
+        # A signal reaches one rank, a clock runs per rank: the ranks meet now and then to
+        # share them. Always, whatever this rank's settings say: whether to meet must never
+        # depend on something that could differ between ranks (an environment variable).
+        self._agree = Agreement(agree_every_s)
         #: This rank's Prometheus metrics (``cp.metrics.registry``), served with ``metrics_port``.
         self.metrics = Metrics()
         self._metrics_port = port_from_env(metrics_port)
@@ -237,8 +236,11 @@ class Checkpointer:
         self._restart_interval()
         self._preempt.start(sigterm=self.handle_sigterm)
         self._hooks = [o.register_step_pre_hook(lambda *_: self.wait_for_staging()) for o in self.state.optimizers]
-        if self._metrics_port is not None:  # last: an enter that fails leaves no listener
-            self.metrics.serve(self._metrics_port, os.environ.get("CKPT_METRICS_ADDR", "127.0.0.1"))
+        if self._metrics_port is not None:
+            try:
+                self.metrics.serve(self._metrics_port, os.environ.get("CKPT_METRICS_ADDR", "127.0.0.1"))
+            except OSError as e:  # a port taken must not stop training (nor this rank alone)
+                log.warning("metrics not served on port %d: %s", self._metrics_port, e)
         return self
 
     def step_done(self) -> None:
@@ -253,9 +255,9 @@ class Checkpointer:
             self.interval is not None and self.interval.due_by_step(self._step, self._interval_anchor)
         )
         preempt, by_time, now = self._preempt.asked(), False, time.monotonic()
-        if self._agree is not None and self._ctrl.rank == 0:
+        if self._ctrl.rank == 0:
             self._agree.tick(now)
-        if self._ctrl.world > 1 and self._agree is not None:
+        if self._ctrl.world > 1:
             # Every rank must save at the same step: rank 0's clock and any rank's signal or
             # failure are shared at meetings on steps known to all (ckpt.agreement).
             if self._agree.meets(self._step):
@@ -292,7 +294,7 @@ class Checkpointer:
     @property
     def meetings(self) -> int:
         """How many times the ranks met at a step boundary to agree (``agree_every_s``)."""
-        return self._agree.meetings if self._agree is not None else 0
+        return self._agree.meetings
 
     def _interval_s(self) -> float | None:
         """Seconds between saves by the clock: the coordinator's, or Every(seconds=)'s."""
@@ -303,8 +305,7 @@ class Checkpointer:
     def _restart_interval(self) -> None:
         """A save was taken (or skipped) at this step, on every rank alike."""
         self._interval_anchor, self._last_save_time = self._step, time.monotonic()
-        if self._agree is not None:
-            self._agree.replan(self._step)
+        self._agree.replan(self._step)
 
     def _busy_somewhere(self) -> bool:
         """Is the previous save still writing on any rank? Asked of all ranks together, since
@@ -342,13 +343,13 @@ class Checkpointer:
         assert self._pool is not None, "use the Checkpointer as a context manager"
         # The wait for the previous save's slot was blocking too: counted as if a staging wait.
         waited_before = self.staging_wait_s - (started - waiting)
+        self.metrics.staged(blocking_s)  # before the save can end (in flight: 1, then 0)
         self._inflight = self._pool.submit(
             self._counted,
             functools.partial(self._save_in_background, self._step, staged, copies, counters, blocking_s, started, waited_before),
         )
         self._saved_step = self._step
         self._restart_interval()
-        self.metrics.staged(blocking_s)
         log.debug("step %d staged in %.1f ms", self._step, blocking_s * 1e3)
         if blocking:
             self.wait()
@@ -446,14 +447,19 @@ class Checkpointer:
         """Leaving normally: the last step ends committed if it can be. A save of it that
         failed (on any rank: all must agree) is tried once more."""
         if self._saved_step == self._step:
+            error: Exception | None = None
             try:
                 self.wait()
-            except CheckpointError:
-                pass  # logged; tried again below
+            except Exception as e:  # IMPORTANT: every rank reaches the max below, whatever failed
+                error = e
             if not self._ctrl.max([int(self._failed_step == self._step)])[0]:
+                if error is not None:
+                    raise error
                 return
             log.warning("the save of step %d failed; trying it once more before leaving", self._step)
             self._saved_step = -1
+            # A failed collective can leave the writers' group unusable: every rank is here.
+            self._io = Group.new(self.timeout_s) if self._io.pg is not None else self._io
         self.save(blocking=True)
 
     # -- background ---------------------------------------------------------------------------
@@ -527,8 +533,7 @@ class Checkpointer:
                 # stays busy until retention and history are done too, not just the commit.
                 blocked = manifest.costs.blocking_s + self.staging_wait_s - waited_before
                 busy = time.perf_counter() - started
-                step_s = self._agree.step_s if self._agree is not None else None
-                self._coordinator.retune(blocked, busy, self.history.record.started, step_s)
+                self._coordinator.retune(blocked, busy, self.history.record.started, self._agree.step_s)
         return manifest
 
     @property

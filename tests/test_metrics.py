@@ -108,6 +108,22 @@ def test_auto_interval_decisions_are_gauges(tmp_path: Path, caplog):
     assert f"= {schedule['steps']} steps of" in caplog.text
 
 
+def test_a_port_taken_costs_the_metrics_endpoint_not_the_training(tmp_path, caplog):
+    import socket
+
+    caplog.set_level(logging.WARNING, logger="ckpt")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        model, opt = job()
+        with ckpt.Checkpointer(tmp_path, model=model, optimizer=opt, interval=ckpt.Every(steps=1), metrics_port=port) as cp:
+            train(cp, model, opt, 2)
+        assert cp.metrics.address is None
+    assert f"metrics not served on port {port}" in caplog.text
+    assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-0000000001", "step-0000000002"]
+
+
 def test_each_local_rank_serves_on_its_own_port(monkeypatch):
     monkeypatch.delenv("CKPT_METRICS_PORT", raising=False)
     monkeypatch.setenv("LOCAL_RANK", "3")
