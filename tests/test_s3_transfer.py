@@ -297,9 +297,11 @@ def test_a_reader_told_what_it_will_read_fetches_only_that(proxy, s3_root, s3_op
         assert proxy.ranges == [f"bytes=0-{MiB - 1}", f"bytes={15 * MiB}-{16 * MiB - 1}"]
         f.seek(3 * MiB)  # where the hint did not say: still served, then read ahead as usual
         assert f.read(10) == data[3 * MiB : 3 * MiB + 10]
-    # from 3 MiB on, 2 MiB ranges: one read, 3 ahead (one of them may still be in flight)
-    assert proxy.ranges[2:5] == [f"bytes={a * MiB}-{(a + 2) * MiB - 1}" for a in (3, 5, 7)]
-    assert proxy.ranges[5:] in ([], [f"bytes={9 * MiB}-{11 * MiB - 1}"])
+    # from 3 MiB on, plain 2 MiB ranges read ahead, in whatever order they reach the proxy
+    # (those still unsent when the reader closed are never sent)
+    after = set(proxy.ranges[2:])
+    want = {f"bytes={a * MiB}-{(a + 2) * MiB - 1}" for a in (3, 5, 7, 9)}
+    assert len(after) == len(proxy.ranges[2:]) and f"bytes={3 * MiB}-{5 * MiB - 1}" in after and after <= want
 
 
 def test_the_checkpointers_transfer_settings_reach_its_writer_process(proxy, s3_root, s3_options):
