@@ -294,7 +294,7 @@ def test_a_reader_told_what_it_will_read_fetches_only_that(proxy, s3_root, s3_op
         assert f.read(MiB) == data[:MiB]
         f.seek(15 * MiB)
         assert f.read(MiB) == data[15 * MiB : 16 * MiB]
-        assert proxy.ranges == [f"bytes=0-{MiB - 1}", f"bytes={15 * MiB}-{16 * MiB - 1}"]
+        assert sorted(proxy.ranges) == [f"bytes=0-{MiB - 1}", f"bytes={15 * MiB}-{16 * MiB - 1}"]  # sent together
         f.seek(3 * MiB)  # where the hint did not say: still served, then read ahead as usual
         assert f.read(10) == data[3 * MiB : 3 * MiB + 10]
     # from 3 MiB on, plain 2 MiB ranges read ahead, in whatever order they reach the proxy
