@@ -11,6 +11,7 @@ import logging
 import os
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -135,23 +136,28 @@ def test_fsdp2_resume_from_s3_after_restart_is_bitwise_identical(s3_root, s3_end
 
 
 # -- 4. preemption ------------------------------------------------------------------------------
-def test_sigterm_to_one_rank_checkpoints_all_ranks_at_the_same_step_and_exits_143(tmp_path, straight_run):
-    root = tmp_path / "root"
-    common = ("--mode", "fsdp2", "--root", str(root), "--steps", "20", "--every", "4")
-    procs = start(RANKS, WORKER, *common, "--step-sleep", "0.3", "--out", str(tmp_path / "stopped"), log_dir=tmp_path)
+def stop_after_step_4(procs: list, root: Path, log_dir: Path, ask: Callable[[], object]) -> list[int]:
+    """Once step 4 is committed, `ask` the job to stop; its ranks' exit codes."""
     try:
-        first = root / "step-0000000004" / "manifest.json"
         deadline = time.monotonic() + 120
-        while not first.exists():
-            assert all(p.poll() is None for p in procs), f"a rank exited early\n{rank_logs(tmp_path)}"
-            assert time.monotonic() < deadline, f"no checkpoint at step 4\n{rank_logs(tmp_path)}"
+        while not (root / "step-0000000004" / "manifest.json").exists():
+            assert all(p.poll() is None for p in procs), f"a rank exited early\n{rank_logs(log_dir)}"
+            assert time.monotonic() < deadline, f"no checkpoint at step 4\n{rank_logs(log_dir)}"
             time.sleep(0.05)
-        procs[1].send_signal(signal.SIGTERM)  # rank 1 only: rank 0 must learn of it
-        codes = wait(procs, timeout=60)
+        ask()
+        return wait(procs, timeout=60)
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
+
+
+def test_sigterm_to_one_rank_checkpoints_all_ranks_at_the_same_step_and_exits_143(tmp_path, straight_run):
+    root = tmp_path / "root"
+    common = ("--mode", "fsdp2", "--root", str(root), "--steps", "20", "--every", "4")
+    procs = start(RANKS, WORKER, *common, "--step-sleep", "0.3", "--out", str(tmp_path / "stopped"), log_dir=tmp_path)
+    # rank 1 only: rank 0 must learn of it
+    codes = stop_after_step_4(procs, root, tmp_path, lambda: procs[1].send_signal(signal.SIGTERM))
     # 143, "terminated by SIGTERM": the job is not done, so torchrun and schedulers restart it
     assert codes == [143] * RANKS, f"exit codes {codes}\n{rank_logs(tmp_path)}"
 
@@ -179,18 +185,7 @@ def test_a_preemption_notice_file_checkpoints_all_ranks_and_a_stale_one_is_ignor
     common = ("--mode", "plain", "--root", str(root), "--steps", "20", "--every", "4")
     env = {"CKPT_PREEMPT_FILE": str(notice)}
     procs = start(RANKS, WORKER, *common, "--step-sleep", "0.2", "--out", str(tmp_path / "stopped"), env=env, log_dir=tmp_path)
-    try:
-        deadline = time.monotonic() + 120
-        while not (root / "step-0000000004" / "manifest.json").exists():
-            assert all(p.poll() is None for p in procs), f"a rank exited early\n{rank_logs(tmp_path)}"
-            assert time.monotonic() < deadline, f"no checkpoint at step 4\n{rank_logs(tmp_path)}"
-            time.sleep(0.05)
-        notice.touch()
-        codes = wait(procs, timeout=60)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+    codes = stop_after_step_4(procs, root, tmp_path, notice.touch)
     assert codes == [143] * RANKS, f"exit codes {codes}\n{rank_logs(tmp_path)}"
     stopped = dumps(tmp_path / "stopped")
     stop = stopped[0]["step"]
