@@ -100,7 +100,7 @@ class VerifyingReader:
         self._partial = partial and entry.block > 0 and f.seekable()
         self._ahead = b""  # read and hashed, not consumed yet (peek)
         self._scratch = memoryview(b"")
-        self.read_bytes = 0  # bytes read from the file (blocks left unread are not)
+        self._unread = 0  # bytes of whole blocks seeked past
 
     @classmethod
     @contextlib.contextmanager
@@ -113,13 +113,17 @@ class VerifyingReader:
         with store.open_read(f"{step_dir}/{name}", ranges) as f:
             yield cls(f, where, entry, partial=items is not None)
 
+    @property
+    def read_bytes(self) -> int:
+        """Bytes read from the file: all that was hashed, less the blocks seeked past."""
+        return self._hasher.size - self._unread
+
     def peek(self, n: int) -> bytes:
         """Up to `n` next bytes (fewer only where the file ends), without consuming them."""
         while len(self._ahead) < n:
             more = self._f.read(n - len(self._ahead))
             if not more:
                 break
-            self.read_bytes += len(more)
             self._hasher.update(more)
             self._ahead += more
         return self._ahead[:n]
@@ -133,7 +137,6 @@ class VerifyingReader:
             more = self._f.read(min(n - have, READ_CHUNK))
             if not more:
                 self._short()
-            self.read_bytes += len(more)
             self._hasher.update(more)
             parts.append(more)
             have += len(more)
@@ -152,7 +155,6 @@ class VerifyingReader:
             got = self._f.readinto(piece)
             if not got:
                 self._short()
-            self.read_bytes += got
             self._hasher.update(piece[:got])
             self.pos += got
             done += got
@@ -198,6 +200,7 @@ class VerifyingReader:
             self._f.seek(at + whole * block)
             self._hasher.jump(at // block + whole)
             self.pos += whole * block
+            self._unread += whole * block
         return n - whole * block
 
     def _to_block_end(self) -> int:
@@ -225,7 +228,6 @@ class VerifyingReader:
         if not self._scratch:
             self._scratch = memoryview(bytearray(READ_CHUNK))
         got = self._f.readinto(self._scratch[: min(n, READ_CHUNK)]) or 0
-        self.read_bytes += got
         self._hasher.update(self._scratch[:got])
         self.pos += got
         return got

@@ -275,9 +275,7 @@ class Checkpointer:
             failed = self._ctrl.world == 1 and failed
         due = by_step or by_time
         if failed:
-            # A failed collective can leave the writers' group unusable (gloo closes its pairs
-            # on a timeout): every rank is here at this step, so replace it together.
-            self._io = Group.new(self.timeout_s) if self._io.pg is not None else self._io
+            self._renew_io_group()
             self.wait()  # raises SaveFailed (or logs it) on every rank
         if preempt:
             self._exit_for_preemption()
@@ -306,6 +304,11 @@ class Checkpointer:
         """A save was taken (or skipped) at this step, on every rank alike."""
         self._interval_anchor, self._last_save_time = self._step, time.monotonic()
         self._agree.replan(self._step)
+
+    def _renew_io_group(self) -> None:
+        """After a failed save, on every rank at the same step: a failed collective can leave
+        the writers' group unusable (gloo closes its pairs on a timeout), so replace it together."""
+        self._io = Group.new(self.timeout_s) if self._io.pg is not None else self._io
 
     def _busy_somewhere(self) -> bool:
         """Is the previous save still writing on any rank? Asked of all ranks together, since
@@ -458,8 +461,7 @@ class Checkpointer:
                 return
             log.warning("the save of step %d failed; trying it once more before leaving", self._step)
             self._saved_step = -1
-            # A failed collective can leave the writers' group unusable: every rank is here.
-            self._io = Group.new(self.timeout_s) if self._io.pg is not None else self._io
+            self._renew_io_group()
         self.save(blocking=True)
 
     # -- background ---------------------------------------------------------------------------
