@@ -5,7 +5,9 @@ rank <rank> reaches <point> while saving step <step>; `*` matches any rank or st
 `<point>:<rank>:<step>:sleep=<seconds>` stalls there instead (a slow store).
 Points: `write_item` (between two items of a data file), `writer_process` (in the writer
 process, before it writes a data file), `before_manifest` (all data files and `.metadata`
-durable, the manifest not yet written), `after_manifest`. Unset in production: one dict lookup.
+durable, the manifest not yet written), `after_manifest`; with a node agent, `after_handoff`
+(this rank's files handed off to the agent) and, in the agent, `agent_upload` (a chunk of a
+rank's file written to the root, the upload not complete). Unset in production: one dict lookup.
 """
 
 from __future__ import annotations

@@ -31,6 +31,7 @@ from .coordinator import Coordinator
 from .data import data_position
 from .errors import CheckpointError, SaveFailed, dcp_causes
 from .events import History
+from .handoff import Handoff
 from .manifest import Manifest
 from .metrics import Metrics, port_from_env
 from .policy import Auto, Every, Keep
@@ -108,6 +109,13 @@ class Checkpointer:
         metrics_port: serve this rank's Prometheus metrics (``cp.metrics``) on this port plus
             its local rank, on loopback (``CKPT_METRICS_ADDR`` to change); default
             ``CKPT_METRICS_PORT``, else not served. See ``ckpt.metrics``.
+        spool: the node spool of a ``ckpt agent`` (default ``CKPT_SPOOL``). With a live agent
+            there, a save writes this rank's files to the spool and hands them off: the agent
+            uploads them and the checkpoint commits when every rank's files are durable, even
+            if this process dies meanwhile; ``last_commit`` is then the last save handed off,
+            and leaving the block waits (up to ``timeout_s``) for its commit. A restart on the
+            node reads the files the spool still holds from there. The agent's SIGTERM or
+            notice asks for a checkpoint as a SIGTERM does. See ``ckpt.handoff``.
     """
 
     def __init__(
@@ -138,6 +146,7 @@ class Checkpointer:
         metrics_port: int | None = None,
         transfer: Transfer | None = None,
         preempt_file: str | None = None,
+        spool: str | None = None,
     ) -> None:
         if on_error not in ("raise", "log"):
             raise ValueError(f"on_error must be 'raise' or 'log', not {on_error!r}")
@@ -188,9 +197,11 @@ class Checkpointer:
         self.staging_wait_s = 0.0
         self.history = History(self.store, 1, enabled=False)  # the real one starts on enter
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
-        self._sink: ProcessSink | ThreadSink | None = None
+        self._sinks: dict[str, ProcessSink | ThreadSink] = {}  # by the store's URL
         self._inflight: concurrent.futures.Future[Manifest] | None = None
         self._preempt = Preemption(preempt_file)
+        self._spool = spool
+        self._handoff: Handoff | None = None  # the node agent's link, found on enter
         self._ctrl = self._io = Group(None, 0, 1)
         self._taken: set[int] = set()  # steps whose directories hold a manifest: never written into
         self._deferred = False  # a due save found its step taken; save at the next step
@@ -221,12 +232,13 @@ class Checkpointer:
                 self._coordinator.learn_history(self.store)
         self.metrics.identify(self._ctrl.rank, self._ctrl.world)
         self.metrics.schedule(self.schedule)
+        self._handoff = self._link_agent()
         if self.restore_mode != "none":
             began = time.perf_counter()
-            restored, self._taken = restore(self.store, self._ctrl, self.state, self.restore_mode)
+            restored, self._taken = restore(self.store, self._ctrl, self.state, self.restore_mode, self._handoff)
             if restored is not None:
                 self._step = self.restored_step = restored.step
-                self.metrics.restored(time.perf_counter() - began, restored.read_bytes, restored.manifest)
+                self.metrics.restored(time.perf_counter() - began, restored.read_bytes, restored.manifest, restored.source)
                 self.counters, self.last_commit = restored.counters, restored.manifest
         else:
             self._taken = start_fresh(self.store, self._ctrl)
@@ -293,6 +305,24 @@ class Checkpointer:
     def meetings(self) -> int:
         """How many times the ranks met at a step boundary to agree (``agree_every_s``)."""
         return self._agree.meetings
+
+    def _link_agent(self) -> Handoff | None:
+        """The node agent, if one serves this rank's spool. If any rank has one, all ranks
+        commit its way (the last rank durable commits); ranks without write to the root."""
+        handoff = Handoff.find(self._spool, self.store, self._io.rank, self._storage_options)
+        if self._ctrl.max([int(handoff is not None)])[0] and handoff is None:
+            handoff = Handoff(self.store, None, self._io.rank)
+        if handoff is not None and handoff.spool is not None:
+            self._preempt.watch(handoff.spool.notice_file)
+            self.metrics.publish(handoff.spool.metrics_path(handoff.job, self._io.rank), before=self._learn_commits)
+            handoff.wait_idle(self.timeout_s)  # a save of this job still uploading: let it commit first
+        return handoff
+
+    def _learn_commits(self, timeout_s: float = 0.0) -> None:
+        """The saves handed off to the node agent that are committed now."""
+        if self._handoff is not None:
+            for manifest in self._handoff.committed(timeout_s):
+                self.metrics.agent_committed(manifest, time.time() - manifest.created + manifest.costs.persist_s)
 
     def _interval_s(self) -> float | None:
         """Seconds between saves by the clock: the coordinator's, or Every(seconds=)'s."""
@@ -427,6 +457,10 @@ class Checkpointer:
                     self.wait()
                 except CheckpointError as e:  # keep the loop's own exception the one raised
                     log.error("while leaving after %s: %s", exc_type.__name__, e)
+            if self._handoff is not None and exc_type in (None, SystemExit):
+                self._learn_commits(self.timeout_s)  # the last save committed by the agent, if it can be
+                if self._handoff.pending:
+                    log.error("steps %s were handed off to the node agent but are not committed yet", self._handoff.pending)
         finally:
             for hook in self._hooks:
                 hook.remove()
@@ -434,9 +468,9 @@ class Checkpointer:
             self._preempt.stop()
             if self._pool is not None:
                 self._pool.shutdown(wait=True)
-            if self._sink is not None:
-                self._sink.close()
-                self._sink = None
+            for sink in self._sinks.values():
+                sink.close()
+            self._sinks.clear()
             # The groups are not destroyed here: a peer may still be reading the last message
             # of a collective, and gloo aborts that peer if the socket closes under it.
             # `dist.destroy_process_group()` frees them with the rest, as long as nothing else
@@ -472,7 +506,11 @@ class Checkpointer:
         except BaseException as e:
             self.metrics.failed(e)
             raise
-        self.metrics.committed(manifest, self._io.rank)
+        if self._handoff is None:
+            self.metrics.committed(manifest, self._io.rank)
+        else:
+            self.metrics.handed_off(manifest, self._io.rank)
+            self._learn_commits()
         if self._coordinator is not None and self._io.rank == 0:
             self.metrics.schedule(self._coordinator.schedule)
         return manifest
@@ -494,16 +532,13 @@ class Checkpointer:
                     copies.run()
             finally:
                 self._staged.set()
-            if copies is None:
-                sink, arenas = ThreadSink(self.store), []
-            else:
-                sink, arenas = self._writer(), self._stager.arenas
+            arenas = [] if copies is None else self._stager.arenas
             manifest = persist(
                 self.store,
                 self._io,
                 step,
                 staged,
-                sink=sink,
+                sinks=ThreadSink if copies is None else self._writer,
                 arenas=arenas,
                 resaver=self._resaver,
                 counters=counters,
@@ -511,6 +546,8 @@ class Checkpointer:
                 schedule=self.schedule,
                 blocking_s=blocking_s,
                 started=started,
+                handoff=self._handoff,
+                need=self._stager.bytes_staged,
             )
         except SaveFailed:
             raise
@@ -520,7 +557,8 @@ class Checkpointer:
             raise SaveFailed(f"save of step {step} to {self.store.display} failed: {e}") from e
         if self._io.rank == 0:
             log.info(
-                "committed %s/%s (%.1f MB, blocked %.0f ms, persisted in %.2f s)",
+                "%s %s/%s (%.1f MB, blocked %.0f ms, persisted in %.2f s)",
+                "committed" if self._handoff is None else "handed off to the node agent",
                 self.store.display,
                 step_dir_name(step),
                 manifest.costs.bytes / 1e6,
@@ -549,21 +587,24 @@ class Checkpointer:
             return {"policy": "every", "steps": self.interval.steps, "seconds": self.interval.seconds}
         return {"policy": "auto" if isinstance(self.interval, Auto) else "none"}
 
-    def _writer(self) -> ProcessSink | ThreadSink:
-        """The writer process, started on the first save and again if it died."""
-        if isinstance(self._sink, ProcessSink) and not self._sink.alive:
-            self._sink.close()
-            self._sink = None
-        if self._sink is None:
+    def _writer(self, store: Store) -> ProcessSink | ThreadSink:
+        """The writer process for `store` (the root, or the node spool), started on the first
+        save there and again if it died."""
+        sink = self._sinks.get(store.url)
+        if isinstance(sink, ProcessSink) and not sink.alive:
+            sink.close()
+            sink = None
+        if sink is None:
             mode = os.environ.get("CKPT_WRITER", "process")
             if mode == "process" and self._stager.arena.shareable:
                 try:
-                    self._sink = ProcessSink(self.store, self._storage_options, self.timeout_s)
+                    sink = ProcessSink(store, self._storage_options if store is self.store else None, self.timeout_s)
                 except Exception as e:  # unpicklable storage options, no fork, a store the child cannot open
                     log.warning("cannot start the writer process (%s): writing in a thread of the trainer", redact(str(e)))
-            if self._sink is None:
-                self._sink = ThreadSink(self.store)
-        return self._sink
+            if sink is None:
+                sink = ThreadSink(store)
+            self._sinks[store.url] = sink
+        return sink
 
     def _apply_retention(self, just_committed: int) -> None:
         try:

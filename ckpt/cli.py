@@ -25,6 +25,11 @@ EXIT_OK, EXIT_INVALID, EXIT_USAGE = 0, 1, 2
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["agent"]:  # the node daemon: its own flags, environment and config file
+        from .agent import main as agent_main
+
+        return agent_main(argv[1:])
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING, format="%(message)s")
     try:
@@ -67,6 +72,7 @@ def _parser() -> argparse.ArgumentParser:
     common.add_argument("-v", "--verbose", action="store_true")
     sub = p.add_subparsers(required=True, metavar="COMMAND")
 
+    sub.add_parser("agent", help="run the node daemon: uploads, spool, metrics (ckpt agent --help)", add_help=False)
     ls = sub.add_parser("ls", parents=[common], help="list checkpoints")
     ls.add_argument("--json", action="store_true")
     ls.set_defaults(func=cmd_ls)

@@ -4,6 +4,10 @@ The protocol: rank 0 claims a fresh step directory; every rank writes its DCP fi
 before `dcp.save` returns) and rank 0 writes `.metadata`; rank 0 gathers every rank's file
 sizes and checksums and writes `manifest.json` last, which is the commit. Anything that stops
 before the manifest leaves an incomplete directory that restore never picks.
+
+With a node agent (`ckpt.handoff`), the files go to the node spool instead and rank 0 only
+drafts the manifest: each rank hands its files off with the draft, and the manifest is
+written by whoever makes the last rank durable in the root (`ckpt.spool`).
 """
 
 from __future__ import annotations
@@ -13,8 +17,9 @@ import logging
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -28,6 +33,9 @@ from .errors import CheckpointError, SaveFailed
 from .manifest import MANIFEST_NAME, METADATA_NAME, FileEntry, Manifest, SaveCosts
 from .resave import Layout, Resaver
 from .storage import Store, step_dir_name
+
+if TYPE_CHECKING:
+    from .handoff import Handoff
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +103,7 @@ def persist(
     step: int,
     staged: dict[str, Any],
     *,
-    sink: Sink,
+    sinks: Callable[[Store], Sink],
     arenas: list[Arena],
     resaver: Resaver,
     counters: dict[str, Any],
@@ -103,19 +111,24 @@ def persist(
     schedule: dict[str, Any] | None = None,
     blocking_s: float,
     started: float,
+    handoff: Handoff | None = None,
+    need: int = 0,
 ) -> Manifest:
-    """Write and commit `staged` as step `step`. Returns the manifest on every rank."""
+    """Write and commit `staged` as step `step` (`sinks` writes files to a store). Returns
+    the manifest on every rank: committed, or with `handoff` handed off for the commit."""
     rel = step_dir_name(step)
+    began = time.time() - (time.perf_counter() - started)
     refusal = None
     if group.rank == 0:
         try:
             refusal = claim_step_dir(store, step)
         except CheckpointError as e:  # told to every rank below, not left to hang them
             refusal = str(e)
-    refusal = group.broadcast(refusal)
+    refusal, save_id = group.broadcast((refusal, uuid.uuid4().hex[:16]))
     if refusal:
         raise SaveFailed(f"save of step {step} to {store.display} failed: {refusal}")
-    mine, layout = _write_data(store, group, rel, step, staged, sink, arenas, resaver)
+    target = handoff.target(need) if handoff is not None else store
+    mine, layout = _write_data(target, group, rel, step, staged, sinks(target), arenas, resaver)
     everyone = group.gather(mine) or []
     if group.rank != 0:
         fault_point("before_manifest", group.rank, step)
@@ -132,7 +145,7 @@ def persist(
                 raise SaveFailed("ranks laid out their files from different saves; the next save is planned afresh")
             files: dict[str, FileEntry] = {k: v for m in everyone for k, v in m[2].items()}
             if layout is not None:
-                files[METADATA_NAME] = layout.write_metadata(store, rel, [m[3] for m in everyone])
+                files[METADATA_NAME] = layout.write_metadata(target, rel, [m[3] for m in everyone])
             fault_point("before_manifest", 0, step)
             manifest = Manifest(
                 step=step,
@@ -145,8 +158,9 @@ def persist(
                 user=user,
                 schedule=dict(schedule or {}),
             )
-            # IMPORTANT: the commit. Written last, after every rank's files are durable.
-            store.put_atomic(f"{rel}/{MANIFEST_NAME}", manifest.to_json())
+            if handoff is None:
+                # IMPORTANT: the commit. Written last, after every rank's files are durable.
+                store.put_atomic(f"{rel}/{MANIFEST_NAME}", manifest.to_json())
             outcome = manifest
         except Exception as e:  # reported to every rank below, not left to hang them
             outcome = f"commit of {rel} failed: {type(e).__name__}: {e}"
@@ -154,8 +168,25 @@ def persist(
     if not isinstance(outcome, Manifest):
         resaver.layout = None  # the next save is planned afresh, on every rank
         raise SaveFailed(str(outcome))
+    if handoff is not None:
+        _hand_off(handoff, target, group, rel, save_id, outcome, mine, began)
     fault_point("after_manifest", group.rank, step)
     return outcome
+
+
+def _hand_off(handoff: Handoff, target: Store, group: Group, rel: str, save_id: str, manifest: Manifest, mine: Any, began: float) -> None:
+    """Every rank hands its files off (or marks them durable in the root); all learn whether
+    every rank could."""
+    files = list(mine[2]) + ([METADATA_NAME] if group.rank == 0 and METADATA_NAME not in mine[2] else [])
+    why = ""
+    try:
+        handoff.submit(target, rel, save_id, manifest, files, group.world, began)
+    except Exception as e:  # reported to every rank below, not left to hang them
+        why = f"rank {group.rank}: {type(e).__name__}: {e}"
+        log.warning("handing off %s failed: %s", rel, why)
+    fault_point("after_handoff", group.rank, manifest.step)
+    if group.max([int(bool(why))])[0]:
+        raise SaveFailed(f"hand-off of {rel} failed: {why or 'on another rank'}")
 
 
 def _write_data(

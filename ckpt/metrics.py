@@ -4,18 +4,29 @@ Every `Checkpointer` keeps its metrics in its own registry (`cp.metrics.registry
 it with your exporter, or have ckpt serve it). With `metrics_port=` (or `CKPT_METRICS_PORT`)
 the rank serves `/metrics` over HTTP on that port plus its local rank, on loopback unless
 `CKPT_METRICS_ADDR` says otherwise. Names follow Prometheus conventions; the rank is a label
-of `ckpt_rank_info` only, since each rank is its own scrape target.
+of `ckpt_rank_info` only, since each rank is its own scrape target. With a node agent, each
+rank also writes its series to the spool every few seconds (`publish`), and the agent serves
+them with `job` and `rank` labels.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
-from torch.distributed.checkpoint.api import CheckpointException
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+    start_http_server,
+)
 
 from .errors import SaveFailed, dcp_failures
 from .manifest import Manifest
@@ -40,7 +51,7 @@ def failure_kind(exc: BaseException) -> str:
     """A bounded label for why a save failed: the class of its first cause."""
     while isinstance(exc, SaveFailed) and exc.__cause__ is not None:
         exc = exc.__cause__
-    if isinstance(exc, CheckpointException):
+    if isinstance(getattr(exc, "failures", None), dict):  # DCP's CheckpointException (torch not imported: the agent)
         causes = dcp_failures(exc)
         exc = causes[0] if causes else exc
     return type(exc).__name__
@@ -71,6 +82,8 @@ class Metrics:
         self.meetings = Counter("ckpt_rank_meetings", "Times the ranks met at a step boundary to agree (agree_every_s)", registry=r)
         self._schedule = {k: Gauge(f"ckpt_coordinator_{name}", text, registry=r) for k, (name, text) in _SCHEDULE.items()}
         self._server: Any = None
+        self._publishing: threading.Event | None = None
+        self._publisher: threading.Thread | None = None
         #: (address, port) being served, once `serve` ran.
         self.address: tuple[str, int] | None = None
 
@@ -87,11 +100,19 @@ class Metrics:
         self.in_flight.set(1)
 
     def committed(self, manifest: Manifest, rank: int) -> None:
-        self.saves.labels("committed").inc()
-        self.persist.observe(manifest.costs.persist_s)
+        self.handed_off(manifest, rank)
+        self.agent_committed(manifest, manifest.costs.persist_s)
+
+    def handed_off(self, manifest: Manifest, rank: int) -> None:
+        """This rank's files of the save are written (to the root, or to the node spool)."""
         self.written.inc(sum(f.size for f in manifest.files.values() if f.rank == rank or (f.rank < 0 and rank == 0)))
-        self.commit_seen(manifest)
         self.in_flight.set(0)
+
+    def agent_committed(self, manifest: Manifest, persist_s: float) -> None:
+        """The save is committed (with a node agent: learnt from it, `persist_s` measured then)."""
+        self.saves.labels("committed").inc()
+        self.persist.observe(persist_s)
+        self.commit_seen(manifest)
 
     def commit_seen(self, manifest: Manifest) -> None:
         """The last commit of the job, whoever made it (a restore finds one too)."""
@@ -127,7 +148,36 @@ class Metrics:
         log.info("metrics on http://%s:%d/metrics", *self.address)
         return self._server.server_port
 
+    def publish(self, path: str, every_s: float = 5.0, before: Callable[[], None] | None = None) -> None:
+        """Write the series to `path` now and every `every_s` seconds (calling `before` first)
+        until `close`, which removes it: for the node agent to serve (a textfile collector)."""
+        stop = self._publishing = threading.Event()
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+
+        def loop() -> None:
+            while True:
+                try:
+                    if before is not None:
+                        before()
+                    tmp = f"{path}.{os.getpid()}.tmp"
+                    with open(tmp, "wb") as f:
+                        f.write(generate_latest(self.registry))
+                    os.replace(tmp, path)
+                except Exception as e:  # metrics must never stop training
+                    log.debug("publishing metrics to %s: %s", path, e)
+                if stop.wait(every_s):
+                    with contextlib.suppress(OSError):
+                        os.remove(path)
+                    return
+
+        self._publisher = threading.Thread(target=loop, name="ckpt-metrics", daemon=True)
+        self._publisher.start()
+
     def close(self) -> None:
+        if self._publishing is not None:
+            self._publishing.set()
+            self._publisher.join(timeout=10)
+            self._publishing = None
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()

@@ -28,23 +28,30 @@ class Preemption:
     """Set once something asked this rank to stop; `why` says what."""
 
     def __init__(self, notice_file: str | None = None) -> None:
-        self.notice_file = notice_file if notice_file is not None else (os.environ.get("CKPT_PREEMPT_FILE") or None)
+        notice_file = notice_file if notice_file is not None else (os.environ.get("CKPT_PREEMPT_FILE") or None)
+        #: The notice files watched: the user's, and the node agent's (`watch`).
+        self.notice_files = [notice_file] if notice_file else []
         self.why = ""
         self._asked = threading.Event()
-        self._stale: float | None = None  # the mtime of a notice that predates the run
+        self._stale: dict[str, float | None] = {}  # the mtime of each notice that predates the run
         self._next_check = 0.0
         self._prev_handler: Any = None
 
     def start(self, sigterm: bool) -> None:
         """From now on: a notice counts unless it is the one already there; with `sigterm`,
         SIGTERM asks too."""
-        self._stale = self._mtime()
+        self._stale = {path: _mtime(path) for path in self.notice_files}
         if not sigterm:
             return
         if threading.current_thread() is not threading.main_thread():
             log.warning("not in the main thread: SIGTERM will not trigger a checkpoint")
             return
         self._prev_handler = signal.signal(signal.SIGTERM, lambda *_: self.ask("SIGTERM"))
+
+    def watch(self, notice_file: str) -> None:
+        """Watch another notice file too (before `start`)."""
+        if notice_file not in self.notice_files:
+            self.notice_files.append(notice_file)
 
     def stop(self) -> None:
         if self._prev_handler is not None:
@@ -60,18 +67,18 @@ class Preemption:
         """Whether to stop: asked already, or a notice file appeared (checked now and then)."""
         if self._asked.is_set():
             return True
-        if self.notice_file is not None and (now := time.monotonic()) >= self._next_check:
+        if self.notice_files and (now := time.monotonic()) >= self._next_check:
             self._next_check = now + CHECK_EVERY_S
-            mtime = self._mtime()
-            if mtime is not None and mtime != self._stale:
-                self.ask(f"notice file {self.notice_file}")
-                return True
+            for path in self.notice_files:
+                mtime = _mtime(path)
+                if mtime is not None and mtime != self._stale.get(path):
+                    self.ask(f"notice file {path}")
+                    return True
         return False
 
-    def _mtime(self) -> float | None:
-        if self.notice_file is None:
-            return None
-        try:
-            return os.stat(self.notice_file).st_mtime_ns / 1e9
-        except OSError:
-            return None
+
+def _mtime(path: str) -> float | None:
+    try:
+        return os.stat(path).st_mtime_ns / 1e9
+    except OSError:
+        return None

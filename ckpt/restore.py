@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
@@ -27,6 +27,9 @@ from .errors import CheckpointError, RestoreFailed, StorageError, dcp_causes, dc
 from .manifest import MANIFEST_NAME, Manifest
 from .storage import Store, step_dir_name
 
+if TYPE_CHECKING:
+    from .handoff import Handoff
+
 log = logging.getLogger(__name__)
 
 
@@ -39,13 +42,17 @@ class Restored:
     counters: dict[str, Any]
     manifest: Manifest
     read_bytes: int = 0
+    source: str = "store"  # where most of the bytes came from: "store", or "spool" (the node agent's)
 
 
 @gc_paused  # the restore makes many small objects: a full collection costs more than the read
-def restore(store: Store, ctrl: Group, state: TrainingState, mode: str | int) -> tuple[Restored | None, set[int]]:
+def restore(
+    store: Store, ctrl: Group, state: TrainingState, mode: str | int, handoff: Handoff | None = None
+) -> tuple[Restored | None, set[int]]:
     """Load the newest checkpoint that loads (`mode` "latest") or step `mode` into `state`
-    on every rank. Returns what was restored (None: the root holds nothing to restore) and
-    the steps that hold a manifest, which this run must never write into."""
+    on every rank; with `handoff`, files the node spool holds are read from there. Returns
+    what was restored (None: the root holds nothing to restore) and the steps that hold a
+    manifest, which this run must never write into."""
     plan: list[int] | str = []
     taken: set[int] = set()
     if ctrl.rank == 0:
@@ -59,8 +66,12 @@ def restore(store: Store, ctrl: Group, state: TrainingState, mode: str | int) ->
         raise (RestoreFailed if kind in ("NotFound", "InvalidCheckpoint", "RestoreFailed") else StorageError)(plan)
     problems = []
     for step in plan:
-        outcome, why, restored = _try_restore(store, ctrl, state, step)
-        worst = ctrl.max([outcome])[0]
+        outcome, why, restored = _try_restore(store, ctrl, state, step, handoff)
+        worst, spooled = ctrl.max([outcome, int(handoff is not None and handoff.local is not None)])
+        if worst == 1 and spooled:  # a spool's copy may be what failed: the root's decides
+            log.warning("restoring %s with the node spool's copies failed (%s); reading it all from %s", step_dir_name(step), why, store.display)
+            outcome, why, restored = _try_restore(store, ctrl, state, step, None)
+            worst = ctrl.max([outcome])[0]
         if worst == 0:
             return restored, taken
         if worst == 2:
@@ -129,7 +140,9 @@ def _restore_plan(store: Store, mode: str | int) -> tuple[list[int], set[int]]:
     return [e.step for e in good], taken
 
 
-def _try_restore(store: Store, ctrl: Group, state: TrainingState, step: int) -> tuple[int, str, Restored | None]:
+def _try_restore(
+    store: Store, ctrl: Group, state: TrainingState, step: int, handoff: Handoff | None
+) -> tuple[int, str, Restored | None]:
     """Load `step` into the objects: 0 ok, 1 invalid (fall back), 2 storage error, 3 the
     training state does not match the checkpoint's (no fallback can help). Every phase
     ends with all ranks knowing its outcome, so no rank enters a collective alone."""
@@ -155,7 +168,8 @@ def _try_restore(store: Store, ctrl: Group, state: TrainingState, step: int) -> 
     # Each rank plans and reads its part alone (DCP's default load planning has no global
     # step: its collectives would only carry the plans around and wait); the ranks then
     # agree on the outcome before anything is applied, as applying may take collectives.
-    reader = make_reader(store, rel, manifest)
+    tiered = handoff.reader_store(rel, manifest) if handoff is not None else None
+    reader = make_reader(tiered or store, rel, manifest)  # type: ignore[arg-type]
     loaded = _outcome(lambda: dcp.load(sd, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True))
     if ctrl.max([loaded[0]])[0]:
         # Rare: every rank's reason, so that rank 0 can say what went wrong where.
@@ -167,7 +181,9 @@ def _try_restore(store: Store, ctrl: Group, state: TrainingState, step: int) -> 
     if applied[0]:
         return (*applied, None)
     counters = cast(dict, applied[2])
-    restored = Restored(int(counters.pop("step")), counters, manifest, reader.read_bytes)
+    restored = Restored(int(counters.pop("step")), counters, manifest, reader.read_bytes, tiered.source if tiered else "store")
+    if tiered is not None:
+        log.info("rank %d read %.1f MB of %s from the node spool and %.1f MB from %s", rank, tiered.bytes["spool"] / 1e6, rel, tiered.bytes["store"] / 1e6, store.display)
     if rank == 0 and manifest.world_size != ctrl.world:
         log.warning(
             "resuming step %d on %d ranks (saved on %d): model and optimizer resharded%s",

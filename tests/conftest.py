@@ -92,6 +92,14 @@ def s3_options(s3_endpoint):
     return {"endpoint_url": s3_endpoint, "key": S3_ENV["AWS_ACCESS_KEY_ID"], "secret": S3_ENV["AWS_SECRET_ACCESS_KEY"]}
 
 
+@pytest.fixture(scope="session")
+def straight_run(tmp_path_factory):
+    """The uninterrupted reference job per wrapping (tests/jobs.py), run once per session."""
+    from jobs import reference_runs
+
+    return reference_runs(tmp_path_factory)
+
+
 @pytest.fixture(autouse=True)
 def _quiet_threads(monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "1"))

@@ -29,7 +29,7 @@ def test_the_notice_path_comes_from_the_environment_and_is_looked_at_now_and_the
     notice = tmp_path / "notice"
     monkeypatch.setenv("CKPT_PREEMPT_FILE", str(notice))
     p = Preemption()
-    assert p.notice_file == str(notice)
+    assert p.notice_files == [str(notice)]
     p.start(sigterm=False)
     assert not p.asked()  # looked: nothing
     notice.touch()
@@ -38,4 +38,4 @@ def test_the_notice_path_comes_from_the_environment_and_is_looked_at_now_and_the
     p._next_check = 0.0
     assert p.asked()
     monkeypatch.delenv("CKPT_PREEMPT_FILE")
-    assert Preemption().notice_file is None
+    assert Preemption().notice_files == []

@@ -1,0 +1,651 @@
+"""`ckpt agent`: the node daemon. Uploads what the ranks of its node hand off, commits.
+
+The ranks of a node write their files to the node spool (a local directory) and hand them
+off with a request (`ckpt.spool`). The agent uploads each rank's files to the job's root
+(files in parallel, each in parallel parts, retried with backoff), checks every byte against
+the manifest's checksum on the way, marks the rank durable in the root and commits the
+checkpoint when every rank is (whoever finishes last). A trainer killed after its hand-off
+costs nothing: the agent finishes. An agent killed mid-upload redoes it when it starts again
+(an interrupted upload leaves no object; a request stays pending until its status is final).
+
+It also keeps the newest checkpoints of each job in the spool for fast restarts on the node
+(within `--keep-spool` and `--spool-budget`), serves Prometheus metrics (its own and the
+ranks' of its node) and `/healthz`, relays preemption (its own SIGTERM or a notice file) to
+the ranks, and on SIGTERM finishes the uploads in flight, or after `--shutdown-grace`
+seconds abandons them safely (aborted; redone by the next agent), then exits.
+
+Settings: flags, else `CKPT_AGENT_<FLAG>` environment variables, else a TOML config file
+(`--config`; keys as the flags with underscores, and a `[storage_options]` table), else the
+defaults below. Uploads use the agent's own credentials (the environment: AWS_*).
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import dataclasses
+import http.server
+import json
+import logging
+import os
+import re
+import shutil
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import Metric
+from prometheus_client.parser import text_string_to_metric_families
+
+from . import __version__
+from ._faults import fault_point
+from .errors import CheckpointError
+from .manifest import FileEntry
+from .metrics import failure_kind
+from .spool import (
+    COMMITTED,
+    DURABLE,
+    DURABLE_DIR,
+    FAILED,
+    REQUESTS_DIR,
+    UPLOADING,
+    Request,
+    Spool,
+    check_request,
+    commit_if_complete,
+    listdir,
+    mark_durable,
+    marker_name,
+    read_json,
+    status_of,
+    write_json,
+)
+from .storage import Hasher, Store, redact
+
+log = logging.getLogger("ckpt.agent")
+
+CHUNK = 8 << 20  # bytes read from the spool per write to the store
+LOOP_S = 0.2  # how often the spool is looked at for new requests
+HOUSEKEEPING_S = 2.0  # how often commits are looked for, usage counted, the spool pruned
+TRAINER_STALE_S = 15.0  # a rank's metrics file older than this: no live trainer behind it
+ORPHAN_AFTER_S = 600.0  # a step directory without a request, untouched this long: a crashed write
+_SIZE = re.compile(r"^\s*([0-9.]+)\s*([kmgt]?)(i?)b?\s*$", re.IGNORECASE)
+
+
+class Abandoned(Exception):
+    """The agent is stopping: an upload gives up (aborted, no object) and stays pending."""
+
+
+class SpoolCopyBad(CheckpointError):
+    """The spool's copy of a file does not match the manifest: never uploaded, never committed."""
+
+
+def parse_size(text: str | int | None) -> int:
+    """'50GiB', '200MB', '1.5G', '4096' -> bytes (k/m/g/t: powers of 1000; with i: 1024)."""
+    if text is None or isinstance(text, int):
+        return int(text or 0)
+    m = _SIZE.match(str(text))
+    if not m:
+        raise ValueError(f"not a size: {text!r} (say 50GiB, 200MB, 4096)")
+    power = " kmgt".index(m.group(2).lower() or " ")
+    return int(float(m.group(1)) * (1024 if m.group(3) else 1000) ** power)
+
+
+@dataclass
+class Config:
+    spool: str = ""
+    metrics_port: int = 9400  # 0: any free port; -1: not served
+    metrics_addr: str = "127.0.0.1"
+    upload_concurrency: int = 4
+    bandwidth_limit: int = 0  # bytes per second over all uploads; 0: unlimited
+    spool_budget: int = 0  # bytes the spool may hold; 0: the disk's size
+    keep_spool: int = 2  # committed checkpoints of each job kept in the spool
+    preempt_file: str = ""  # a notice file to relay to the ranks (a cloud's preemption notice)
+    shutdown_grace: float = 120.0  # seconds after SIGTERM before uploads are abandoned
+    retries: int = 5  # tries of a request before it fails
+    commit_wait: float = 3600.0  # seconds a durable rank waits for the others before giving up
+    log_format: str = "text"
+    storage_options: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def load(cls, argv: list[str] | None = None) -> Config:
+        args = parser().parse_args(argv)
+        given: dict[str, Any] = {}
+        path = args.config or os.environ.get("CKPT_AGENT_CONFIG")
+        if path:
+            given.update(_read_config(path))
+        for f in dataclasses.fields(cls):
+            env = os.environ.get(f"CKPT_AGENT_{f.name.upper()}")
+            if env is not None and f.name != "storage_options":
+                given[f.name] = env
+            flag = getattr(args, f.name, None)
+            if flag is not None:
+                given[f.name] = flag
+        unknown = set(given) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ValueError(f"unknown agent settings: {sorted(unknown)}")
+        config = cls(**{k: _coerce(k, v) for k, v in given.items()})
+        if not config.spool:
+            raise ValueError("the agent needs a spool directory: --spool, CKPT_AGENT_SPOOL or `spool` in the config file")
+        if config.log_format not in ("text", "json"):
+            raise ValueError(f"log_format is text or json, not {config.log_format!r}")
+        if config.upload_concurrency < 1 or config.retries < 1:
+            raise ValueError("upload_concurrency and retries must be at least 1")
+        return config
+
+
+def _read_config(path: str) -> dict[str, Any]:
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        raise ValueError("a config file needs Python 3.11 or later (tomllib); use flags or CKPT_AGENT_* variables") from None
+    try:
+        with open(path, "rb") as f:
+            doc = tomllib.load(f)
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        raise ValueError(f"cannot read the agent's config file {path}: {e}") from None
+    return dict(doc.get("agent", doc))
+
+
+def _coerce(name: str, value: Any) -> Any:
+    kind = {f.name: f.type for f in dataclasses.fields(Config)}[name]
+    if name in ("bandwidth_limit", "spool_budget"):
+        return parse_size(value)
+    if name == "storage_options":
+        if not isinstance(value, dict):
+            raise ValueError("storage_options must be a table")
+        return value
+    try:
+        return {"int": int, "float": float, "str": str}[kind](value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be {kind}, not {value!r}") from None
+
+
+def parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    p = p or argparse.ArgumentParser(prog="ckpt agent")
+    p.add_argument("--spool", help="the node spool: a local directory the ranks of this node share")
+    p.add_argument("--metrics-port", type=int, help="serve /metrics and /healthz here (default 9400; -1: not at all)")
+    p.add_argument("--metrics-addr", help="the address to serve on (default 127.0.0.1)")
+    p.add_argument("--upload-concurrency", type=int, help="files uploaded at the same time (default 4)")
+    p.add_argument("--bandwidth-limit", help="bytes per second over all uploads: 200MB, 1GiB (default: unlimited)")
+    p.add_argument("--spool-budget", help="bytes the spool may hold: 50GiB (default: the disk); a full spool makes ranks write to the store")
+    p.add_argument("--keep-spool", type=int, help="committed checkpoints of each job kept in the spool (default 2)")
+    p.add_argument("--preempt-file", help="a preemption notice file to relay to the ranks of this node")
+    p.add_argument("--shutdown-grace", type=float, help="seconds after SIGTERM before uploads are abandoned (default 120)")
+    p.add_argument("--retries", type=int, help="tries of a hand-off's upload before it fails (default 5)")
+    p.add_argument("--commit-wait", type=float, help="seconds a durable rank waits for the other ranks (default 3600)")
+    p.add_argument("--log-format", choices=["text", "json"], help="log lines as text or JSON objects")
+    p.add_argument("--config", help="a TOML file of these settings (env CKPT_AGENT_CONFIG)")
+    return p
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: time, level, logger, message, and the record's extras."""
+
+    _PLAIN = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime"}
+
+    def format(self, record: logging.LogRecord) -> str:
+        doc = {
+            "time": round(record.created, 3),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "message": redact(record.getMessage()),
+        }
+        doc.update({k: v for k, v in vars(record).items() if k not in self._PLAIN})
+        if record.exc_info:
+            doc["error"] = redact(self.formatException(record.exc_info))
+        return json.dumps(doc, default=str)
+
+
+class _Limiter:
+    """A token bucket shared by the uploads: at most `rate` bytes per second (0: no limit)."""
+
+    def __init__(self, rate: int) -> None:
+        self.rate = rate
+        self._next = time.monotonic()
+        self._lock = threading.Lock()
+
+    @property
+    def chunk(self) -> int:
+        """Bytes to move at a time: a tenth of a second's worth when limited."""
+        return min(CHUNK, max(4096, self.rate // 10)) if self.rate else CHUNK
+
+    def take(self, n: int) -> None:
+        """Wait until `n` more bytes fit in the rate."""
+        if not self.rate:
+            return
+        with self._lock:
+            now = time.monotonic()
+            self._next = max(self._next, now) + n / self.rate
+            until = self._next
+        if until > now:
+            time.sleep(until - now)
+
+
+class _RankMetrics:
+    """The metrics the ranks of this node write to the spool, served with a `job` label (and
+    `rank` where they have none): what a rank serves itself when no agent runs."""
+
+    def __init__(self, spool: Spool) -> None:
+        self.dir = os.path.join(spool.path, "metrics")
+
+    def collect(self) -> Any:
+        families: dict[str, Metric] = {}
+        now = time.time()
+        try:
+            names = sorted(os.listdir(self.dir))
+        except OSError:
+            names = []
+        for name in names:
+            m = re.fullmatch(r"(\w+)\.rank-(\d+)\.prom", name)
+            path = os.path.join(self.dir, name)
+            try:
+                if not m or now - os.stat(path).st_mtime > TRAINER_STALE_S * 4:
+                    continue
+                with open(path) as f:
+                    text = f.read()
+                parsed = list(text_string_to_metric_families(text))
+            except (OSError, ValueError):
+                continue
+            extra = {"job": m.group(1), "rank": str(int(m.group(2)))}
+            for fam in parsed:
+                out = families.setdefault(fam.name, Metric(fam.name, fam.documentation, fam.type))
+                for s in fam.samples:
+                    out.add_sample(s.name, {**{k: v for k, v in extra.items() if k not in s.labels}, **s.labels}, s.value, s.timestamp)
+        yield from families.values()
+
+
+class Agent:
+    """One node's agent over its spool (`run` until stopped)."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.spool = Spool(config.spool)
+        os.makedirs(os.path.join(self.spool.path, "jobs"), exist_ok=True)
+        self.registry = r = CollectorRegistry()
+        Gauge("ckpt_agent_info", "The agent's version", ["version"], registry=r).labels(__version__).set(1)
+        self.queue_depth = Gauge("ckpt_agent_upload_queue_depth", "Hand-offs waiting or uploading", registry=r)
+        self.queue_bytes = Gauge("ckpt_agent_upload_queue_bytes", "Bytes of hand-offs waiting or uploading", registry=r)
+        self.uploaded = Counter("ckpt_agent_uploaded_bytes", "Bytes uploaded to the jobs' roots", registry=r)
+        self.upload_time = Histogram(
+            "ckpt_agent_upload_seconds", "Seconds from a hand-off to its files being durable",
+            registry=r, buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600),
+        )
+        self.uploads = Counter("ckpt_agent_uploads", "Hand-offs by outcome: durable, failed", ["outcome"], registry=r)
+        self.failures = Counter("ckpt_agent_upload_failures", "Failed upload attempts by the class of their cause", ["kind"], registry=r)
+        self.commits = Counter("ckpt_agent_commits", "Checkpoints this agent committed (it saw the last rank durable)", registry=r)
+        self.spool_bytes = Gauge("ckpt_agent_spool_bytes", "Bytes the spool holds", registry=r)
+        self.budget = Gauge("ckpt_agent_spool_budget_bytes", "Bytes the spool may hold", registry=r)
+        self.preemptions = Counter("ckpt_agent_preemptions", "Preemption notices relayed to the ranks", registry=r)
+        r.register(_RankMetrics(self.spool))
+        self._budget = config.spool_budget or _disk_size(self.spool.path)
+        self.budget.set(self._budget)
+        self._limiter = _Limiter(config.bandwidth_limit)
+        self._pool = concurrent.futures.ThreadPoolExecutor(config.upload_concurrency, thread_name_prefix="ckpt-upload")
+        self._running: dict[str, concurrent.futures.Future[None]] = {}  # request path -> its upload
+        self._waiting: dict[str, Request] = {}  # durable, waiting for the other ranks
+        self._stores: dict[str, Store] = {}
+        self._lock = threading.Lock()
+        self._stop_at: float | None = None  # SIGTERM: when the grace period ends
+        self._abandon = threading.Event()
+        self._started = time.time()
+        self._beat = time.monotonic()
+        self._used = 0
+        self._notice_seen = self._mtime(config.preempt_file)
+        self._server: http.server.ThreadingHTTPServer | None = None
+
+    # -- the loop ---------------------------------------------------------------------------
+    def run(self) -> int:
+        self.serve()
+        self._heartbeat()
+        log.info("agent %s on spool %s (budget %.2f GB, %d uploads at a time)", __version__, self.spool.path, self._budget / 1e9, self.config.upload_concurrency)
+        housekeeping = 0.0
+        try:
+            while True:
+                now = time.monotonic()
+                self._beat = now
+                self._relay_notice()
+                pending = self._schedule()
+                if now >= housekeeping:
+                    housekeeping = now + HOUSEKEEPING_S
+                    self._check_commits()
+                    self._prune()
+                    self._heartbeat()
+                if self._stop_at is not None and self._drained(pending):
+                    log.info("stopping: every hand-off is uploaded and no trainer is left on the node")
+                    return 0
+                if self._stop_at is not None and time.monotonic() >= self._stop_at:
+                    log.warning("stopping after %.0f s of grace: %d hand-offs left in the spool for the next agent", self.config.shutdown_grace, pending)
+                    return 0
+                time.sleep(LOOP_S)
+        finally:
+            self._abandon.set()
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self.close()
+            write_json(self.spool.agent_file, {"pid": os.getpid(), "version": __version__, "stopped": time.time()})
+
+    def stop(self, why: str) -> None:
+        """Finish the uploads in flight (within the grace period); tell the ranks to stop."""
+        if self._stop_at is not None:
+            self._stop_at = time.monotonic()  # asked twice: stop now
+            return
+        self._stop_at = time.monotonic() + self.config.shutdown_grace
+        self.notify(why)
+
+    def notify(self, why: str) -> None:
+        """Ask the ranks of this node to checkpoint at their next step and stop."""
+        log.warning("preemption (%s): asking the ranks of this node to checkpoint", why)
+        self.preemptions.inc()
+        write_json(self.spool.notice_file, {"time": time.time(), "why": why})
+
+    def _relay_notice(self) -> None:
+        mtime = self._mtime(self.config.preempt_file)
+        if mtime is not None and mtime != self._notice_seen:
+            self._notice_seen = mtime
+            self.notify(f"notice file {self.config.preempt_file}")
+
+    @staticmethod
+    def _mtime(path: str) -> float | None:
+        try:
+            return os.stat(path).st_mtime_ns / 1e9 if path else None
+        except OSError:
+            return None
+
+    def _drained(self, pending: int) -> bool:
+        if pending or self._running:
+            return False
+        metrics = os.path.join(self.spool.path, "metrics")
+        try:
+            live = [n for n in os.listdir(metrics) if time.time() - os.stat(os.path.join(metrics, n)).st_mtime < TRAINER_STALE_S]
+        except OSError:
+            live = []
+        return not live
+
+    def _heartbeat(self) -> None:
+        write_json(self.spool.agent_file, {
+            "pid": os.getpid(),
+            "version": __version__,
+            "started": self._started,
+            "heartbeat": time.time(),
+            "budget": self._budget,
+            "used": self._used,
+            "queue": len(self._running),
+            "stopping": self._stop_at is not None,
+        })
+
+    # -- requests ---------------------------------------------------------------------------
+    def _schedule(self) -> int:
+        """Start the uploads of new requests; return how many are not durable yet."""
+        depth, waiting_bytes = 0, 0
+        with self._lock:
+            for path, fut in list(self._running.items()):
+                if fut.done():
+                    del self._running[path]
+        for path in self.spool.requests():
+            request = _load(path)
+            status = read_json(status_of(path)) or {}
+            if request is None or (status.get("save_id") == request.save_id and status.get("state") in (COMMITTED, FAILED)):
+                continue
+            if status.get("save_id") == request.save_id and status.get("state") == DURABLE:
+                self._waiting.setdefault(path, request)
+                continue
+            depth += 1
+            waiting_bytes += sum(_size(path, n) for n in request.files)
+            if path not in self._running and not self._abandon.is_set():
+                with self._lock:
+                    self._running[path] = self._pool.submit(self._upload, path, request)
+        self.queue_depth.set(depth)
+        self.queue_bytes.set(waiting_bytes)
+        return depth
+
+    def _upload(self, path: str, request: Request) -> None:
+        """Upload one rank's files, mark them durable, commit if last; retried with backoff."""
+        began = time.monotonic()
+        where = {"job": os.path.basename(os.path.dirname(os.path.dirname(os.path.dirname(path)))), "step": request.step, "rank": request.rank}
+        for attempt in range(1, self.config.retries + 1):
+            try:
+                self._set(path, request, UPLOADING)
+                check_request(request)
+                store = self._store(request)
+                done = self._send(path, request, store)
+                self.uploaded.inc(done)
+                mark_durable(store, request.rel, request.save_id, request.rank, {n: request.manifest["files"][n]["checksum"] for n in request.files})
+                self.uploads.labels("durable").inc()
+                self.upload_time.observe(time.monotonic() - began)
+                log.info("step %d rank %d durable in %s (%.1f MB in %.2f s)", request.step, request.rank, store.display, done / 1e6, time.monotonic() - began, extra=where)
+                self._set(path, request, DURABLE)
+                self._try_commit(path, request, store)
+                return
+            except Abandoned:
+                log.warning("upload of step %d rank %d abandoned (the agent is stopping); left for the next agent", request.step, request.rank, extra=where)
+                return
+            except SpoolCopyBad as e:
+                self._fail(path, request, str(e), e, where)
+                return
+            except Exception as e:
+                self.failures.labels(failure_kind(e)).inc()
+                if attempt == self.config.retries:
+                    self._fail(path, request, f"{type(e).__name__}: {e}", e, where)
+                    return
+                wait = min(2.0 ** (attempt - 1), 30.0)
+                log.warning("upload of step %d rank %d failed (%s); try %d of %d in %.0f s", request.step, request.rank, redact(str(e)), attempt + 1, self.config.retries, wait, extra=where)
+                if self._abandon.wait(wait):
+                    return
+
+    def _fail(self, path: str, request: Request, why: str, e: Exception, where: dict[str, Any]) -> None:
+        self.uploads.labels("failed").inc()
+        self.failures.labels(failure_kind(e)).inc()
+        log.error("hand-off of step %d rank %d failed: %s", request.step, request.rank, redact(why), extra=where)
+        self._set(path, request, FAILED, redact(why))
+
+    def _send(self, path: str, request: Request, store: Store) -> int:
+        """Upload the request's files unless its marker says they are durable already (an
+        agent that died after the marker). Every byte is checked against the manifest."""
+        if store.exists(f"{request.rel}/{DURABLE_DIR}/{marker_name(request.save_id, request.rank)}"):
+            return 0
+        step_dir = os.path.dirname(os.path.dirname(path))
+        sent = 0
+        for name in request.files:
+            entry = _entry(request, name)
+            sent += self._send_file(os.path.join(step_dir, name), store, f"{request.rel}/{name}", entry, request)
+        return sent
+
+    def _send_file(self, src: str, store: Store, rel: str, entry: FileEntry, request: Request) -> int:
+        hasher = Hasher(entry.block)
+        try:
+            f = open(src, "rb")
+        except FileNotFoundError:
+            raise SpoolCopyBad(f"{src} is missing from the spool") from None
+        with f, store.open_write(rel) as out:
+            while chunk := f.read(self._limiter.chunk):
+                if self._abandon.is_set():
+                    raise Abandoned()
+                self._limiter.take(len(chunk))
+                hasher.update(chunk)
+                out.write(chunk)
+                fault_point("agent_upload", request.rank, request.step)
+            # IMPORTANT: raised inside the block, so the upload is aborted, never completed
+            if hasher.size != entry.size or hasher.hexdigest() != entry.checksum:
+                raise SpoolCopyBad(f"{src}: the spool's copy does not match the manifest ({hasher.size} bytes, expected {entry.size}); not uploaded")
+        return hasher.size
+
+    def _try_commit(self, path: str, request: Request, store: Store) -> None:
+        outcome = commit_if_complete(store, request)
+        if outcome is not None:
+            self._waiting.pop(path, None)
+            if outcome == "committed":
+                self.commits.inc()
+                log.info("committed %s/%s", store.display, request.rel, extra={"step": request.step})
+            self._set(path, request, COMMITTED)
+        else:
+            self._waiting[path] = request
+
+    def _check_commits(self) -> None:
+        """The durable ranks wait for the others: commit when all are (a party that died
+        before committing is covered), or give up after `commit_wait`."""
+        for path, request in list(self._waiting.items()):
+            try:
+                self._try_commit(path, request, self._store(request))
+            except CheckpointError as e:
+                log.warning("checking the commit of step %d: %s", request.step, e)
+                continue
+            if path in self._waiting and time.time() - request.submitted > self.config.commit_wait:
+                del self._waiting[path]
+                self._set(path, request, FAILED, f"the other ranks were not durable after {self.config.commit_wait:.0f} s")
+
+    def _set(self, path: str, request: Request, state: str, why: str = "") -> None:
+        write_json(status_of(path), {"state": state, "save_id": request.save_id, "step": request.step, "time": time.time(), "why": why})
+
+    def _store(self, request: Request) -> Store:
+        options = {**request.storage_options, **self.config.storage_options}
+        key = json.dumps([request.root, options], sort_keys=True, default=str)
+        with self._lock:
+            if key not in self._stores:
+                self._stores[key] = Store(request.root, options)
+            return self._stores[key]
+
+    # -- the spool's own retention ------------------------------------------------------------
+    def _prune(self) -> None:
+        """Keep the newest `keep_spool` committed checkpoints of each job, drop failed and
+        orphaned step directories, and stay within the budget (oldest committed first).
+        Never a directory with a hand-off still pending."""
+        jobs = os.path.join(self.spool.path, "jobs")
+        committed: list[tuple[float, str]] = []
+        used = 0
+        for job in listdir(jobs):
+            done = []
+            for rel in listdir(os.path.join(jobs, job)):
+                d = os.path.join(jobs, job, rel)
+                size, newest = _du(d)
+                used += size
+                states = [(read_json(status_of(os.path.join(d, REQUESTS_DIR, n))) or {}).get("state") for n in listdir(os.path.join(d, REQUESTS_DIR))]
+                if not states:
+                    if time.time() - newest > ORPHAN_AFTER_S:
+                        self._remove(d, "no hand-off (a write that never finished)")
+                        used -= size
+                elif all(s == FAILED for s in states):
+                    self._remove(d, "its hand-off failed")
+                    used -= size
+                elif all(s == COMMITTED for s in states):
+                    done.append((newest, d, size))
+            done.sort()
+            for _, d, size in done[: max(len(done) - self.config.keep_spool, 0)]:
+                self._remove(d, f"more than {self.config.keep_spool} committed checkpoints of the job")
+                used -= size
+            committed += [(t, d) for t, d, _ in done[max(len(done) - self.config.keep_spool, 0):]]
+        for _, d in sorted(committed):
+            if used <= self._budget:
+                break
+            size, _ = _du(d)
+            self._remove(d, "the spool is over its budget")
+            used -= size
+        self._used = used
+        self.spool_bytes.set(used)
+
+    def _remove(self, d: str, why: str) -> None:
+        log.info("spool: removing %s: %s", d, why)
+        shutil.rmtree(d, ignore_errors=True)
+
+    # -- serving ----------------------------------------------------------------------------
+    def serve(self) -> None:
+        if self.config.metrics_port < 0:
+            return
+        agent = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802
+                if self.path.split("?")[0] == "/metrics":
+                    body, code, kind = generate_latest(agent.registry), 200, "text/plain; version=0.0.4; charset=utf-8"
+                elif self.path.split("?")[0] == "/healthz":
+                    ok = time.monotonic() - agent._beat < 10 * HOUSEKEEPING_S
+                    body, code, kind = (b"ok\n" if ok else b"stalled\n"), (200 if ok else 503), "text/plain"
+                else:
+                    body, code, kind = b"not found\n", 404, "text/plain"
+                self.send_response(code)
+                self.send_header("Content-Type", kind)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self._server = http.server.ThreadingHTTPServer((self.config.metrics_addr, self.config.metrics_port), Handler)
+        self._server.daemon_threads = True
+        threading.Thread(target=self._server.serve_forever, name="ckpt-agent-http", daemon=True).start()
+        log.info("metrics on http://%s:%d/metrics", self.config.metrics_addr, self._server.server_port)
+
+    @property
+    def port(self) -> int | None:
+        return self._server.server_port if self._server is not None else None
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+
+def _load(path: str) -> Request | None:
+    try:
+        return Request.from_doc(read_json(path))
+    except (ValueError, TypeError):
+        return None
+
+
+def _size(request_path: str, name: str) -> int:
+    try:
+        return os.stat(os.path.join(os.path.dirname(os.path.dirname(request_path)), name)).st_size
+    except OSError:
+        return 0
+
+
+def _entry(request: Request, name: str) -> FileEntry:
+    doc = request.manifest["files"][name]
+    return FileEntry(int(doc["size"]), str(doc["checksum"]), int(doc.get("rank", -1)), int(doc.get("block", 0)), tuple(doc.get("blocks", ())))
+
+
+def _du(directory: str) -> tuple[int, float]:
+    """Bytes under a directory and the newest modification time in it."""
+    size, newest = 0, 0.0
+    for base, _, names in os.walk(directory):
+        for n in names:
+            try:
+                st = os.stat(os.path.join(base, n))
+            except OSError:
+                continue
+            size += st.st_size
+            newest = max(newest, st.st_mtime)
+    return size, newest or time.time()
+
+
+def _disk_size(path: str) -> int:
+    st = os.statvfs(path)
+    return st.f_blocks * st.f_frsize
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        config = Config.load(argv)
+    except ValueError as e:
+        print(f"ckpt agent: {e}", file=sys.stderr)
+        return 2
+    handler = logging.StreamHandler()
+    handler.setFormatter(JsonFormatter() if config.log_format == "json" else logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=logging.INFO, handlers=[handler], force=True)
+    try:
+        agent = Agent(config)
+    except OSError as e:
+        log.error("cannot start on spool %s: %s", config.spool, e)
+        return 2
+    signal.signal(signal.SIGTERM, lambda *_: agent.stop("SIGTERM"))
+    signal.signal(signal.SIGINT, lambda *_: agent.stop("SIGINT"))
+    return agent.run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,262 @@
+"""A rank's side of the node agent: where a save's files go, their hand-off, the commit.
+
+`Handoff.find` links a Checkpointer to the agent serving its node spool (`spool=` or
+`CKPT_SPOOL`). Then each save writes this rank's files to the spool, where a local disk takes
+them at its own speed, and hands them off (`ckpt.spool`); the agent uploads them and the last
+party to make its rank durable commits. When the spool is full, or its agent is gone, the
+rank writes to the root itself and takes part in the commit the same way
+(`Handoff(spool=None)`: also what ranks without an agent do when another node has one).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any, BinaryIO
+
+from .errors import NotFound
+from .manifest import MANIFEST_NAME, Manifest
+from .spool import (
+    COMMITTED,
+    DURABLE,
+    FAILED,
+    SPOOL_ENV,
+    Request,
+    Spool,
+    commit_if_complete,
+    job_key,
+    mark_durable,
+    public_options,
+    read_json,
+    status_of,
+    write_json,
+)
+from .storage import Store, step_dir_name
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.05
+
+
+class Handoff:
+    """This rank's link to its node's agent; `spool` None: no agent here, the rank writes to
+    the root itself and takes part in the commit."""
+
+    def __init__(self, store: Store, spool: Spool | None, rank: int, storage_options: dict[str, Any] | None = None) -> None:
+        self.store = store
+        self.spool = spool
+        self.rank = rank
+        self.job = job_key(store)
+        self.options = public_options(storage_options)
+        self.local = Store(spool.job_dir(self.job)) if spool is not None else None
+        self._warned: str | None = None
+        self._pending: list[tuple[str, str, Manifest]] = []  # (status path or "" (root), save id, manifest)
+        self._lock = threading.Lock()
+
+    @classmethod
+    def find(cls, spool: str | None, store: Store, rank: int, storage_options: dict[str, Any] | None) -> Handoff | None:
+        """The agent at `spool` (or CKPT_SPOOL), or None when none is configured or alive."""
+        path = spool if spool is not None else os.environ.get(SPOOL_ENV) or None
+        if path is None:
+            return None
+        s = Spool(path)
+        if s.agent() is None:
+            log.warning("no live ckpt agent on the spool %s: writing to %s directly", s.path, store.display)
+            return None
+        return cls(store, s, rank, storage_options)
+
+    # -- saving -------------------------------------------------------------------------------
+    def target(self, need: int) -> Store:
+        """Where this save's files go: the spool, or the root when the spool cannot take them."""
+        if self.spool is None or self.local is None:
+            return self.store
+        why = "its agent stopped" if self.spool.agent() is None else self.spool.room(need)
+        if why is None:
+            self._warned = None
+            return self.local
+        if why != self._warned:
+            log.warning("the node spool cannot take this save (%s): writing to %s directly", why, self.store.display)
+            self._warned = why
+        return self.store
+
+    def submit(self, target: Store, rel: str, save_id: str, manifest: Manifest, files: list[str], world: int, started: float) -> None:
+        """Hand this rank's files of the save off (spool), or mark them durable and commit if
+        they are the last (root)."""
+        request = Request(
+            root=self.store.url,
+            storage_options=self.options,
+            rel=rel,
+            step=manifest.step,
+            save_id=save_id,
+            rank=self.rank,
+            world=world,
+            files=sorted(files),
+            manifest=_doc(manifest),
+            started=started,
+        )
+        if target is self.local and self.spool is not None:
+            status = self.spool.status_path(self.job, rel, self.rank)
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(status)  # an earlier try of the same step: not this one's status
+            # IMPORTANT: the files are durable in the spool (fsync'd) before the request names them
+            write_json(self.spool.request_path(self.job, rel, self.rank), request.__dict__)
+            with self._lock:
+                self._pending.append((status, save_id, manifest))
+            return
+        mark_durable(self.store, rel, save_id, self.rank, {n: manifest.files[n].checksum for n in files})
+        commit_if_complete(self.store, request)
+        with self._lock:
+            self._pending.append(("", save_id, manifest))
+
+    def committed(self, timeout_s: float = 0.0) -> list[Manifest]:
+        """The saves handed off since the last call that are committed now (waiting up to
+        `timeout_s` for all of them). A hand-off the agent failed is logged and dropped."""
+        deadline = time.monotonic() + timeout_s
+        done: list[Manifest] = []
+        while True:
+            with self._lock:  # the metrics thread asks too
+                for item in list(self._pending):
+                    state = self._state(*item)
+                    if state == COMMITTED:
+                        done.append(item[2])
+                    elif state == FAILED:
+                        log.error("the node agent could not upload step %d: %s", item[2].step, self._why(item[0]))
+                    else:
+                        continue
+                    self._pending.remove(item)
+                if not self._pending or time.monotonic() >= deadline:
+                    return done
+            time.sleep(POLL_S)
+
+    @property
+    def pending(self) -> list[int]:
+        return [m.step for _, _, m in self._pending]
+
+    def _state(self, status: str, save_id: str, manifest: Manifest) -> str | None:
+        if status:
+            doc = read_json(status) or {}
+            return doc.get("state") if doc.get("save_id") == save_id else None
+        return COMMITTED if self.store.exists(f"{step_dir_name(manifest.step)}/{MANIFEST_NAME}") else None
+
+    @staticmethod
+    def _why(status: str) -> str:
+        return str((read_json(status) or {}).get("why", "")) if status else ""
+
+    def wait_idle(self, timeout_s: float) -> None:
+        """Before a restore: let the agent finish what this job handed off on this node, so
+        that the newest checkpoint is committed before one is picked."""
+        if self.spool is None:
+            return
+        deadline, told = time.monotonic() + timeout_s, False
+        while time.monotonic() < deadline and self.spool.agent() is not None:
+            busy = self._busy_steps()
+            if not busy:
+                return
+            if not told:
+                log.info("waiting for the node agent to upload steps %s before restoring", busy)
+                told = True
+            time.sleep(POLL_S * 4)
+
+    def _busy_steps(self) -> list[int]:
+        """Steps this job handed off on this node that are not durable yet."""
+        assert self.spool is not None
+        busy = set()
+        for path in self.spool.requests(self.job):
+            req, status = read_json(path) or {}, read_json(status_of(path)) or {}
+            if status.get("save_id") != req.get("save_id") or status.get("state") not in (COMMITTED, FAILED, DURABLE):
+                busy.add(int(req.get("step", -1)))
+        return sorted(busy)
+
+    # -- restoring ----------------------------------------------------------------------------
+    def reader_store(self, rel: str, manifest: Manifest) -> Tiered | None:
+        """A store that reads the step's files from the spool where its copies have the
+        manifest's sizes (checksums are verified as they are read), else from the root."""
+        if self.local is None:
+            return None
+        local = set()
+        for name, entry in manifest.files.items():
+            with contextlib.suppress(OSError):
+                if os.path.getsize(self.local.path(rel, name)) == entry.size:
+                    local.add(name)
+        return Tiered(self.store, self.local, local) if local else None
+
+
+class Tiered:
+    """Reads from the node spool the files it holds, and the rest from the root (what the
+    restore's reader needs of a Store). Counts the bytes read from each."""
+
+    def __init__(self, store: Store, local: Store, names: set[str]) -> None:
+        self.store, self.local, self.names = store, local, names
+        self.display = store.display
+        self.bytes = {"spool": 0, "store": 0}
+
+    def _from(self, rel: str) -> str:
+        return "spool" if rel.rsplit("/", 1)[-1] in self.names else "store"
+
+    def read_bytes(self, rel: str) -> bytes:
+        if self._from(rel) == "spool":
+            with contextlib.suppress(NotFound):
+                data = self.local.read_bytes(rel)
+                self.bytes["spool"] += len(data)
+                return data
+        data = self.store.read_bytes(rel)
+        self.bytes["store"] += len(data)
+        return data
+
+    @contextlib.contextmanager
+    def open_read(self, rel: str, ranges: list[tuple[int, int]] | None = None) -> Iterator[BinaryIO]:
+        local: BinaryIO | None = None
+        if self._from(rel) == "spool":
+            with contextlib.suppress(FileNotFoundError):  # pruned by the agent meanwhile: the root has it
+                local = open(self.local.path(rel), "rb")
+        if local is not None:
+            with local:
+                yield _Counting(local, self.bytes, "spool")  # type: ignore[misc]
+            return
+        with self.store.open_read(rel, ranges) as f:
+            yield _Counting(f, self.bytes, "store")  # type: ignore[misc]
+
+    @property
+    def source(self) -> str:
+        """Where most of the bytes came from: "spool" or "store"."""
+        return "spool" if self.bytes["spool"] >= self.bytes["store"] and self.bytes["spool"] else "store"
+
+
+class _Counting(io.RawIOBase):
+    """A file that adds the bytes read through it to a tally."""
+
+    def __init__(self, f: Any, tally: dict[str, int], key: str) -> None:
+        self._f, self._tally, self._key = f, tally, key
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return self._f.seekable()
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        return self._f.seek(offset, whence)
+
+    def tell(self) -> int:
+        return self._f.tell()
+
+    def read(self, n: int = -1) -> bytes:
+        data = self._f.read(n)
+        self._tally[self._key] += len(data)
+        return data
+
+    def readinto(self, b: Any) -> int:
+        n = self._f.readinto(b)
+        self._tally[self._key] += n or 0
+        return n
+
+
+def _doc(manifest: Manifest) -> dict[str, Any]:
+    import json
+
+    return json.loads(manifest.to_json())

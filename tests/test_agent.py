@@ -1,0 +1,263 @@
+"""The node agent (`ckpt agent`) with real trainers: 2 ranks over gloo, the agent a real
+process on a spool directory, the root on the moto S3 server or a local directory.
+
+What it must do: finish and commit a checkpoint whose trainer died after handing it off;
+redo an upload it was killed in the middle of, never committing anything half-written;
+restore restarts on the node from the spool (and from the store when the spool's copy is
+bad); relay a SIGTERM to the ranks as a preemption and finish the emergency checkpoint
+before exiting; serve its own and the ranks' metrics.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import boto3
+import pytest
+from jobs import RANKS, assert_same_training_state, dumps, rank_logs
+from launch import HERE, REPO, free_port, start, wait
+
+import ckpt
+from ckpt.agent import Agent, Config, parse_size
+from ckpt.spool import Request, Spool, job_key, read_json, status_of
+from ckpt.storage import Store
+
+WORKER = HERE / "worker.py"
+
+
+# -- helpers ------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def agent(spool: Path, log: Path, *flags: str, env: dict[str, str] | None = None) -> Iterator[Agentd]:
+    """A `ckpt agent` process on `spool`, serving metrics on a free loopback port."""
+    a = Agentd(spool, log, flags, env)
+    try:
+        yield a
+    finally:
+        a.kill()
+
+
+class Agentd:
+    def __init__(self, spool: Path, log: Path, flags: tuple[str, ...], env: dict[str, str] | None) -> None:
+        self.spool, self.log, self.port = spool, log, free_port()
+        (spool / "agent.json").unlink(missing_ok=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "ckpt.cli", "agent", "--spool", str(spool), "--metrics-port", str(self.port), *flags],
+            env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})},
+            stdout=open(log, "ab"),
+            stderr=subprocess.STDOUT,
+        )
+        deadline = time.monotonic() + 30
+        while Spool(str(spool)).agent() is None:
+            assert self.proc.poll() is None, f"the agent exited: {self.text()}"
+            assert time.monotonic() < deadline, f"the agent did not start: {self.text()}"
+            time.sleep(0.05)
+
+    def text(self) -> str:
+        return self.log.read_text()[-4000:]
+
+    def scrape(self) -> str:
+        return urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=10).read().decode()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def s3_keys(endpoint: str, root: str) -> set[str]:
+    bucket, prefix = root.removeprefix("s3://").split("/", 1)
+    listed = boto3.client("s3", endpoint_url=endpoint).list_objects_v2(Bucket=bucket, Prefix=prefix)
+    return {o["Key"].removeprefix(prefix + "/") for o in listed.get("Contents", [])}
+
+
+def until(what: str, ok, timeout: float = 60, logs=lambda: "") -> None:
+    deadline = time.monotonic() + timeout
+    while not ok():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}\n{logs()}"
+        time.sleep(0.1)
+
+
+def job(log_dir: Path, *args: object, env: dict[str, str] | None = None, timeout: float = 180) -> list[int]:
+    return wait(start(RANKS, WORKER, *map(str, args), env=env, log_dir=log_dir), timeout)
+
+
+# -- 1. the trainer dies after the hand-off; restarts restore from the spool ------------------
+@pytest.mark.slow
+def test_ranks_killed_after_handing_off_still_commit_and_the_restart_reads_the_spool(tmp_path, s3_root, s3_endpoint, straight_run):
+    spool = tmp_path / "spool"
+    common = ("--mode", "fsdp2", "--root", s3_root, "--every", 5)
+    env = {"CKPT_SPOOL": str(spool)}
+    with agent(spool, tmp_path / "agent.log") as a:
+        # Both ranks SIGKILL themselves right after handing step 10 off: nobody of the job is
+        # left to commit it but the agent.
+        codes = job(tmp_path, *common, "--steps", 10, "--no-save-on-exit", env={**env, "CKPT_FAULT": "after_handoff:*:10"})
+        assert codes == [-signal.SIGKILL] * RANKS, rank_logs(tmp_path)
+        until("the agent to commit step 10", lambda: "step-0000000010/manifest.json" in s3_keys(s3_endpoint, s3_root), logs=a.text)
+        assert "committed" in a.text()
+        keys = s3_keys(s3_endpoint, s3_root)
+        assert sum(".durable/" in k and k.startswith("step-0000000010/") for k in keys) == RANKS
+
+        # The restart on the same node: the agent has nothing left to do, the ranks read their
+        # files from the spool, and the run ends as if never interrupted.
+        for r in range(RANKS):
+            (tmp_path / f"rank{r}.log").write_text("")
+        assert job(tmp_path, *common, "--steps", 20, "--out", tmp_path / "resumed", env=env) == [0] * RANKS, rank_logs(tmp_path)
+        resumed = dumps(tmp_path / "resumed")
+        assert [d["restored_step"] for d in resumed] == [10] * RANKS
+        assert_same_training_state(resumed, straight_run("fsdp2").dumps)
+        assert "from the node spool" in rank_logs(tmp_path)
+
+        # A bad spool copy (same size, other bytes) is caught by its checksum and the store's
+        # copy is read instead: the step restored is the same.
+        job_dir = spool / "jobs" / job_key(Store(s3_root))
+        newest = sorted(job_dir.glob("step-*"))[-1]
+        data = newest / "__0_0.distcp"
+        raw = bytearray(data.read_bytes())
+        raw[len(raw) // 2] ^= 0xFF
+        data.write_bytes(bytes(raw))
+        step = int(newest.name.split("-")[1])
+        for r in range(RANKS):
+            (tmp_path / f"rank{r}.log").write_text("")
+        assert job(tmp_path, *common, "--steps", step, "--out", tmp_path / "again", env=env) == [0] * RANKS, rank_logs(tmp_path)
+        assert [d["restored_step"] for d in dumps(tmp_path / "again")] == [step] * RANKS
+        assert "node spool's copies failed" in rank_logs(tmp_path)
+
+
+# -- 2. the agent dies in the middle of an upload ----------------------------------------------
+@pytest.mark.slow
+def test_an_agent_killed_mid_upload_redoes_it_and_nothing_half_written_commits(tmp_path, s3_root, s3_endpoint):
+    spool = tmp_path / "spool"
+    env = {"CKPT_SPOOL": str(spool)}
+    common = ("--mode", "plain", "--root", s3_root, "--every", 5, "--steps", 5, "--no-save-on-exit")
+    with agent(spool, tmp_path / "agent.log", env={"CKPT_FAULT": "agent_upload:1:5"}) as a:
+        codes = job(tmp_path, *common, env={**env, "CKPT_FAULT": "after_handoff:*:5"})
+        assert codes == [-signal.SIGKILL] * RANKS, rank_logs(tmp_path)
+        until("the agent to die in rank 1's upload", lambda: a.proc.poll() is not None, logs=a.text)
+    assert a.proc.returncode == -signal.SIGKILL
+    keys = s3_keys(s3_endpoint, s3_root)
+    assert "step-0000000005/manifest.json" not in keys
+    assert "step-0000000005/__1_0.distcp" not in keys  # an aborted multipart upload: no object
+    assert not any(k.endswith("rank-00001") for k in keys)  # rank 1 never marked durable
+    assert (spool / "jobs").exists()
+
+    with agent(spool, tmp_path / "agent2.log") as a:
+        until("the restarted agent to commit step 5", lambda: "step-0000000005/manifest.json" in s3_keys(s3_endpoint, s3_root), logs=a.text)
+    rc = subprocess.run([sys.executable, "-m", "ckpt.cli", "verify", s3_root, "--deep"], capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert rc.returncode == 0, rc.stdout + rc.stderr
+
+
+# -- 3. SIGTERM to the agent: a preemption of the node -----------------------------------------
+@pytest.mark.slow
+def test_sigterm_to_the_agent_checkpoints_the_ranks_and_it_exits_once_uploaded(tmp_path):
+    root, spool = tmp_path / "root", tmp_path / "spool"
+    env = {"CKPT_SPOOL": str(spool)}
+    with agent(spool, tmp_path / "agent.log", "--bandwidth-limit", "200kB") as a:
+        procs = start(RANKS, WORKER, "--mode", "plain", "--root", str(root), "--steps", "40", "--every", "4", "--step-sleep", "0.2", "--out", str(tmp_path / "stopped"), env=env, log_dir=tmp_path)
+        try:
+            until("step 4 to commit", lambda: (root / "step-0000000004" / "manifest.json").exists(), logs=lambda: rank_logs(tmp_path) + a.text())
+            scraped = a.scrape()
+            a.proc.send_signal(signal.SIGTERM)
+            codes = wait(procs, timeout=60)
+        finally:
+            for p in procs:
+                p.kill()
+        assert codes == [143] * RANKS, f"{codes}\n{rank_logs(tmp_path)}"
+        assert a.proc.wait(timeout=60) == 0, a.text()
+    stop = dumps(tmp_path / "stopped")[0]["step"]
+    assert 4 < stop < 40
+    assert json.loads((root / f"step-{stop:010d}" / "manifest.json").read_text())["step"] == stop
+    assert "preempted (notice file" in rank_logs(tmp_path)
+    assert "every hand-off is uploaded" in a.text()
+
+    # The live scrape, taken while the ranks trained: the agent's series and the ranks' own,
+    # labelled with the job and the rank.
+    names = scraped_names(scraped)
+    assert {"ckpt_agent_upload_queue_depth", "ckpt_agent_uploaded_bytes_total", "ckpt_agent_commits_total", "ckpt_agent_spool_bytes"} <= names
+    job_label = f'job="{job_key(Store(str(root)))}"'
+    for r in range(RANKS):
+        assert any(line.startswith("ckpt_last_committed_step{") and job_label in line and f'rank="{r}"' in line for line in scraped.splitlines()), scraped
+    with contextlib.suppress(ImportError):  # the deployment's dashboard and alerts (deploy/)
+        from deploy_names import metric_names_used
+
+        assert metric_names_used() <= names, sorted(metric_names_used() - names)
+
+
+def scraped_names(text: str) -> set[str]:
+    """The metric names a scrape exposes: sample names (histogram suffixes dropped) and the
+    families announced by # TYPE (a labelled series with no sample yet)."""
+    names = set()
+    for line in text.splitlines():
+        if line.startswith("# TYPE "):
+            names.add(line.split()[2])  # a counter's family is announced with its _total
+        elif line and not line.startswith("#"):
+            names.add(line.split("{")[0].split()[0].removesuffix("_bucket").removesuffix("_sum").removesuffix("_count"))
+    return names
+
+
+# -- 4. a full spool: the ranks write to the store themselves --------------------------------
+def test_a_full_spool_makes_the_rank_write_to_the_root_and_commit_itself(tmp_path, caplog):
+    import torch
+
+    spool, root = tmp_path / "spool", tmp_path / "root"
+    with agent(spool, tmp_path / "agent.log", "--spool-budget", "1"):
+        model = torch.nn.Linear(64, 64)
+        with ckpt.Checkpointer(str(root), model=model, interval=None, spool=str(spool)) as cp:
+            cp.step_done()
+            cp.save(blocking=True)
+    assert (root / "step-0000000001" / "manifest.json").exists()
+    assert "cannot take this save" in caplog.text and "budget" in caplog.text
+    assert not list((spool / "jobs").glob("*/step-*/*.distcp"))
+
+
+# -- 5. the agent alone: a bad spool copy, settings -------------------------------------------
+def test_a_spool_copy_that_does_not_match_the_manifest_is_never_uploaded(tmp_path):
+    """A save handed off, then its spool file changed: the agent fails the hand-off and the
+    root gets neither the file nor a commit. (The agent runs in this process, on a local root.)"""
+    import torch
+
+    spool, root = tmp_path / "spool", tmp_path / "root"
+    with agent(spool, tmp_path / "agent.log", env={"CKPT_FAULT": "agent_upload:0:1:sleep=30"}) as a:
+        with ckpt.Checkpointer(str(root), model=torch.nn.Linear(64, 64), interval=None, spool=str(spool), timeout_s=0.5) as cp:
+            cp.step_done()
+            cp.save(blocking=True)
+        a.kill()  # the hand-off stays pending: the agent below takes it over
+    request = next((spool / "jobs").glob("*/step-0000000001/.requests/rank-00000.json"))
+    data = request.parent.parent / "__0_0.distcp"
+    raw = bytearray(data.read_bytes())
+    raw[-1] ^= 1
+    data.write_bytes(bytes(raw))
+    (spool / "agent.json").unlink()
+    local = Agent(Config(spool=str(spool), metrics_port=-1, retries=1))
+    path = str(request)
+    local._upload(path, Request.from_doc(read_json(path)))
+    status = read_json(status_of(path))
+    assert status["state"] == "failed" and "does not match the manifest" in status["why"]
+    assert not (root / "step-0000000001" / "manifest.json").exists()
+    assert not (root / "step-0000000001" / "__0_0.distcp").exists()
+
+
+def test_settings_come_from_flags_then_environment_then_the_config_file(tmp_path, monkeypatch):
+    conf = tmp_path / "agent.toml"
+    conf.write_text('spool = "/from/file"\nupload_concurrency = 7\nspool_budget = "2GiB"\n[storage_options]\nendpoint_url = "http://x"\n')
+    monkeypatch.setenv("CKPT_AGENT_UPLOAD_CONCURRENCY", "3")
+    c = Config.load(["--config", str(conf), "--bandwidth-limit", "200MB"])
+    assert (c.spool, c.upload_concurrency, c.spool_budget, c.bandwidth_limit) == ("/from/file", 3, 2 << 30, 200_000_000)
+    assert c.storage_options == {"endpoint_url": "http://x"}
+    assert Config.load(["--config", str(conf), "--upload-concurrency", "9"]).upload_concurrency == 9
+    assert parse_size("1.5k") == 1500 and parse_size("4096") == 4096
+    with pytest.raises(ValueError, match="not a size"):
+        parse_size("lots")
+    with pytest.raises(ValueError, match="needs a spool"):
+        Config.load([])
+    conf.write_text("bogus = 1\n")
+    with pytest.raises(ValueError, match="unknown agent settings"):
+        Config.load(["--config", str(conf), "--spool", "/s"])
