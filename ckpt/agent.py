@@ -76,8 +76,9 @@ ORPHAN_AFTER_S = 600.0  # a step directory without a request, untouched this lon
 _SIZE = re.compile(r"^\s*([0-9.]+)\s*([kmgt]?)(i?)b?\s*$", re.IGNORECASE)
 
 
-class Abandoned(Exception):
-    """The agent is stopping: an upload gives up (aborted, no object) and stays pending."""
+class Abandoned(BaseException):
+    """The agent is stopping: an upload gives up (aborted, no object) and stays pending. Not
+    an Exception, so that nothing on the way up takes it for a failed upload to retry."""
 
 
 class SpoolCopyBad(CheckpointError):
@@ -307,14 +308,20 @@ class Agent:
         try:
             while True:
                 now = time.monotonic()
-                self._beat = now
-                self._relay_notice()
-                pending = self._schedule()
-                if now >= housekeeping:
-                    housekeeping = now + HOUSEKEEPING_S
-                    self._check_commits()
-                    self._prune()
-                    self._heartbeat()
+                try:
+                    self._relay_notice()
+                    pending = self._schedule()
+                    if now >= housekeeping:
+                        housekeeping = now + HOUSEKEEPING_S
+                        self._heartbeat()
+                        self._check_commits()
+                        self._prune()
+                    self._beat = now
+                except Exception as e:  # a full disk, a permission: say so, stay up, try again
+                    log.error("agent loop: %s: %s", type(e).__name__, redact(str(e)))
+                    pending = 1
+                    time.sleep(HOUSEKEEPING_S)
+                    continue
                 if self._stop_at is not None and self._drained(pending):
                     log.info("stopping: every hand-off is uploaded and no trainer is left on the node")
                     return 0
@@ -494,11 +501,14 @@ class Agent:
                 log.warning("checking the commit of step %d: %s", request.step, e)
                 continue
             if path in self._waiting and time.time() - request.submitted > self.config.commit_wait:
-                del self._waiting[path]
+                self._waiting.pop(path, None)
                 self._set(path, request, FAILED, f"the other ranks were not durable after {self.config.commit_wait:.0f} s")
 
     def _set(self, path: str, request: Request, state: str, why: str = "") -> None:
-        write_json(status_of(path), {"state": state, "save_id": request.save_id, "step": request.step, "time": time.time(), "why": why})
+        try:
+            write_json(status_of(path), {"state": state, "save_id": request.save_id, "step": request.step, "time": time.time(), "why": why})
+        except OSError as e:  # the spool's disk is full: the next look at the request tries again
+            log.error("cannot record that step %d rank %d is %s: %s", request.step, request.rank, state, e)
 
     def _store(self, request: Request) -> Store:
         options = {**request.storage_options, **self.config.storage_options}

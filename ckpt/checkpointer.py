@@ -238,7 +238,9 @@ class Checkpointer:
             restored, self._taken = restore(self.store, self._ctrl, self.state, self.restore_mode, self._handoff)
             if restored is not None:
                 self._step = self.restored_step = restored.step
-                self.metrics.restored(time.perf_counter() - began, restored.read_bytes, restored.manifest, restored.source)
+                took = time.perf_counter() - began
+                self.metrics.restored(took, restored.read_bytes, restored.manifest, restored.source)
+                log.info("restored step %d in %.2f s, %.1f MB read, mostly from the %s", restored.step, took, restored.read_bytes / 1e6, "node spool" if restored.source == "spool" else "store")
                 self.counters, self.last_commit = restored.counters, restored.manifest
         else:
             self._taken = start_fresh(self.store, self._ctrl)
@@ -612,7 +614,9 @@ class Checkpointer:
             committed = catalog.commit_order(entries)
             others = [e.step for e in entries if e.state != catalog.COMMITTED]
             protect = {just_committed} | ({self.restored_step} if self.restored_step is not None else set())
-            for step in self.keep.to_delete(committed, others, protect=protect):
+            # Handed off to the node agent, not committed yet: never debris to delete.
+            in_flight = self._handoff.pending if self._handoff is not None else ()
+            for step in self.keep.to_delete(committed, others, in_flight=in_flight, protect=protect):
                 log.info("retention: deleting %s", step_dir_name(step))
                 self.store.remove_step(step)
         except CheckpointError as e:  # retention is housekeeping: never fail a save for it

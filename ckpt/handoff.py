@@ -25,7 +25,9 @@ from .spool import (
     COMMITTED,
     DURABLE,
     FAILED,
+    REQUESTS_DIR,
     SPOOL_ENV,
+    STATUS_DIR,
     Request,
     Spool,
     commit_if_complete,
@@ -131,6 +133,9 @@ class Handoff:
                     self._pending.remove(item)
                 if not self._pending or time.monotonic() >= deadline:
                     return done
+                if self.spool is not None and self.spool.agent() is None and all(status for status, _, _ in self._pending):
+                    log.error("the node agent is gone: steps %s stay in the spool %s for the next agent to upload", self.pending, self.spool.path)
+                    return done
             time.sleep(POLL_S)
 
     @property
@@ -138,10 +143,16 @@ class Handoff:
         return [m.step for _, _, m in self._pending]
 
     def _state(self, status: str, save_id: str, manifest: Manifest) -> str | None:
-        if status:
-            doc = read_json(status) or {}
-            return doc.get("state") if doc.get("save_id") == save_id else None
-        return COMMITTED if self.store.exists(f"{step_dir_name(manifest.step)}/{MANIFEST_NAME}") else None
+        committed = f"{step_dir_name(manifest.step)}/{MANIFEST_NAME}"
+        if not status:  # written to the root by this rank
+            return COMMITTED if self.store.exists(committed) else None
+        doc = read_json(status) or {}
+        if doc.get("save_id") == save_id:
+            return doc.get("state")
+        if os.path.exists(status.replace(f"/{STATUS_DIR}/", f"/{REQUESTS_DIR}/")):
+            return None  # not looked at yet
+        # The agent is done with it and pruned it from the spool: the root says how it ended.
+        return COMMITTED if self.store.exists(committed) else FAILED
 
     @staticmethod
     def _why(status: str) -> str:

@@ -132,7 +132,28 @@ def test_ranks_killed_after_handing_off_still_commit_and_the_restart_reads_the_s
         assert "node spool's copies failed" in rank_logs(tmp_path)
 
 
-# -- 2. the agent dies in the middle of an upload ----------------------------------------------
+# -- 2. ranks on two nodes: the last one durable commits ------------------------------------
+@pytest.mark.slow
+def test_ranks_on_two_nodes_one_without_an_agent_commit_by_whoever_is_last(tmp_path):
+    """Rank 0's node has a slow agent; rank 1's node has none, so rank 1 writes to the root
+    itself and marks itself durable. The agent, always last, commits every save."""
+    root = tmp_path / "root"
+    env = {"TEST_SPOOL_OF_RANK": str(tmp_path / "node{rank}")}
+    (tmp_path / "node1").mkdir()
+    with agent(tmp_path / "node0", tmp_path / "agent.log", "--bandwidth-limit", "100kB") as a:
+        assert job(tmp_path, "--mode", "plain", "--root", root, "--steps", 10, "--every", 5, "--out", tmp_path / "out", env=env) == [0] * RANKS, rank_logs(tmp_path)
+        assert a.text().count("committed") == 2, a.text()
+        assert "ckpt_agent_commits_total 2.0" in a.scrape()
+    assert [d["step"] for d in dumps(tmp_path / "out")] == [10] * RANKS
+    for step in (5, 10):
+        durable = sorted(p.name.split(".")[1] for p in (root / f"step-{step:010d}" / ".durable").iterdir())
+        assert durable == ["rank-00000", "rank-00001"]
+    assert not list((tmp_path / "node1").rglob("*.distcp"))  # rank 1 wrote to the root
+    rc = subprocess.run([sys.executable, "-m", "ckpt.cli", "verify", str(root), "--deep"], capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert rc.returncode == 0, rc.stdout + rc.stderr
+
+
+# -- 3. the agent dies in the middle of an upload ----------------------------------------------
 @pytest.mark.slow
 def test_an_agent_killed_mid_upload_redoes_it_and_nothing_half_written_commits(tmp_path, s3_root, s3_endpoint):
     spool = tmp_path / "spool"
@@ -155,7 +176,7 @@ def test_an_agent_killed_mid_upload_redoes_it_and_nothing_half_written_commits(t
     assert rc.returncode == 0, rc.stdout + rc.stderr
 
 
-# -- 3. SIGTERM to the agent: a preemption of the node -----------------------------------------
+# -- 4. SIGTERM to the agent: a preemption of the node -----------------------------------------
 @pytest.mark.slow
 def test_sigterm_to_the_agent_checkpoints_the_ranks_and_it_exits_once_uploaded(tmp_path):
     root, spool = tmp_path / "root", tmp_path / "spool"
@@ -166,7 +187,11 @@ def test_sigterm_to_the_agent_checkpoints_the_ranks_and_it_exits_once_uploaded(t
             until("step 4 to commit", lambda: (root / "step-0000000004" / "manifest.json").exists(), logs=lambda: rank_logs(tmp_path) + a.text())
             scraped = a.scrape()
             a.proc.send_signal(signal.SIGTERM)
+            began = time.monotonic()
             codes = wait(procs, timeout=60)
+            # The ranks leave once the agent committed their last save: not after timeout_s
+            # (60 s here), even though the agent prunes what it committed from the spool.
+            assert time.monotonic() - began < 30
         finally:
             for p in procs:
                 p.kill()
@@ -203,7 +228,27 @@ def scraped_names(text: str) -> set[str]:
     return names
 
 
-# -- 4. a full spool: the ranks write to the store themselves --------------------------------
+@pytest.mark.slow
+def test_after_its_grace_period_a_stopping_agent_abandons_uploads_safely_and_the_next_one_redoes_them(tmp_path):
+    root, spool = tmp_path / "root", tmp_path / "spool"
+    env = {"CKPT_SPOOL": str(spool), "CKPT_FAULT": "after_handoff:*:5"}
+    with agent(spool, tmp_path / "agent.log", "--bandwidth-limit", "20kB", "--shutdown-grace", "1") as a:
+        codes = job(tmp_path, "--mode", "plain", "--root", root, "--steps", 5, "--every", 5, env=env)
+        assert codes == [-signal.SIGKILL] * RANKS, rank_logs(tmp_path)
+        until("an upload to start", lambda: "uploading" in json.dumps([read_json(p) for p in spool.rglob(".status/*.json")]), logs=a.text)
+        began = time.monotonic()
+        a.proc.send_signal(signal.SIGTERM)
+        assert a.proc.wait(timeout=30) == 0, a.text()
+        assert time.monotonic() - began < 10
+    assert "left in the spool for the next agent" in a.text()
+    assert "abandoned" in a.text()
+    assert not (root / "step-0000000005" / "manifest.json").exists()
+    assert not (root / "step-0000000005" / "__0_0.distcp").exists()  # abandoned: no partial file
+    with agent(spool, tmp_path / "agent2.log") as a:
+        until("the next agent to commit step 5", lambda: (root / "step-0000000005" / "manifest.json").exists(), logs=a.text)
+
+
+# -- 5. a full spool: the ranks write to the store themselves --------------------------------
 def test_a_full_spool_makes_the_rank_write_to_the_root_and_commit_itself(tmp_path, caplog):
     import torch
 
@@ -218,18 +263,25 @@ def test_a_full_spool_makes_the_rank_write_to_the_root_and_commit_itself(tmp_pat
     assert not list((spool / "jobs").glob("*/step-*/*.distcp"))
 
 
-# -- 5. the agent alone: a bad spool copy, settings -------------------------------------------
-def test_a_spool_copy_that_does_not_match_the_manifest_is_never_uploaded(tmp_path):
-    """A save handed off, then its spool file changed: the agent fails the hand-off and the
-    root gets neither the file nor a commit. (The agent runs in this process, on a local root.)"""
+# -- 6. the agent alone: a bad spool copy, settings -------------------------------------------
+def test_a_trainer_does_not_wait_for_a_dead_agent_and_a_bad_spool_copy_is_never_uploaded(tmp_path, caplog):
+    """The agent dies during an upload while the trainer waits at exit for the commit: the
+    trainer leaves once the agent's heartbeat is stale, not after timeout_s. Then the spool
+    file is changed: the next agent fails the hand-off and the root gets neither the file nor
+    a commit. (That agent runs in this process, on a local root.)"""
+    import threading
+
     import torch
 
     spool, root = tmp_path / "spool", tmp_path / "root"
-    with agent(spool, tmp_path / "agent.log", env={"CKPT_FAULT": "agent_upload:0:1:sleep=30"}) as a:
-        with ckpt.Checkpointer(str(root), model=torch.nn.Linear(64, 64), interval=None, spool=str(spool), timeout_s=0.5) as cp:
+    with agent(spool, tmp_path / "agent.log", env={"CKPT_FAULT": "agent_upload:0:1:sleep=60"}) as a:
+        threading.Timer(2.0, a.kill).start()
+        began = time.monotonic()
+        with ckpt.Checkpointer(str(root), model=torch.nn.Linear(64, 64), interval=None, spool=str(spool), timeout_s=600) as cp:
             cp.step_done()
             cp.save(blocking=True)
-        a.kill()  # the hand-off stays pending: the agent below takes it over
+        assert time.monotonic() - began < 30
+    assert "the node agent is gone: steps [1] stay in the spool" in caplog.text
     request = next((spool / "jobs").glob("*/step-0000000001/.requests/rank-00000.json"))
     data = request.parent.parent / "__0_0.distcp"
     raw = bytearray(data.read_bytes())
@@ -258,6 +310,37 @@ def test_settings_come_from_flags_then_environment_then_the_config_file(tmp_path
         parse_size("lots")
     with pytest.raises(ValueError, match="needs a spool"):
         Config.load([])
+    example = Config.load(["--config", str(REPO / "agents" / "ckpt-agent.toml")])  # the shipped example
+    assert (example.spool, example.spool_budget, example.log_format) == ("/var/lib/ckpt-spool", 200 << 30, "json")
     conf.write_text("bogus = 1\n")
     with pytest.raises(ValueError, match="unknown agent settings"):
         Config.load(["--config", str(conf), "--spool", "/s"])
+
+
+def test_a_notice_file_given_to_the_agent_asks_the_ranks_of_the_node_to_stop(tmp_path, monkeypatch):
+    from ckpt import preempt
+
+    monkeypatch.setattr(preempt, "CHECK_EVERY_S", 0.0)
+    spool, notice = tmp_path / "spool", tmp_path / "cloud-notice"
+    local = Agent(Config(spool=str(spool), metrics_port=-1, preempt_file=str(notice)))
+    rank = preempt.Preemption()
+    rank.watch(Spool(str(spool)).notice_file)  # what a Checkpointer on the node watches
+    rank.start(sigterm=False)
+    local._relay_notice()
+    assert not rank.asked()
+    notice.touch()
+    local._relay_notice()
+    assert rank.asked() and "spool/preempt" in rank.why
+    assert local.preemptions._value.get() == 1
+
+
+def test_json_logs_carry_the_record_and_no_credentials():
+    import logging
+
+    from ckpt.agent import JsonFormatter
+
+    record = logging.LogRecord("ckpt.agent", logging.INFO, __file__, 1, "uploading to %s", ("s3://AKIAXXX:hunter2@bucket/run",), None)
+    record.step = 5
+    doc = json.loads(JsonFormatter().format(record))
+    assert doc["level"] == "info" and doc["step"] == 5 and doc["logger"] == "ckpt.agent"
+    assert "hunter2" not in doc["message"] and "bucket/run" in doc["message"]

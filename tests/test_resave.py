@@ -38,7 +38,7 @@ def _state(step: int, note: str) -> dict:
 
 def _persist(root: Path, step: int, staged: dict, stager: Stager, resaver: Resaver) -> None:
     store = Store(root)
-    persist(store, Group(None, 0, 1), step, staged, sink=ThreadSink(store), arenas=stager.arenas, resaver=resaver,
+    persist(store, Group(None, 0, 1), step, staged, sinks=ThreadSink, arenas=stager.arenas, resaver=resaver,
             counters={}, user={}, blocking_s=0.0, started=0.0)
 
 

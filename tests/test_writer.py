@@ -107,7 +107,7 @@ def _save(root: Path, monkeypatch, writer: str) -> Path:
     with ckpt.Checkpointer(root, extra={"t": Holder(_state())}, interval=None, handle_sigterm=False) as cp:
         cp.step_done()
         cp.save(blocking=True)
-        kind = type(cp._sink).__name__
+        kind = type(cp._sinks.get(cp.store.url)).__name__
     assert kind == {"process": "ProcessSink", "thread": "ThreadSink"}[writer]
     return root / "step-0000000001"
 
@@ -138,8 +138,8 @@ def _train(root: Path, steps: int, every: int) -> tuple[ckpt.Checkpointer, list[
             opt.zero_grad()
             cp.step_done()
             cp.wait()
-            if cp._sink is not None:
-                pids.append(cp._sink.proc.pid)
+            if cp._sinks.get(cp.store.url) is not None:
+                pids.append(cp._sinks.get(cp.store.url).proc.pid)
     return cp, pids
 
 
@@ -160,9 +160,9 @@ def test_the_writer_process_dies_with_a_killed_trainer(tmp_path):
         with ckpt.Checkpointer({str(tmp_path / "root")!r}, model=model, interval=None, handle_sigterm=False) as cp:
             cp.step_done()
             cp.save()  # the writer stalls in this save (CKPT_FAULT below)
-            while cp._sink is None:
+            while cp._sinks.get(cp.store.url) is None:
                 time.sleep(0.05)
-            print(cp._sink.proc.pid, flush=True)
+            print(cp._sinks.get(cp.store.url).proc.pid, flush=True)
             time.sleep(60)
         """
     )
@@ -243,7 +243,7 @@ def test_tensors_staged_in_two_arenas_are_written_from_the_right_one(tmp_path, w
     store = Store(tmp_path)
     sink = ProcessSink(store) if writer == "process" else ThreadSink(store)
     try:
-        persist(store, Group(None, 0, 1), 1, {"extra": staged}, sink=sink, arenas=arenas, resaver=Resaver(), counters={}, user={}, blocking_s=0.0, started=time.perf_counter())
+        persist(store, Group(None, 0, 1), 1, {"extra": staged}, sinks=lambda _: sink, arenas=arenas, resaver=Resaver(), counters={}, user={}, blocking_s=0.0, started=time.perf_counter())
     finally:
         sink.close()
     assert len({s for a in arenas for s in a.segments}) == 2
@@ -285,7 +285,7 @@ def test_a_hung_writer_fails_its_save_within_the_timeout_and_the_next_save_commi
     with ckpt.Checkpointer(tmp_path, model=model, interval=None, timeout_s=2, handle_sigterm=False, on_error="log") as cp:
         cp.step_done()
         cp.save(blocking=True)
-        os.kill(cp._sink.proc.pid, signal.SIGSTOP)  # a writer stuck in a hung store
+        os.kill(cp._sinks.get(cp.store.url).proc.pid, signal.SIGSTOP)  # a writer stuck in a hung store
         cp.step_done()
         started = time.monotonic()
         with pytest.raises(ckpt.SaveFailed, match="gave no answer within 2 s"):
@@ -303,7 +303,7 @@ def test_storage_options_the_writer_process_cannot_take_fall_back_to_a_thread(tm
     with ckpt.Checkpointer(str(tmp_path), model=model, interval=None, storage_options=options, handle_sigterm=False) as cp:
         cp.step_done()
         cp.save(blocking=True)
-        assert type(cp._sink).__name__ == "ThreadSink"
+        assert type(cp._sinks.get(cp.store.url)).__name__ == "ThreadSink"
     assert "cannot start the writer process" in caplog.text
     assert (tmp_path / "step-0000000001/manifest.json").exists()
 
@@ -317,7 +317,7 @@ def test_sigterm_to_the_whole_process_group_still_commits_the_preemption_checkpo
             for i in range(1000):
                 time.sleep(0.05)
                 cp.step_done()
-                if cp._sink is not None and i == 5:
+                if cp._sinks.get(cp.store.url) is not None and i == 5:
                     print("ready", flush=True)
         """
     )

@@ -45,6 +45,8 @@ def main() -> None:
     if world > 1:
         dist.init_process_group("gloo")
     rank = dist.get_rank() if world > 1 else 0
+    if os.environ.get("TEST_SPOOL_OF_RANK"):  # each rank on a "node" of its own
+        os.environ["CKPT_SPOOL"] = os.environ["TEST_SPOOL_OF_RANK"].format(rank=rank)
     random.seed(100 + rank)
     np.random.seed(200 + rank)
     torch.manual_seed(300 + rank)
