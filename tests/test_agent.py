@@ -119,7 +119,9 @@ def test_ranks_killed_after_handing_off_still_commit_and_the_restart_reads_the_s
         # A bad spool copy (same size, other bytes) is caught by its checksum and the store's
         # copy is read instead: the step restored is the same.
         job_dir = spool / "jobs" / job_key(Store(s3_root))
-        newest = sorted(job_dir.glob("step-*"))[-1]
+        # The spool keeps the newest --keep-spool (2) committed checkpoints of the job.
+        until("the spool's retention", lambda: sorted(p.name for p in job_dir.glob("step-*")) == ["step-0000000015", "step-0000000020"], logs=a.text)
+        newest = job_dir / "step-0000000020"
         data = newest / "__0_0.distcp"
         raw = bytearray(data.read_bytes())
         raw[len(raw) // 2] ^= 0xFF
@@ -268,7 +270,9 @@ def test_a_trainer_does_not_wait_for_a_dead_agent_and_a_bad_spool_copy_is_never_
     """The agent dies during an upload while the trainer waits at exit for the commit: the
     trainer leaves once the agent's heartbeat is stale, not after timeout_s. Then the spool
     file is changed: the next agent fails the hand-off and the root gets neither the file nor
-    a commit. (That agent runs in this process, on a local root.)"""
+    a commit. Mended, the hand-off goes through a root that fails for a while, retried.
+    (These agents run in this process, on a local root.)"""
+    import shutil
     import threading
 
     import torch
@@ -295,6 +299,21 @@ def test_a_trainer_does_not_wait_for_a_dead_agent_and_a_bad_spool_copy_is_never_
     assert status["state"] == "failed" and "does not match the manifest" in status["why"]
     assert not (root / "step-0000000001" / "manifest.json").exists()
     assert not (root / "step-0000000001" / "__0_0.distcp").exists()
+
+    # The copy mended and the hand-off tried again, against a root that fails for a while
+    # (a file where the step's directory must go): retried with backoff, then committed.
+    raw[-1] ^= 1
+    data.write_bytes(bytes(raw))
+    os.remove(status_of(path))
+    shutil.rmtree(root / "step-0000000001")
+    (root / "step-0000000001").write_text("in the way")
+    threading.Timer(1.5, (root / "step-0000000001").unlink).start()
+    retrying = Agent(Config(spool=str(spool), metrics_port=-1, retries=5))
+    retrying._upload(path, Request.from_doc(read_json(path)))
+    assert read_json(status_of(path))["state"] == "committed"
+    assert (root / "step-0000000001" / "manifest.json").exists()
+    assert retrying.failures.labels("StorageError")._value.get() >= 1
+    assert "try 2 of 5" in caplog.text
 
 
 def test_settings_come_from_flags_then_environment_then_the_config_file(tmp_path, monkeypatch):
