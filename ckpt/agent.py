@@ -21,9 +21,8 @@ defaults below. Uploads use the agent's own credentials (the environment: AWS_*)
 
 from __future__ import annotations
 
-import argparse
 import concurrent.futures
-import dataclasses
+import contextlib
 import http.server
 import json
 import logging
@@ -34,7 +33,6 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -43,7 +41,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from . import __version__
 from ._faults import fault_point
-from .errors import CheckpointError
+from .agent_config import Config, JsonFormatter
+from .errors import CheckpointError, InvalidCheckpoint
 from .manifest import FileEntry
 from .metrics import failure_kind
 from .spool import (
@@ -57,14 +56,16 @@ from .spool import (
     Spool,
     check_request,
     commit_if_complete,
+    committed_as_requested,
     listdir,
     mark_durable,
     marker_name,
     read_json,
     status_of,
+    superseded,
     write_json,
 )
-from .storage import Hasher, Store, redact
+from .storage import Hasher, Store, Transfer, redact
 
 log = logging.getLogger("ckpt.agent")
 
@@ -73,7 +74,6 @@ LOOP_S = 0.2  # how often the spool is looked at for new requests
 HOUSEKEEPING_S = 2.0  # how often commits are looked for, usage counted, the spool pruned
 TRAINER_STALE_S = 15.0  # a rank's metrics file older than this: no live trainer behind it
 ORPHAN_AFTER_S = 600.0  # a step directory without a request, untouched this long: a crashed write
-_SIZE = re.compile(r"^\s*([0-9.]+)\s*([kmgt]?)(i?)b?\s*$", re.IGNORECASE)
 
 
 class Abandoned(BaseException):
@@ -85,121 +85,8 @@ class SpoolCopyBad(CheckpointError):
     """The spool's copy of a file does not match the manifest: never uploaded, never committed."""
 
 
-def parse_size(text: str | int | None) -> int:
-    """'50GiB', '200MB', '1.5G', '4096' -> bytes (k/m/g/t: powers of 1000; with i: 1024)."""
-    if text is None or isinstance(text, int):
-        return int(text or 0)
-    m = _SIZE.match(str(text))
-    if not m:
-        raise ValueError(f"not a size: {text!r} (say 50GiB, 200MB, 4096)")
-    power = " kmgt".index(m.group(2).lower() or " ")
-    return int(float(m.group(1)) * (1024 if m.group(3) else 1000) ** power)
-
-
-@dataclass
-class Config:
-    spool: str = ""
-    metrics_port: int = 9400  # 0: any free port; -1: not served
-    metrics_addr: str = "127.0.0.1"
-    upload_concurrency: int = 4
-    bandwidth_limit: int = 0  # bytes per second over all uploads; 0: unlimited
-    spool_budget: int = 0  # bytes the spool may hold; 0: the disk's size
-    keep_spool: int = 2  # committed checkpoints of each job kept in the spool
-    preempt_file: str = ""  # a notice file to relay to the ranks (a cloud's preemption notice)
-    shutdown_grace: float = 120.0  # seconds after SIGTERM before uploads are abandoned
-    retries: int = 5  # tries of a request before it fails
-    commit_wait: float = 3600.0  # seconds a durable rank waits for the others before giving up
-    log_format: str = "text"
-    storage_options: dict[str, Any] = field(default_factory=dict)
-
-    @classmethod
-    def load(cls, argv: list[str] | None = None) -> Config:
-        args = parser().parse_args(argv)
-        given: dict[str, Any] = {}
-        path = args.config or os.environ.get("CKPT_AGENT_CONFIG")
-        if path:
-            given.update(_read_config(path))
-        for f in dataclasses.fields(cls):
-            env = os.environ.get(f"CKPT_AGENT_{f.name.upper()}")
-            if env is not None and f.name != "storage_options":
-                given[f.name] = env
-            flag = getattr(args, f.name, None)
-            if flag is not None:
-                given[f.name] = flag
-        unknown = set(given) - {f.name for f in dataclasses.fields(cls)}
-        if unknown:
-            raise ValueError(f"unknown agent settings: {sorted(unknown)}")
-        config = cls(**{k: _coerce(k, v) for k, v in given.items()})
-        if not config.spool:
-            raise ValueError("the agent needs a spool directory: --spool, CKPT_AGENT_SPOOL or `spool` in the config file")
-        if config.log_format not in ("text", "json"):
-            raise ValueError(f"log_format is text or json, not {config.log_format!r}")
-        if config.upload_concurrency < 1 or config.retries < 1:
-            raise ValueError("upload_concurrency and retries must be at least 1")
-        return config
-
-
-def _read_config(path: str) -> dict[str, Any]:
-    try:
-        import tomllib
-    except ImportError:  # Python 3.10
-        raise ValueError("a config file needs Python 3.11 or later (tomllib); use flags or CKPT_AGENT_* variables") from None
-    try:
-        with open(path, "rb") as f:
-            doc = tomllib.load(f)
-    except (OSError, tomllib.TOMLDecodeError) as e:
-        raise ValueError(f"cannot read the agent's config file {path}: {e}") from None
-    return dict(doc.get("agent", doc))
-
-
-def _coerce(name: str, value: Any) -> Any:
-    kind = {f.name: f.type for f in dataclasses.fields(Config)}[name]
-    if name in ("bandwidth_limit", "spool_budget"):
-        return parse_size(value)
-    if name == "storage_options":
-        if not isinstance(value, dict):
-            raise ValueError("storage_options must be a table")
-        return value
-    try:
-        return {"int": int, "float": float, "str": str}[kind](value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{name} must be {kind}, not {value!r}") from None
-
-
-def parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
-    p = p or argparse.ArgumentParser(prog="ckpt agent")
-    p.add_argument("--spool", help="the node spool: a local directory the ranks of this node share")
-    p.add_argument("--metrics-port", type=int, help="serve /metrics and /healthz here (default 9400; -1: not at all)")
-    p.add_argument("--metrics-addr", help="the address to serve on (default 127.0.0.1)")
-    p.add_argument("--upload-concurrency", type=int, help="files uploaded at the same time (default 4)")
-    p.add_argument("--bandwidth-limit", help="bytes per second over all uploads: 200MB, 1GiB (default: unlimited)")
-    p.add_argument("--spool-budget", help="bytes the spool may hold: 50GiB (default: the disk); a full spool makes ranks write to the store")
-    p.add_argument("--keep-spool", type=int, help="committed checkpoints of each job kept in the spool (default 2)")
-    p.add_argument("--preempt-file", help="a preemption notice file to relay to the ranks of this node")
-    p.add_argument("--shutdown-grace", type=float, help="seconds after SIGTERM before uploads are abandoned (default 120)")
-    p.add_argument("--retries", type=int, help="tries of a hand-off's upload before it fails (default 5)")
-    p.add_argument("--commit-wait", type=float, help="seconds a durable rank waits for the other ranks (default 3600)")
-    p.add_argument("--log-format", choices=["text", "json"], help="log lines as text or JSON objects")
-    p.add_argument("--config", help="a TOML file of these settings (env CKPT_AGENT_CONFIG)")
-    return p
-
-
-class JsonFormatter(logging.Formatter):
-    """One JSON object per line: time, level, logger, message, and the record's extras."""
-
-    _PLAIN = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime"}
-
-    def format(self, record: logging.LogRecord) -> str:
-        doc = {
-            "time": round(record.created, 3),
-            "level": record.levelname.lower(),
-            "logger": record.name,
-            "message": redact(record.getMessage()),
-        }
-        doc.update({k: v for k, v in vars(record).items() if k not in self._PLAIN})
-        if record.exc_info:
-            doc["error"] = redact(self.formatException(record.exc_info))
-        return json.dumps(doc, default=str)
+class Superseded(CheckpointError):
+    """A later save of the same step owns the step directory: this hand-off uploads nothing."""
 
 
 class _Limiter:
@@ -286,23 +173,29 @@ class Agent:
         self._budget = config.spool_budget or _disk_size(self.spool.path)
         self.budget.set(self._budget)
         self._limiter = _Limiter(config.bandwidth_limit)
+        self._transfer = Transfer(concurrency=config.part_concurrency)
         self._pool = concurrent.futures.ThreadPoolExecutor(config.upload_concurrency, thread_name_prefix="ckpt-upload")
+        self._checker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ckpt-commits")
+        self._checking: concurrent.futures.Future[None] | None = None
         self._running: dict[str, concurrent.futures.Future[None]] = {}  # request path -> its upload
-        self._waiting: dict[str, Request] = {}  # durable, waiting for the other ranks
+        self._waiting: dict[tuple[str, str], tuple[str, Request, float]] = {}  # (path, save id) -> durable since
+        self._requests: dict[str, tuple[float, Request | None]] = {}  # path -> (mtime, parsed)
         self._stores: dict[str, Store] = {}
         self._lock = threading.Lock()
         self._stop_at: float | None = None  # SIGTERM: when the grace period ends
         self._abandon = threading.Event()
         self._started = time.time()
-        self._beat = time.monotonic()
-        self._used = 0
-        self._notice_seen = self._mtime(config.preempt_file)
+        self._beat = time.monotonic()  # the main loop's last pass
+        self._usage = {"used": 0, "evictable": 0, "free": 0}
+        self._largest = 0  # bytes of the largest step directory seen: room kept free for the next save
+        self._notice_seen = _mtime(config.preempt_file)
         self._server: http.server.ThreadingHTTPServer | None = None
 
     # -- the loop ---------------------------------------------------------------------------
     def run(self) -> int:
         self.serve()
         self._heartbeat()
+        threading.Thread(target=self._heartbeats, name="ckpt-agent-heartbeat", daemon=True).start()
         log.info("agent %s on spool %s (budget %.2f GB, %d uploads at a time)", __version__, self.spool.path, self._budget / 1e9, self.config.upload_concurrency)
         housekeeping = 0.0
         try:
@@ -313,8 +206,8 @@ class Agent:
                     pending = self._schedule()
                     if now >= housekeeping:
                         housekeeping = now + HOUSEKEEPING_S
-                        self._heartbeat()
-                        self._check_commits()
+                        if self._checking is None or self._checking.done():  # store calls: off the loop
+                            self._checking = self._checker.submit(self._check_commits)
                         self._prune()
                     self._beat = now
                 except Exception as e:  # a full disk, a permission: say so, stay up, try again
@@ -332,8 +225,10 @@ class Agent:
         finally:
             self._abandon.set()
             self._pool.shutdown(wait=True, cancel_futures=True)
+            self._checker.shutdown(wait=True, cancel_futures=True)
             self.close()
-            write_json(self.spool.agent_file, {"pid": os.getpid(), "version": __version__, "stopped": time.time()})
+            with contextlib.suppress(OSError):
+                write_json(self.spool.agent_file, {"pid": os.getpid(), "version": __version__, "stopped": time.time()})
 
     def stop(self, why: str) -> None:
         """Finish the uploads in flight (within the grace period); tell the ranks to stop."""
@@ -347,20 +242,16 @@ class Agent:
         """Ask the ranks of this node to checkpoint at their next step and stop."""
         log.warning("preemption (%s): asking the ranks of this node to checkpoint", why)
         self.preemptions.inc()
-        write_json(self.spool.notice_file, {"time": time.time(), "why": why})
+        try:
+            write_json(self.spool.notice_file, {"time": time.time(), "why": why})
+        except OSError as e:  # a full disk: the ranks' own SIGTERM is left
+            log.error("cannot write the preemption notice %s: %s", self.spool.notice_file, e)
 
     def _relay_notice(self) -> None:
-        mtime = self._mtime(self.config.preempt_file)
+        mtime = _mtime(self.config.preempt_file)
         if mtime is not None and mtime != self._notice_seen:
             self._notice_seen = mtime
             self.notify(f"notice file {self.config.preempt_file}")
-
-    @staticmethod
-    def _mtime(path: str) -> float | None:
-        try:
-            return os.stat(path).st_mtime_ns / 1e9 if path else None
-        except OSError:
-            return None
 
     def _drained(self, pending: int) -> bool:
         if pending or self._running:
@@ -372,6 +263,14 @@ class Agent:
             live = []
         return not live
 
+    def _heartbeats(self) -> None:
+        """Its own thread: a main loop slowed by the store is not a dead agent to the ranks."""
+        while not self._abandon.wait(1.0):
+            try:
+                self._heartbeat()
+            except OSError as e:
+                log.error("cannot write the heartbeat %s: %s", self.spool.agent_file, e)
+
     def _heartbeat(self) -> None:
         write_json(self.spool.agent_file, {
             "pid": os.getpid(),
@@ -379,12 +278,23 @@ class Agent:
             "started": self._started,
             "heartbeat": time.time(),
             "budget": self._budget,
-            "used": self._used,
+            **self._usage,
             "queue": len(self._running),
             "stopping": self._stop_at is not None,
         })
 
     # -- requests ---------------------------------------------------------------------------
+    def _request(self, path: str) -> Request | None:
+        """A request file, parsed once per version of it."""
+        try:
+            mtime = os.stat(path).st_mtime_ns
+        except OSError:
+            return None
+        cached = self._requests.get(path)
+        if cached is None or cached[0] != mtime:
+            cached = self._requests[path] = (mtime, _load(path))
+        return cached[1]
+
     def _schedule(self) -> int:
         """Start the uploads of new requests; return how many are not durable yet."""
         depth, waiting_bytes = 0, 0
@@ -392,13 +302,16 @@ class Agent:
             for path, fut in list(self._running.items()):
                 if fut.done():
                     del self._running[path]
-        for path in self.spool.requests():
-            request = _load(path)
-            status = read_json(status_of(path)) or {}
-            if request is None or (status.get("save_id") == request.save_id and status.get("state") in (COMMITTED, FAILED)):
+        paths = self.spool.requests()
+        for gone in set(self._requests) - set(paths):
+            del self._requests[gone]
+        for path in paths:
+            request = self._request(path)
+            state = request.state(read_json(status_of(path))) if request is not None else None
+            if request is None or state in (COMMITTED, FAILED):
                 continue
-            if status.get("save_id") == request.save_id and status.get("state") == DURABLE:
-                self._waiting.setdefault(path, request)
+            if state == DURABLE:
+                self._waiting.setdefault((path, request.save_id), (path, request, time.time()))
                 continue
             depth += 1
             waiting_bytes += sum(_size(path, n) for n in request.files)
@@ -410,40 +323,52 @@ class Agent:
         return depth
 
     def _upload(self, path: str, request: Request) -> None:
-        """Upload one rank's files, mark them durable, commit if last; retried with backoff."""
+        """Upload one rank's files, mark them durable, commit if last. A failure of the store
+        is retried with backoff (until `retries` tries, or `commit_wait` seconds); a request
+        that can never be right (invalid, a bad spool copy, superseded) fails at once."""
         began = time.monotonic()
         where = {"job": os.path.basename(os.path.dirname(os.path.dirname(os.path.dirname(path)))), "step": request.step, "rank": request.rank}
-        for attempt in range(1, self.config.retries + 1):
+        attempt = 0
+        while True:
+            attempt += 1
             try:
                 self._set(path, request, UPLOADING)
                 check_request(request)
                 store = self._store(request)
+                why = superseded(store, request) or (committed_as_requested(store, request) is False and "its step was committed by another save")
+                if why:
+                    raise Superseded(why)
                 done = self._send(path, request, store)
                 self.uploaded.inc(done)
+                why = superseded(store, request)  # claimed while this uploaded: no marker for it
+                if why:
+                    raise Superseded(why)
                 mark_durable(store, request.rel, request.save_id, request.rank, {n: request.manifest["files"][n]["checksum"] for n in request.files})
                 self.uploads.labels("durable").inc()
                 self.upload_time.observe(time.monotonic() - began)
                 log.info("step %d rank %d durable in %s (%.1f MB in %.2f s)", request.step, request.rank, store.display, done / 1e6, time.monotonic() - began, extra=where)
-                self._set(path, request, DURABLE)
-                self._try_commit(path, request, store)
+                # IMPORTANT: the commit is tried before the status says durable, so that when
+                # every rank of the node reads durable, the last marker's commit was tried.
+                self._try_commit(path, request, store, durable_since=time.time())
                 return
             except Abandoned:
                 log.warning("upload of step %d rank %d abandoned (the agent is stopping); left for the next agent", request.step, request.rank, extra=where)
                 return
-            except SpoolCopyBad as e:
+            except (SpoolCopyBad, Superseded, InvalidCheckpoint) as e:
                 self._fail(path, request, str(e), e, where)
                 return
             except Exception as e:
                 self.failures.labels(failure_kind(e)).inc()
-                if attempt == self.config.retries:
+                late = time.time() - request.submitted > self.config.commit_wait
+                if (self.config.retries and attempt >= self.config.retries) or late:
                     self._fail(path, request, f"{type(e).__name__}: {e}", e, where)
                     return
                 wait = min(2.0 ** (attempt - 1), 30.0)
-                log.warning("upload of step %d rank %d failed (%s); try %d of %d in %.0f s", request.step, request.rank, redact(str(e)), attempt + 1, self.config.retries, wait, extra=where)
+                log.warning("upload of step %d rank %d failed (%s); try %d in %.0f s", request.step, request.rank, redact(str(e)), attempt + 1, wait, extra=where)
                 if self._abandon.wait(wait):
                     return
 
-    def _fail(self, path: str, request: Request, why: str, e: Exception, where: dict[str, Any]) -> None:
+    def _fail(self, path: str, request: Request, why: str, e: BaseException, where: dict[str, Any]) -> None:
         self.uploads.labels("failed").inc()
         self.failures.labels(failure_kind(e)).inc()
         log.error("hand-off of step %d rank %d failed: %s", request.step, request.rank, redact(why), extra=where)
@@ -455,11 +380,8 @@ class Agent:
         if store.exists(f"{request.rel}/{DURABLE_DIR}/{marker_name(request.save_id, request.rank)}"):
             return 0
         step_dir = os.path.dirname(os.path.dirname(path))
-        sent = 0
-        for name in request.files:
-            entry = _entry(request, name)
-            sent += self._send_file(os.path.join(step_dir, name), store, f"{request.rel}/{name}", entry, request)
-        return sent
+        manifest = request.manifest_obj()
+        return sum(self._send_file(os.path.join(step_dir, n), store, f"{request.rel}/{n}", manifest.files[n], request) for n in request.files)
 
     def _send_file(self, src: str, store: Store, rel: str, entry: FileEntry, request: Request) -> int:
         hasher = Hasher(entry.block)
@@ -480,29 +402,44 @@ class Agent:
                 raise SpoolCopyBad(f"{src}: the spool's copy does not match the manifest ({hasher.size} bytes, expected {entry.size}); not uploaded")
         return hasher.size
 
-    def _try_commit(self, path: str, request: Request, store: Store) -> None:
-        outcome = commit_if_complete(store, request)
-        if outcome is not None:
-            self._waiting.pop(path, None)
+    def _try_commit(self, path: str, request: Request, store: Store, durable_since: float) -> None:
+        self._settle(path, request, commit_if_complete(store, request), durable_since)
+
+    def _settle(self, path: str, request: Request, outcome: str | None, durable_since: float) -> None:
+        """Record what a look at the commit found for one request."""
+        key = (path, request.save_id)
+        if outcome == "superseded":
+            self._waiting.pop(key, None)
+            self._set(path, request, FAILED, "another save of the step committed or claimed it")
+        elif outcome is not None:
+            self._waiting.pop(key, None)
             if outcome == "committed":
                 self.commits.inc()
-                log.info("committed %s/%s", store.display, request.rel, extra={"step": request.step})
+                log.info("committed %s/%s", redact(request.root), request.rel, extra={"step": request.step})
             self._set(path, request, COMMITTED)
-        else:
-            self._waiting[path] = request
+        elif time.time() - durable_since > self.config.commit_wait:
+            self._waiting.pop(key, None)
+            self._set(path, request, FAILED, f"the other ranks were not durable {self.config.commit_wait:.0f} s later")
+        elif key not in self._waiting:
+            self._waiting[key] = (path, request, durable_since)
+            self._set(path, request, DURABLE)
 
     def _check_commits(self) -> None:
         """The durable ranks wait for the others: commit when all are (a party that died
-        before committing is covered), or give up after `commit_wait`."""
-        for path, request in list(self._waiting.items()):
+        before committing is covered), or give up `commit_wait` seconds after being durable.
+        One look per save, however many of its ranks this node has."""
+        saves: dict[tuple[str, str, str], list[tuple[str, Request, float]]] = {}
+        for path, request, since in list(self._waiting.values()):
+            saves.setdefault((request.root, request.rel, request.save_id), []).append((path, request, since))
+        for ranks in saves.values():
+            request = ranks[0][1]
             try:
-                self._try_commit(path, request, self._store(request))
+                outcome = commit_if_complete(self._store(request), request)
             except CheckpointError as e:
                 log.warning("checking the commit of step %d: %s", request.step, e)
                 continue
-            if path in self._waiting and time.time() - request.submitted > self.config.commit_wait:
-                self._waiting.pop(path, None)
-                self._set(path, request, FAILED, f"the other ranks were not durable after {self.config.commit_wait:.0f} s")
+            for path, request, since in ranks:
+                self._settle(path, request, outcome, since)
 
     def _set(self, path: str, request: Request, state: str, why: str = "") -> None:
         try:
@@ -511,20 +448,23 @@ class Agent:
             log.error("cannot record that step %d rank %d is %s: %s", request.step, request.rank, state, e)
 
     def _store(self, request: Request) -> Store:
+        if self.config.allowed_roots and not any(request.root.startswith(p) for p in self.config.allowed_roots):
+            raise InvalidCheckpoint(f"{redact(request.root)} is not under the agent's allowed_roots")
         options = {**request.storage_options, **self.config.storage_options}
         key = json.dumps([request.root, options], sort_keys=True, default=str)
         with self._lock:
             if key not in self._stores:
-                self._stores[key] = Store(request.root, options)
+                self._stores[key] = Store(request.root, options, self._transfer)
             return self._stores[key]
 
     # -- the spool's own retention ------------------------------------------------------------
     def _prune(self) -> None:
-        """Keep the newest `keep_spool` committed checkpoints of each job, drop failed and
-        orphaned step directories, and stay within the budget (oldest committed first).
-        Never a directory with a hand-off still pending."""
+        """Keep the newest `keep_spool` committed checkpoints of each job, drop finished
+        hand-offs that did not commit and orphaned step directories, and stay within the
+        budget, with room for the next save (oldest committed first). Never a directory
+        with a hand-off still pending."""
         jobs = os.path.join(self.spool.path, "jobs")
-        committed: list[tuple[float, str]] = []
+        kept: list[tuple[float, str, int]] = []
         used = 0
         for job in listdir(jobs):
             done = []
@@ -532,7 +472,9 @@ class Agent:
                 d = os.path.join(jobs, job, rel)
                 size, newest = _du(d)
                 used += size
-                states = [(read_json(status_of(os.path.join(d, REQUESTS_DIR, n))) or {}).get("state") for n in listdir(os.path.join(d, REQUESTS_DIR))]
+                self._largest = max(self._largest, size)
+                reqs = [os.path.join(d, REQUESTS_DIR, n) for n in listdir(os.path.join(d, REQUESTS_DIR))]
+                states = [r.state(read_json(status_of(p))) if (r := self._request(p)) else FAILED for p in reqs]
                 if not states:
                     if time.time() - newest > ORPHAN_AFTER_S:
                         self._remove(d, "no hand-off (a write that never finished)")
@@ -540,20 +482,22 @@ class Agent:
                 elif all(s == FAILED for s in states):
                     self._remove(d, "its hand-off failed")
                     used -= size
-                elif all(s == COMMITTED for s in states):
+                elif all(s in (COMMITTED, FAILED) for s in states):
                     done.append((newest, d, size))
             done.sort()
-            for _, d, size in done[: max(len(done) - self.config.keep_spool, 0)]:
+            surplus = max(len(done) - self.config.keep_spool, 0)
+            for _, d, size in done[:surplus]:
                 self._remove(d, f"more than {self.config.keep_spool} committed checkpoints of the job")
                 used -= size
-            committed += [(t, d) for t, d, _ in done[max(len(done) - self.config.keep_spool, 0):]]
-        for _, d in sorted(committed):
-            if used <= self._budget:
+            kept += done[surplus:]
+        free = _disk_free(self.spool.path)
+        for _, d, size in sorted(kept):
+            if used <= self._budget - self._largest and free >= self._largest:
                 break
-            size, _ = _du(d)
-            self._remove(d, "the spool is over its budget")
-            used -= size
-        self._used = used
+            self._remove(d, "room for the next save (the spool's budget or its disk)")
+            used, free = used - size, free + size
+            kept = [k for k in kept if k[1] != d]
+        self._usage = {"used": used, "evictable": sum(k[2] for k in kept), "free": free}
         self.spool_bytes.set(used)
 
     def _remove(self, d: str, why: str) -> None:
@@ -607,16 +551,18 @@ def _load(path: str) -> Request | None:
         return None
 
 
+def _mtime(path: str) -> float | None:
+    try:
+        return os.stat(path).st_mtime_ns / 1e9 if path else None
+    except OSError:
+        return None
+
+
 def _size(request_path: str, name: str) -> int:
     try:
         return os.stat(os.path.join(os.path.dirname(os.path.dirname(request_path)), name)).st_size
     except OSError:
         return 0
-
-
-def _entry(request: Request, name: str) -> FileEntry:
-    doc = request.manifest["files"][name]
-    return FileEntry(int(doc["size"]), str(doc["checksum"]), int(doc.get("rank", -1)), int(doc.get("block", 0)), tuple(doc.get("blocks", ())))
 
 
 def _du(directory: str) -> tuple[int, float]:
@@ -636,6 +582,11 @@ def _du(directory: str) -> tuple[int, float]:
 def _disk_size(path: str) -> int:
     st = os.statvfs(path)
     return st.f_blocks * st.f_frsize
+
+
+def _disk_free(path: str) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -317,7 +317,9 @@ class Checkpointer:
         if handoff is not None and handoff.spool is not None:
             self._preempt.watch(handoff.spool.notice_file)
             self.metrics.publish(handoff.spool.metrics_path(handoff.job, self._io.rank), before=self._learn_commits)
-            handoff.wait_idle(self.timeout_s)  # a save of this job still uploading: let it commit first
+            handoff.wait_idle(self.timeout_s / 2)  # a save of this job still uploading: let it commit first
+        if handoff is not None:
+            self._ctrl.max([0])  # every node's agent is done before rank 0 picks the checkpoint
         return handoff
 
     def _learn_commits(self, timeout_s: float = 0.0) -> None:

@@ -32,6 +32,7 @@ from .dcp_write import Sink, Writer
 from .errors import CheckpointError, SaveFailed
 from .manifest import MANIFEST_NAME, METADATA_NAME, FileEntry, Manifest, SaveCosts
 from .resave import Layout, Resaver
+from .spool import claim
 from .storage import Store, step_dir_name
 
 if TYPE_CHECKING:
@@ -118,13 +119,15 @@ def persist(
     the manifest on every rank: committed, or with `handoff` handed off for the commit."""
     rel = step_dir_name(step)
     began = time.time() - (time.perf_counter() - started)
-    refusal = None
+    refusal, save_id = None, uuid.uuid4().hex[:16]
     if group.rank == 0:
         try:
             refusal = claim_step_dir(store, step)
+            if refusal is None and handoff is not None:
+                claim(store, rel, save_id)  # an agent holding an older save of this step leaves it be
         except CheckpointError as e:  # told to every rank below, not left to hang them
             refusal = str(e)
-    refusal, save_id = group.broadcast((refusal, uuid.uuid4().hex[:16]))
+    refusal, save_id = group.broadcast((refusal, save_id))
     if refusal:
         raise SaveFailed(f"save of step {step} to {store.display} failed: {refusal}")
     target = handoff.target(need) if handoff is not None else store
@@ -186,6 +189,7 @@ def _hand_off(handoff: Handoff, target: Store, group: Group, rel: str, save_id: 
         log.warning("handing off %s failed: %s", rel, why)
     fault_point("after_handoff", group.rank, manifest.step)
     if group.max([int(bool(why))])[0]:
+        handoff.cancel(save_id)  # it can never commit: nobody waits for it
         raise SaveFailed(f"hand-off of {rel} failed: {why or 'on another rank'}")
 
 

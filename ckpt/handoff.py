@@ -12,37 +12,50 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import logging
 import os
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any, BinaryIO
 
 from .errors import NotFound
-from .manifest import MANIFEST_NAME, Manifest
+from .manifest import Manifest
 from .spool import (
     COMMITTED,
     DURABLE,
     FAILED,
-    REQUESTS_DIR,
     SPOOL_ENV,
-    STATUS_DIR,
     Request,
     Spool,
     commit_if_complete,
+    committed_as_requested,
     job_key,
     mark_durable,
     public_options,
     read_json,
+    request_of,
     status_of,
     write_json,
 )
-from .storage import Store, step_dir_name
+from .storage import Store
 
 log = logging.getLogger(__name__)
 
-POLL_S = 0.05
+POLL_S = 0.05  # the agent's status files, in the spool
+ROOT_POLL_S = 1.0  # the root, for a save written there
+
+
+@dataclass(eq=False)
+class _Handed:
+    """A save this rank handed off: `status` is the agent's status file ("": written to the
+    root by this rank itself)."""
+
+    status: str
+    request: Request
+    manifest: Manifest
 
 
 class Handoff:
@@ -57,7 +70,7 @@ class Handoff:
         self.options = public_options(storage_options)
         self.local = Store(spool.job_dir(self.job)) if spool is not None else None
         self._warned: str | None = None
-        self._pending: list[tuple[str, str, Manifest]] = []  # (status path or "" (root), save id, manifest)
+        self._pending: list[_Handed] = []  # handed off, not known to be committed yet
         self._lock = threading.Lock()
 
     @classmethod
@@ -77,6 +90,8 @@ class Handoff:
         """Where this save's files go: the spool, or the root when the spool cannot take them."""
         if self.spool is None or self.local is None:
             return self.store
+        # Every rank of the node writes its part at the same time.
+        need *= int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
         why = "its agent stopped" if self.spool.agent() is None else self.spool.room(need)
         if why is None:
             self._warned = None
@@ -108,55 +123,66 @@ class Handoff:
             # IMPORTANT: the files are durable in the spool (fsync'd) before the request names them
             write_json(self.spool.request_path(self.job, rel, self.rank), request.__dict__)
             with self._lock:
-                self._pending.append((status, save_id, manifest))
+                self._pending.append(_Handed(status, request, manifest))
             return
         mark_durable(self.store, rel, save_id, self.rank, {n: manifest.files[n].checksum for n in files})
         commit_if_complete(self.store, request)
         with self._lock:
-            self._pending.append(("", save_id, manifest))
+            self._pending.append(_Handed("", request, manifest))
+
+    def cancel(self, save_id: str) -> None:
+        """The save failed on some rank: it can never commit. Forget it, and take its request
+        back from the agent (an upload under way finishes; nothing commits)."""
+        with self._lock:
+            gone = [h for h in self._pending if h.request.save_id == save_id]
+            self._pending = [h for h in self._pending if h not in gone]
+        for h in gone:
+            if h.status:
+                with contextlib.suppress(OSError):
+                    os.remove(request_of(h.status))
 
     def committed(self, timeout_s: float = 0.0) -> list[Manifest]:
         """The saves handed off since the last call that are committed now (waiting up to
-        `timeout_s` for all of them). A hand-off the agent failed is logged and dropped."""
+        `timeout_s` for all of them). A hand-off that failed is logged and dropped."""
         deadline = time.monotonic() + timeout_s
         done: list[Manifest] = []
         while True:
-            with self._lock:  # the metrics thread asks too
-                for item in list(self._pending):
-                    state = self._state(*item)
-                    if state == COMMITTED:
-                        done.append(item[2])
-                    elif state == FAILED:
-                        log.error("the node agent could not upload step %d: %s", item[2].step, self._why(item[0]))
-                    else:
-                        continue
-                    self._pending.remove(item)
-                if not self._pending or time.monotonic() >= deadline:
-                    return done
-                if self.spool is not None and self.spool.agent() is None and all(status for status, _, _ in self._pending):
-                    log.error("the node agent is gone: steps %s stay in the spool %s for the next agent to upload", self.pending, self.spool.path)
-                    return done
-            time.sleep(POLL_S)
+            with self._lock:  # the metrics thread asks too; the store is asked outside the lock
+                handed = list(self._pending)
+            states = {id(h): self._state(h) for h in handed}
+            with self._lock:
+                for h in handed:
+                    if states[id(h)] in (COMMITTED, FAILED) and h in self._pending:
+                        self._pending.remove(h)
+                        if states[id(h)] == COMMITTED:
+                            done.append(h.manifest)
+                        else:
+                            log.error("the hand-off of step %d failed: %s", h.manifest.step, self._why(h.status))
+                left = list(self._pending)
+            if not left or time.monotonic() >= deadline:
+                return done
+            if self.spool is not None and self.spool.agent() is None and all(h.status for h in left):
+                log.error("the node agent is gone: steps %s stay in the spool %s for the next agent to upload", self.pending, self.spool.path)
+                return done
+            time.sleep(POLL_S if all(h.status for h in left) else ROOT_POLL_S)
 
     @property
     def pending(self) -> list[int]:
-        return [m.step for _, _, m in self._pending]
+        return [h.manifest.step for h in self._pending]
 
-    def _state(self, status: str, save_id: str, manifest: Manifest) -> str | None:
-        committed = f"{step_dir_name(manifest.step)}/{MANIFEST_NAME}"
-        if not status:  # written to the root by this rank
-            return COMMITTED if self.store.exists(committed) else None
-        doc = read_json(status) or {}
-        if doc.get("save_id") == save_id:
-            return doc.get("state")
-        if os.path.exists(status.replace(f"/{STATUS_DIR}/", f"/{REQUESTS_DIR}/")):
-            return None  # not looked at yet
+    def _state(self, h: _Handed) -> str | None:
+        if not h.status:  # written to the root by this rank: look (and commit, for a party that died before it)
+            outcome = commit_if_complete(self.store, h.request)
+            return FAILED if outcome == "superseded" else COMMITTED if outcome else None
+        state = h.request.state(read_json(h.status))
+        if state is not None or os.path.exists(request_of(h.status)):
+            return state
         # The agent is done with it and pruned it from the spool: the root says how it ended.
-        return COMMITTED if self.store.exists(committed) else FAILED
+        return COMMITTED if committed_as_requested(self.store, h.request) else FAILED
 
     @staticmethod
     def _why(status: str) -> str:
-        return str((read_json(status) or {}).get("why", "")) if status else ""
+        return str((read_json(status) or {}).get("why", "")) if status else "another save of the step committed or claimed it"
 
     def wait_idle(self, timeout_s: float) -> None:
         """Before a restore: let the agent finish what this job handed off on this node, so
@@ -174,13 +200,15 @@ class Handoff:
             time.sleep(POLL_S * 4)
 
     def _busy_steps(self) -> list[int]:
-        """Steps this job handed off on this node that are not durable yet."""
+        """Steps this job handed off on this node that are not durable yet (the agent tries
+        the commit before it says durable)."""
         assert self.spool is not None
         busy = set()
         for path in self.spool.requests(self.job):
-            req, status = read_json(path) or {}, read_json(status_of(path)) or {}
-            if status.get("save_id") != req.get("save_id") or status.get("state") not in (COMMITTED, FAILED, DURABLE):
-                busy.add(int(req.get("step", -1)))
+            with contextlib.suppress(ValueError, TypeError):
+                request = Request.from_doc(read_json(path))
+                if request.state(read_json(status_of(path))) not in (COMMITTED, FAILED, DURABLE):
+                    busy.add(request.step)
         return sorted(busy)
 
     # -- restoring ----------------------------------------------------------------------------
@@ -268,6 +296,4 @@ class _Counting(io.RawIOBase):
 
 
 def _doc(manifest: Manifest) -> dict[str, Any]:
-    import json
-
     return json.loads(manifest.to_json())

@@ -35,14 +35,15 @@ import hashlib
 import json
 import logging
 import os
+import re
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import CheckpointError
+from .errors import InvalidCheckpoint, NotFound
 from .manifest import MANIFEST_NAME, Manifest, SaveCosts
-from .storage import Store, fsync_dir
+from .storage import STEP_DIR, Store, fsync_dir, step_dir_name
 
 log = logging.getLogger(__name__)
 
@@ -54,8 +55,13 @@ REQUESTS_DIR = ".requests"
 STATUS_DIR = ".status"
 # The agent rewrites its heartbeat every second; one older than this is a dead agent.
 AGENT_STALE_S = 10.0
-# storage_options whose values are secrets: never written to the spool (the agent has its own).
-_SECRET_OPTIONS = {"key", "secret", "token", "password", "session_token", "aws_access_key_id", "aws_secret_access_key", "aws_session_token", "client_kwargs"}
+CLAIM_NAME = ".claim"  # in a step directory of the root: the save that owns it now
+# The storage options a request may carry to the agent: where the store is, never who one is
+# (the agent uploads with its own credentials). Anything else stays in the trainer.
+_PUBLIC_OPTIONS = {"endpoint_url", "region_name", "anon", "use_ssl", "requester_pays"}
+_PUBLIC_CLIENT_KWARGS = {"endpoint_url", "region_name"}
+# A file a request may name: a plain name in its step directory (DCP's data files, .metadata).
+_FILE_NAME = re.compile(r"^(\.metadata|[\w][\w.\-]*)$")
 
 UPLOADING, DURABLE, COMMITTED, FAILED = "uploading", "durable", "committed", "failed"
 
@@ -72,16 +78,14 @@ def rank_name(rank: int) -> str:
 
 
 def public_options(options: dict[str, Any] | None) -> dict[str, Any]:
-    """The storage options that may be written down: no credentials."""
-    return {k: v for k, v in (options or {}).items() if k.lower() not in _SECRET_OPTIONS and _jsonable(v)}
-
-
-def _jsonable(v: Any) -> bool:
-    try:
-        json.dumps(v)
-        return True
-    except (TypeError, ValueError):
-        return False
+    """The storage options that may be written down: where the store is, no credentials."""
+    out = {k: v for k, v in (options or {}).items() if k in _PUBLIC_OPTIONS and isinstance(v, (str, bool, int))}
+    client = (options or {}).get("client_kwargs")
+    if isinstance(client, dict):
+        kept = {k: v for k, v in client.items() if k in _PUBLIC_CLIENT_KWARGS and isinstance(v, str)}
+        if kept:
+            out["client_kwargs"] = kept
+    return out
 
 
 def write_json(path: str, doc: Any) -> None:
@@ -109,6 +113,12 @@ def status_of(request_path: str) -> str:
     """The agent's status file for a request file."""
     step_dir = os.path.dirname(os.path.dirname(request_path))
     return os.path.join(step_dir, STATUS_DIR, os.path.basename(request_path))
+
+
+def request_of(status_path: str) -> str:
+    """The request file a status file is about."""
+    step_dir = os.path.dirname(os.path.dirname(status_path))
+    return os.path.join(step_dir, REQUESTS_DIR, os.path.basename(status_path))
 
 
 def read_json(path: str) -> Any:
@@ -146,6 +156,13 @@ class Request:
 
     def manifest_obj(self) -> Manifest:
         return Manifest.from_json(json.dumps(self.manifest).encode(), f"request {self.rel}/{rank_name(self.rank)}")
+
+    def state(self, status: Any) -> str | None:
+        """This request's state by the agent's status file (None: not looked at yet, or the
+        status is of an earlier save of the same step)."""
+        if isinstance(status, dict) and status.get("save_id") == self.save_id:
+            return status.get("state")
+        return None
 
 
 class Spool:
@@ -195,11 +212,13 @@ class Spool:
         return doc
 
     def room(self, need: int) -> str | None:
-        """Why `need` more bytes do not fit (the agent's budget, the disk), or None."""
+        """Why `need` more bytes do not fit (the agent's budget, the disk), or None. Committed
+        copies the agent keeps count as free for the budget (it evicts them for new saves,
+        keeping room on the disk for the largest save it has seen)."""
         doc = self.agent() or {}
-        budget, used = int(doc.get("budget", 0) or 0), int(doc.get("used", 0) or 0)
-        if budget and used + need > budget:
-            return f"the spool's budget of {budget / 1e9:.2f} GB holds {used / 1e9:.2f} GB"
+        budget, used, evictable = (int(doc.get(k, 0) or 0) for k in ("budget", "used", "evictable"))
+        if budget and used - evictable + need > budget:
+            return f"the spool's budget of {budget / 1e9:.2f} GB holds {(used - evictable) / 1e9:.2f} GB not yet uploaded"
         with contextlib.suppress(OSError):
             st = os.statvfs(self.path)
             free = st.f_bavail * st.f_frsize
@@ -221,11 +240,15 @@ def mark_durable(store: Store, rel: str, save_id: str, rank: int, files: dict[st
 
 def commit_if_complete(store: Store, request: Request) -> str | None:
     """Write the manifest if every rank's marker of this save is there. Returns "committed"
-    (this call wrote it), "found" (it was there already) or None (a rank is not durable yet).
-    Idempotent: any party may call it any number of times."""
+    (this call wrote it), "found" (it was there already), "superseded" (another save of the
+    step committed it, or claimed it) or None (a rank is not durable yet). Idempotent: any
+    party may call it any number of times."""
     rel = request.rel
-    if store.exists(f"{rel}/{MANIFEST_NAME}"):
-        return "found"
+    found = committed_as_requested(store, request)
+    if found is not None:
+        return "found" if found else "superseded"
+    if superseded(store, request):
+        return "superseded"
     markers = set(store.list_dir(f"{rel}/{DURABLE_DIR}"))
     if not all(marker_name(request.save_id, r) in markers for r in range(request.world)):
         return None
@@ -239,9 +262,49 @@ def commit_if_complete(store: Store, request: Request) -> str | None:
     return "committed"
 
 
-def check_request(request: Request) -> None:
-    """Refuse a request whose files the manifest does not list (nothing to verify them by)."""
-    listed = request.manifest.get("files", {})
-    missing = [n for n in request.files if n not in listed]
-    if missing:
-        raise CheckpointError(f"{request.rel}: {rank_name(request.rank)} hands off files the manifest does not list: {missing}")
+def check_request(request: Request) -> Manifest:
+    """The request's manifest, or InvalidCheckpoint for a request the agent must not act on:
+    a step directory or file name that is not one (a path out of the spool), files the
+    manifest does not list (nothing to verify them by), a manifest that does not parse."""
+    where = f"request {request.rel}/{rank_name(request.rank)}"
+    if not STEP_DIR.match(request.rel) or step_dir_name(request.step) != request.rel:
+        raise InvalidCheckpoint(f"{where}: not a step directory")
+    bad = [n for n in request.files if not isinstance(n, str) or not _FILE_NAME.match(n)]
+    if bad or not request.files:
+        raise InvalidCheckpoint(f"{where}: not plain file names: {bad}")
+    manifest = request.manifest_obj()
+    missing = [n for n in request.files if n not in manifest.files]
+    if missing or manifest.step != request.step or not 0 <= request.rank < request.world == manifest.world_size:
+        raise InvalidCheckpoint(f"{where}: the manifest does not list its files {missing}, or is of another step or world")
+    return manifest
+
+
+# -- which save owns a step directory ----------------------------------------------------------
+def claim(store: Store, rel: str, save_id: str) -> None:
+    """Rank 0, when a save (with an agent) starts: this save owns the step directory now.
+    An agent that finds another save's claim uploads nothing of its own (a stale hand-off)."""
+    store.put_atomic(f"{rel}/{CLAIM_NAME}", save_id.encode())
+
+
+def superseded(store: Store, request: Request) -> str | None:
+    """Why the request's save no longer owns its step directory (a later save of the same
+    step claimed it, or committed it), or None."""
+    with contextlib.suppress(NotFound):
+        owner = store.read_bytes(f"{request.rel}/{CLAIM_NAME}").decode(errors="replace")
+        if owner != request.save_id:
+            return f"{request.rel} was claimed by a later save of the same step"
+    return None
+
+
+def committed_as_requested(store: Store, request: Request) -> bool | None:
+    """Is the step committed with this request's files (True), committed by another save
+    (False), or not committed (None)?"""
+    try:
+        doc = json.loads(store.read_bytes(f"{request.rel}/{MANIFEST_NAME}"))
+    except NotFound:
+        return None
+    except ValueError:
+        return False
+    ours = request.manifest.get("files", {})
+    theirs = doc.get("files", {}) if isinstance(doc, dict) else {}
+    return all(isinstance(theirs.get(n), dict) and theirs[n].get("checksum") == ours[n]["checksum"] for n in request.files)
