@@ -24,6 +24,7 @@ __version__ = "0.1.0"
 if TYPE_CHECKING:
     from .checkpointer import Checkpointer
     from .data import ElasticSampler, accumulation_steps
+    from .export import read_export
     from .storage import Transfer
 
 # The names that need torch load on first use, so that `ckpt ls` starts in a blink.
@@ -32,6 +33,7 @@ _LAZY = {
     "ElasticSampler": "data",
     "accumulation_steps": "data",
     "Transfer": "storage",
+    "read_export": "export",
 }
 
 
@@ -52,6 +54,7 @@ __all__ = [
     "ElasticSampler",
     "accumulation_steps",
     "Manifest",
+    "read_export",
     "CheckpointError",
     "StorageError",
     "NotFound",

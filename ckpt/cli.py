@@ -15,7 +15,7 @@ import time
 from dataclasses import asdict
 from typing import Any
 
-from . import catalog
+from . import catalog, cli_tools
 from .errors import CheckpointError, InvalidCheckpoint
 from .manifest import METADATA_NAME
 from .policy import Keep
@@ -35,6 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if getattr(args, "root", None) is None:  # plan, simulate: no checkpoint root
             return args.func(args)
+        if hasattr(args, "other"):  # diff: ROOT[:STEP]
+            args.root, args.root_step = cli_tools.split_step(args.root)
         store = Store(args.root, _options(args.storage_option))
         return args.func(store, args)
     except InvalidCheckpoint as e:
@@ -136,6 +138,7 @@ def _parser() -> argparse.ArgumentParser:
     sim.add_argument("--seed", type=int, default=0)
     sim.add_argument("--json", action="store_true")
     sim.set_defaults(func=cmd_simulate)
+    cli_tools.add_parsers(sub, common)
     return p
 
 

@@ -1,0 +1,215 @@
+"""`ckpt export`: a checkpoint's tensors, whole (every shard put together), in the format the
+next tool wants, and `read_export` to load one back.
+
+- safetensors: one file, written as the tensors are read (memory: one batch of tensors, not
+  the model); objects (counters, the scheduler's state) cannot go in and are listed in its
+  `__metadata__`.
+- torch: one `torch.save` file of a flat dict, objects included (memory: the whole state).
+- zarr: a directory with one zarr v3 array per tensor, written through tensorstore (readable
+  by zarr-python and JAX tooling); objects cannot go in.
+
+Keys are the checkpoint's flat keys (`model.0.weight`, `optim.state.0.weight.exp_avg`);
+`model_only` keeps the model's and drops the `model.` prefix, so that
+`model.load_state_dict(ckpt.read_export(path))` takes them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from typing import Any
+
+from . import catalog, tools
+from .errors import CheckpointError
+from .storage import Store
+
+FORMATS = ("safetensors", "torch", "zarr")
+_ZARR_SUFFIX = "zarr.json"
+
+
+def export(
+    store: Store,
+    entry: catalog.Entry,
+    fmt: str,
+    out: str,
+    *,
+    model_only: bool = False,
+    dtype: str | None = None,
+    progress: bool | None = None,
+) -> dict[str, Any]:
+    """Write the checkpoint's tensors to `out`. Returns what was written: tensors, bytes, the
+    objects left out."""
+    import torch
+
+    if fmt not in FORMATS:
+        raise ValueError(f"format must be one of {', '.join(FORMATS)}, not {fmt!r}")
+    cast = getattr(torch, dtype) if dtype else None
+    if cast is not None and not (isinstance(cast, torch.dtype) and cast.is_floating_point):
+        raise ValueError(f"--dtype must be a floating dtype (bfloat16, float16, float32), not {dtype!r}")
+    md = tools.inventory(store, entry)
+    keys = sorted(k for k in md.state_dict_metadata if not model_only or k.startswith("model."))
+    if not keys:
+        raise CheckpointError(f"{store.display}/{entry.dir} holds no {'model ' if model_only else ''}tensors")
+    names = {k: k.removeprefix("model.") if model_only else k for k in keys}
+    tensor_keys = [k for k in keys if hasattr(md.state_dict_metadata[k], "size")]  # the rest are objects
+    objects = [k for k in keys if k not in tensor_keys]
+
+    def out_dtype(key: str) -> Any:
+        d = md.state_dict_metadata[key].properties.dtype
+        return cast if cast is not None and d.is_floating_point else d
+
+    bar = tools.Progress(sum(tools.tensor_bytes(md.state_dict_metadata[k]) for k in tensor_keys), f"export {fmt}", progress)
+    written = 0
+    try:
+        if fmt == "torch":
+            state: dict[str, Any] = {}
+            for group in tools.batches(md, keys):
+                for k, v in tools.read_whole(store, entry, group, md).items():
+                    state[names[k]] = v.to(out_dtype(k)) if isinstance(v, torch.Tensor) else v
+                    bar.add(tools.tensor_bytes(md.state_dict_metadata[k]))
+            os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+            torch.save(state, out)
+            written = os.path.getsize(out)
+            objects = []
+        elif fmt == "safetensors":
+            shapes = {k: (tuple(md.state_dict_metadata[k].size), out_dtype(k)) for k in tensor_keys}
+            with _SafetensorsWriter(out, {names[k]: shapes[k] for k in tensor_keys}, {"ckpt.step": str(entry.step), "ckpt.objects_left_out": json.dumps([names[k] for k in objects])}) as w:
+                for group in tools.batches(md, tensor_keys):
+                    for k, v in tools.read_whole(store, entry, group, md).items():
+                        w.write(names[k], v.to(out_dtype(k)))
+                        bar.add(tools.tensor_bytes(md.state_dict_metadata[k]))
+            written = os.path.getsize(out)
+        else:
+            for group in tools.batches(md, tensor_keys):
+                for k, v in tools.read_whole(store, entry, group, md).items():
+                    written += _write_zarr(os.path.join(out, names[k]), v.to(out_dtype(k)))
+                    bar.add(tools.tensor_bytes(md.state_dict_metadata[k]))
+    finally:
+        bar.close()
+    return {"tensors": len(tensor_keys), "bytes": written, "objects_left_out": [names[k] for k in objects]}
+
+
+def read_export(path: str) -> dict[str, Any]:
+    """An export read back: a zarr directory, a `.safetensors` file, or else a torch file
+    (loaded with `weights_only=True`). Tensors come back as they were written, on the CPU."""
+    import torch
+
+    if os.path.isdir(path):
+        return _read_zarr(path)
+    if path.endswith(".safetensors"):
+        from safetensors.torch import load_file
+
+        return load_file(path)
+    return torch.load(path, weights_only=True)
+
+
+# -- safetensors, written as the tensors come ----------------------------------------------------
+_SAFETENSORS_DTYPES = {
+    "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",
+    "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL",
+    "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2", "uint16": "U16", "uint32": "U32", "uint64": "U64",
+}  # fmt: skip
+
+
+class _SafetensorsWriter:
+    """The safetensors layout (a little-endian u64 header size, a JSON header with every
+    tensor's dtype, shape and byte range, the raw bytes in that order), written as the
+    tensors come: the header is known from the checkpoint's metadata beforehand."""
+
+    def __init__(self, path: str, tensors: dict[str, tuple[tuple[int, ...], Any]], meta: dict[str, str]) -> None:
+        header: dict[str, Any] = {"__metadata__": meta}
+        offset = 0
+        for name, (shape, dtype) in tensors.items():
+            code = _SAFETENSORS_DTYPES.get(str(dtype).removeprefix("torch."))
+            if code is None:
+                raise CheckpointError(f"{name}: safetensors has no {dtype}")
+            n = dtype.itemsize
+            for s in shape:
+                n *= s
+            header[name] = {"dtype": code, "shape": list(shape), "data_offsets": [offset, offset + n]}
+            offset += n
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)
+        self._order = list(tensors)
+        self._path, self._tmp = path, f"{path}.part"
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        self._f = open(self._tmp, "wb")
+        self._f.write(struct.pack("<Q", len(raw)) + raw)
+        self._pending: dict[str, Any] = {}
+
+    def write(self, name: str, tensor: Any) -> None:
+        """Tensors may come in any order; each is written when its turn comes."""
+        import torch
+
+        self._pending[name] = tensor
+        while self._order and self._order[0] in self._pending:
+            t = self._pending.pop(self._order.pop(0)).detach().cpu().contiguous()
+            if t.numel():
+                self._f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+
+    def __enter__(self) -> _SafetensorsWriter:
+        return self
+
+    def __exit__(self, exc_type: Any, *_: Any) -> None:
+        self._f.close()
+        if exc_type is None and not self._order:
+            os.replace(self._tmp, self._path)
+        else:
+            os.remove(self._tmp)
+            if exc_type is None:
+                raise CheckpointError(f"export to {self._path}: tensors missing: {self._order[:5]}")
+
+
+# -- zarr v3 through tensorstore ------------------------------------------------------------------
+def _zarr_dtype(dtype: Any) -> str:
+    name = str(dtype).removeprefix("torch.")
+    if name not in ("float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool"):
+        raise CheckpointError(f"zarr has no {name}")
+    return name
+
+
+def _write_zarr(path: str, tensor: Any) -> int:
+    import tensorstore as ts
+
+    array = _to_numpy(tensor)
+    store = ts.open(
+        {
+            "driver": "zarr3",
+            "kvstore": {"driver": "file", "path": path},
+            "metadata": {"shape": list(array.shape), "data_type": _zarr_dtype(tensor.dtype)},
+        },
+        create=True,
+        delete_existing=True,
+    ).result()
+    store.write(array).result()
+    return array.nbytes
+
+
+def _read_zarr(root: str) -> dict[str, Any]:
+    import tensorstore as ts
+    import torch
+
+    out: dict[str, Any] = {}
+    for base, _, files in os.walk(root):
+        doc = json.load(open(os.path.join(base, _ZARR_SUFFIX))) if _ZARR_SUFFIX in files else {}
+        if doc.get("node_type") != "array":
+            continue
+        array = ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": base}}).result().read().result()
+        name = os.path.relpath(base, root)
+        if str(array.dtype) == "bfloat16":
+            out[name] = torch.from_numpy(array.view("int16").copy()).view(torch.bfloat16)
+        else:
+            out[name] = torch.from_numpy(array.copy())
+    return out
+
+
+def _to_numpy(tensor: Any) -> Any:
+    import torch
+
+    t = tensor.detach().cpu().contiguous()
+    if t.dtype == torch.bfloat16:
+        import ml_dtypes
+
+        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return t.numpy()

@@ -1,0 +1,220 @@
+"""What the admin CLI does with whole checkpoints: copy one between roots, read its tensors
+whole (for `diff` and `export`), and plan a restore on another world size (`load-test`).
+
+Everything read goes through the manifest's checksums (`ckpt.catalog`), pickled values load
+with `weights_only=True`, and a copy commits (writes the manifest) only after every file
+arrived and matched.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from . import catalog
+from ._faults import fault_point
+from .errors import CheckpointError
+from .manifest import MANIFEST_NAME, METADATA_NAME, Manifest
+from .storage import Store, step_dir_name
+
+log = logging.getLogger(__name__)
+
+CHUNK = 8 << 20
+BATCH_BYTES = 1 << 30  # tensors read whole at a time, by diff and export
+
+
+class Progress:
+    """A one-line progress bar on stderr (only on a terminal, or when asked)."""
+
+    def __init__(self, total: int, what: str, enabled: bool | None = None) -> None:
+        self.total, self.what, self.done = max(total, 1), what, 0
+        self.enabled = sys.stderr.isatty() if enabled is None else enabled
+        self._began = self._shown = time.monotonic()
+
+    def add(self, n: int) -> None:
+        self.done += n
+        now = time.monotonic()
+        if self.enabled and (now - self._shown > 0.1 or self.done >= self.total):
+            self._shown = now
+            frac = min(self.done / self.total, 1.0)
+            rate = self.done / max(now - self._began, 1e-9)
+            bar = "#" * int(frac * 30)
+            sys.stderr.write(f"\r{self.what} [{bar:<30}] {frac:4.0%} {self.done / 1e6:.1f}/{self.total / 1e6:.1f} MB {rate / 1e6:.0f} MB/s")
+            sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            sys.stderr.write("\n")
+
+
+# -- cp -----------------------------------------------------------------------------------------
+@dataclass
+class Copied:
+    step: int
+    files: int  # copied now
+    resumed: int  # already at the destination, verified, not copied again
+    bytes: int  # copied now
+    already: bool = False  # the destination held this checkpoint committed already
+
+
+def copy(src: Store, dst: Store, step: int | None = None, progress: bool | None = None) -> Copied:
+    """Copy a committed checkpoint (the newest when `step` is None) from `src` to `dst`.
+    Every byte read is checked against the manifest and the manifest is written last: an
+    interrupted copy is an incomplete directory at `dst`, and the next copy keeps the files
+    that arrived whole (verified again) and copies the rest."""
+    entry = catalog.find(src, step)
+    manifest = entry.manifest
+    assert manifest is not None
+    rel = entry.dir
+    there = dst.list_step(entry.step)
+    if there is not None and there.has_manifest:
+        theirs = Manifest.from_json(dst.read_bytes(f"{rel}/{MANIFEST_NAME}"), f"{dst.display}/{rel}")
+        if {n: f.checksum for n, f in theirs.files.items()} != {n: f.checksum for n, f in manifest.files.items()}:
+            raise CheckpointError(f"{dst.display}/{rel} holds another checkpoint of step {entry.step}; not overwriting it")
+        return Copied(entry.step, 0, len(manifest.files), 0, already=True)
+    bar = Progress(manifest.total_bytes, f"{step_dir_name(entry.step)}", progress)
+    copied = resumed = sent = 0
+    try:
+        for name, f in sorted(manifest.files.items()):
+            if there is not None and there.files.get(name) == f.size and _intact(dst, rel, name, manifest):
+                resumed += 1
+                bar.add(f.size)
+                continue
+            with catalog.VerifyingReader.open(src, rel, name, manifest) as reader, dst.open_write(f"{rel}/{name}") as out:
+                left = f.size
+                while left:
+                    data = reader.read(min(CHUNK, left))
+                    out.write(data)
+                    left -= len(data)
+                    bar.add(len(data))
+                reader.finish()  # IMPORTANT: inside the write, so a mismatch leaves no file behind
+            copied, sent = copied + 1, sent + f.size
+            fault_point("copy_file", 0, entry.step)
+        # IMPORTANT: the commit, after every file is there and matched.
+        dst.put_atomic(f"{rel}/{MANIFEST_NAME}", manifest.to_json())
+    finally:
+        bar.close()
+    return Copied(entry.step, copied, resumed, sent)
+
+
+def _intact(store: Store, rel: str, name: str, manifest: Manifest) -> bool:
+    try:
+        catalog.verify_file(store, rel, name, manifest)
+        return True
+    except CheckpointError:
+        return False
+
+
+# -- reading tensors whole ----------------------------------------------------------------------
+def inventory(store: Store, entry: catalog.Entry) -> Any:
+    """The checkpoint's DCP metadata (checksum-verified, read through the allowlist)."""
+    from .dcp_io import load_metadata
+
+    assert entry.manifest is not None
+    return load_metadata(catalog.read_verified(store, entry.dir, METADATA_NAME, entry.manifest))
+
+
+def read_whole(store: Store, entry: catalog.Entry, keys: list[str], metadata: Any) -> dict[str, Any]:
+    """The values of `keys`, full tensors (every shard put together) and objects."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from .dcp_io import SafeLoadPlanner, make_reader
+
+    assert entry.manifest is not None
+    sd: dict[str, Any] = {}
+    for key in keys:
+        item = metadata.state_dict_metadata[key]
+        sd[key] = torch.empty(tuple(item.size), dtype=item.properties.dtype) if isinstance(item, TensorStorageMetadata) else None
+    planner = SafeLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
+    dcp.load(sd, storage_reader=make_reader(store, entry.dir, entry.manifest), planner=planner, no_dist=True)
+    return sd
+
+
+def batches(metadata: Any, keys: list[str], limit: int = BATCH_BYTES) -> Iterator[list[str]]:
+    """`keys` in groups of at most `limit` bytes of tensors (one key at least)."""
+    group: list[str] = []
+    size = 0
+    for key in keys:
+        n = tensor_bytes(metadata.state_dict_metadata[key])
+        if group and size + n > limit:
+            yield group
+            group, size = [], 0
+        group.append(key)
+        size += n
+    if group:
+        yield group
+
+
+def tensor_bytes(item: Any) -> int:
+    size = getattr(item, "size", None)
+    if size is None:
+        return 0
+    return math.prod(size) * item.properties.dtype.itemsize
+
+
+# -- load-test ----------------------------------------------------------------------------------
+def plan_reads(store: Store, entry: catalog.Entry, world: int) -> list[dict[str, Any]]:
+    """What each of `world` ranks would read to restore this checkpoint into a job that
+    shards model and optimizer state along the first dimension as FSDP2 does (evenly, the
+    last ranks shorter) and reads everything else (RNG, counters, data position, extras)
+    whole. Counts what the verified reader fetches: whole blocks of the files holding the
+    rows (a file without block checksums is read whole). Rank r's dict: bytes, files, and
+    the bytes of state it ends up holding."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    md = inventory(store, entry)
+    manifest = entry.manifest
+    assert manifest is not None
+    plans: list[dict[str, Any]] = []
+    for rank in range(world):
+        spans: dict[str, list[tuple[int, int]]] = {}
+        holds = 0
+        for key, item in md.state_dict_metadata.items():
+            if not isinstance(item, TensorStorageMetadata):
+                info = md.storage_data[_index(key)]
+                spans.setdefault(info.relative_path, []).append((info.offset, info.offset + info.length))
+                continue
+            rows = item.size[0] if item.size else 1
+            sharded = key.startswith(("model.", "optim.state.")) and len(item.size) > 0
+            lo, hi = _rows(rows, world, rank) if sharded else (0, rows)
+            holds += tensor_bytes(item) * (hi - lo) // max(rows, 1)
+            for i, chunk in enumerate(item.chunks):
+                start = chunk.offsets[0] if len(chunk.offsets) else 0
+                n = chunk.sizes[0] if len(chunk.sizes) else 1
+                first, last = max(lo, start), min(hi, start + n)
+                if first >= last:
+                    continue
+                info = md.storage_data[_index(key, chunk.offsets, i)]
+                row = info.length // max(n, 1)  # a chunk's rows lie one after another
+                spans.setdefault(info.relative_path, []).append((info.offset + (first - start) * row, info.offset + (last - start) * row))
+        fetched = sum(_fetched(manifest, name, s) for name, s in spans.items())
+        fetched += manifest.files[METADATA_NAME].size
+        plans.append({"rank": rank, "bytes": fetched, "files": len(spans) + 1, "state_bytes": holds})
+    return plans
+
+
+def _index(key: str, offsets: Any = None, i: int = 0) -> Any:
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    return MetadataIndex(key, offsets, i) if offsets is not None else MetadataIndex(key)
+
+
+def _rows(n: int, world: int, rank: int) -> tuple[int, int]:
+    per = -(-n // world)
+    return min(rank * per, n), min((rank + 1) * per, n)
+
+
+def _fetched(manifest: Manifest, name: str, spans: list[tuple[int, int]]) -> int:
+    """Bytes the reader fetches of `name` for those byte ranges: the blocks holding them."""
+    entry = manifest.files[name]
+    if not entry.block:
+        return entry.size
+    blocks = {b for start, end in spans for b in range(start // entry.block, (max(end, start + 1) - 1) // entry.block + 1)}
+    return sum(min(entry.block, entry.size - b * entry.block) for b in blocks)

@@ -1,0 +1,172 @@
+"""`ckpt cp`, `restore`, `diff`, `export` and `load-test`, run as a user runs them (a
+subprocess) on checkpoints a real Checkpointer wrote: locally, and to and from the moto S3
+server. Tensors come back bitwise; an interrupted copy resumes and commits only when whole.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from jobs import RANKS
+from launch import REPO
+
+import ckpt
+from ckpt.export import read_export
+
+CLI = [sys.executable, "-m", "ckpt.cli"]
+
+
+def cli(*args: object, env: dict[str, str] | None = None, check: bool = True) -> subprocess.CompletedProcess:
+    r = subprocess.run([*CLI, *map(str, args)], capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})})
+    if check:
+        assert r.returncode == 0, r.stdout + r.stderr
+    return r
+
+
+def train(root: Path | str, steps: int = 10, seed: int = 0, extra: dict | None = None) -> torch.nn.Module:
+    """A model trained `steps` steps with a checkpoint every 5; returns it."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 16))
+    opt = torch.optim.Adam(model.parameters())
+    with ckpt.Checkpointer(str(root), model=model, optimizer=opt, interval=ckpt.Every(steps=5), extra=extra, restore="none") as cp:
+        for _ in range(steps):
+            model(torch.randn(8, 512)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            cp.step_done()
+    return model
+
+
+def files_of(root: Path, step: int) -> dict[str, bytes]:
+    d = root / f"step-{step:010d}"
+    return {p.name: p.read_bytes() for p in d.iterdir() if p.is_file()}
+
+
+# -- cp and restore -----------------------------------------------------------------------------
+def test_cp_to_s3_and_back_is_byte_for_byte_and_an_interrupted_copy_resumes(tmp_path, s3_root, s3_env):
+    src = tmp_path / "src"
+    train(src, 10)
+    # Killed after its first file: the destination holds no commit.
+    r = cli("cp", src, s3_root, env={"CKPT_FAULT": "copy_file:*:*"}, check=False)
+    assert r.returncode == -9
+    listed = cli("ls", s3_root, "--json")
+    assert [c["state"] for c in json.loads(listed.stdout)] == ["incomplete"]
+    # Again: the file that arrived is verified and kept, the rest copied, then the commit.
+    r = cli("cp", src, s3_root)
+    assert "1 files" in r.stdout and "1 already there (verified)" in r.stdout and "committed" in r.stdout
+    assert "already there (the same checkpoint)" in cli("cp", src, s3_root).stdout
+    cli("verify", s3_root, "--deep")
+    # Back to a local directory, a step asked for.
+    r = cli("restore", s3_root, "--step", 10, "--to", tmp_path / "back")
+    assert files_of(tmp_path / "back", 10) == files_of(src, 10)
+    with pytest.raises(AssertionError, match="another checkpoint of step 10"):
+        other = tmp_path / "other"
+        train(other, 10, seed=1)
+        cli("cp", other, tmp_path / "back")
+
+
+def test_a_copy_never_commits_a_corrupt_source(tmp_path):
+    src = tmp_path / "src"
+    train(src, 5)
+    data = src / "step-0000000005" / "__0_0.distcp"
+    raw = bytearray(data.read_bytes())
+    raw[100] ^= 1
+    data.write_bytes(bytes(raw))
+    r = cli("cp", src, tmp_path / "dst", "--step", 5, check=False)
+    assert r.returncode == 1 and "checksum" in r.stderr
+    assert not (tmp_path / "dst" / "step-0000000005" / "manifest.json").exists()
+
+
+# -- diff ---------------------------------------------------------------------------------------
+def test_diff_names_what_differs_by_how_much_and_what_one_side_lacks(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    model = train(a, 10)
+    train(b, 10, extra={"ema": torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)})
+    same = cli("diff", f"{a}:10", f"{tmp_path / 'a'}:10")
+    assert same.returncode == 0 and "0 different" in same.stdout
+    # The same run one save apart: every trained tensor differs, by a known amount.
+    r = cli("diff", f"{a}:5", f"{a}:10", "--json", check=False)
+    assert r.returncode == 1
+    report = json.loads(r.stdout)
+    differ = {d["key"]: d for d in report["differ"]}
+    five = read_export_model(tmp_path, a, 5)
+    want = float((five["0.weight"].double() - model[0].weight.detach().double()).abs().max())
+    assert differ["model.0.weight"]["max_abs"] == pytest.approx(want)
+    assert '"step": 5' in differ["counters"]["why"] and '"step": 10' in differ["counters"]["why"]
+    # Another run with an extra object: only on one side.
+    r = cli("diff", a, b, check=False)
+    assert r.returncode == 1 and "only in b: extra.ema" in r.stdout
+
+
+def read_export_model(tmp_path: Path, root: Path, step: int) -> dict:
+    out = tmp_path / f"model-{step}.safetensors"
+    cli("export", root, "--step", step, "--format", "safetensors", "--out", out, "--model-only")
+    return read_export(str(out))
+
+
+# -- export -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("fmt", ["safetensors", "torch", "zarr"])
+def test_export_round_trips_bitwise_and_casts_when_asked(tmp_path, fmt):
+    root = tmp_path / "root"
+    model = train(root, 10)
+    out = tmp_path / ("export" + {"safetensors": ".safetensors", "torch": ".pt", "zarr": ""}[fmt])
+    r = cli("export", root, "--format", fmt, "--out", out, "--model-only")
+    assert "4 tensors" in r.stdout
+    fresh = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 16))
+    fresh.load_state_dict(read_export(str(out)))
+    for k, v in model.state_dict().items():
+        assert torch.equal(fresh.state_dict()[k], v), k
+    full = tmp_path / ("full" + out.suffix)
+    cli("export", root, "--format", fmt, "--out", full, "--dtype", "bf16")
+    got = read_export(str(full))
+    assert torch.equal(got["model.2.weight"], model[2].weight.detach().to(torch.bfloat16))
+    assert got["optim.state.0.weight.exp_avg"].dtype == torch.bfloat16  # optimizer state too
+
+
+# -- load-test ----------------------------------------------------------------------------------
+BIG_FSDP2 = """
+import sys, torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+import ckpt
+dist.init_process_group("gloo")
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(1024, 4096), torch.nn.Linear(4096, 1024))
+mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+for layer in model:
+    fully_shard(layer, mesh=mesh)
+fully_shard(model, mesh=mesh)
+opt = torch.optim.Adam(model.parameters())
+with ckpt.Checkpointer(sys.argv[1], model=model, optimizer=opt, interval=None) as cp:
+    model(torch.randn(4, 1024)).sum().backward()
+    opt.step()
+    cp.step_done()
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_load_test_reports_what_each_rank_reads_on_another_world_size(tmp_path):
+    """An FSDP2 checkpoint of 2 ranks (files over 2 MiB: block checksums): restored on 1 rank,
+    that rank reads every byte; on 4, each reads its rows' blocks, about a quarter."""
+    from jobs import job
+
+    root = tmp_path / "root"
+    script = tmp_path / "big_fsdp2.py"
+    script.write_text(BIG_FSDP2)
+    job(tmp_path, script, root)
+    manifest = json.loads((root / "step-0000000001" / "manifest.json").read_text())
+    total = sum(f["size"] for f in manifest["files"].values())
+    one = json.loads(cli("load-test", root, "--world-size", 1, "--json").stdout)
+    assert one["saved_on"] == RANKS and one["ranks"][0]["bytes"] == total
+    four = json.loads(cli("load-test", root, "--world-size", 4, "--json").stdout)
+    reads = [r["bytes"] for r in four["ranks"]]
+    assert all(0.15 * total < b < 0.5 * total for b in reads), reads
+    human = cli("load-test", root, "--world-size", 4).stdout
+    assert "rank 3: reads" in human and "the slowest rank reads" in human
