@@ -4,7 +4,9 @@ One small adapter per kind of state. Model and optimizers go through
 `torch.distributed.checkpoint.state_dict` (plain module, DDP, FSDP2, FSDP1, DTensor TP),
 so they come out sharded the way they live and reshard on load. The layout of the dict:
 
-    model, optim          DCP state dicts (sharded where the model is)
+    model, optim          DCP state dicts (sharded where the model is); for a DeepSpeed
+                          engine, full per-parameter tensors (`ckpt.deepspeed_state`)
+    engine                a DeepSpeed engine's counters and LR scheduler
     scheduler.<i>         LR scheduler state dicts
     scaler                GradScaler state dict
     extra.<name>          any object with state_dict/load_state_dict
@@ -38,6 +40,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
+from . import deepspeed_state
+
 log = logging.getLogger(__name__)
 
 
@@ -65,6 +69,10 @@ class TrainingState:
         cls, model: Any, optimizer: Any, scheduler: Any, scaler: Any, extra: Any, data: Any = None, loader: Any = None
     ) -> TrainingState:
         state = cls(model, _as_list(optimizer), _as_list(scheduler), scaler, dict(extra or {}), data, loader)
+        if deepspeed_state.is_engine(model):
+            deepspeed_state.check(model)
+            if state.optimizers:
+                raise ValueError("a DeepSpeed engine brings its optimizer: pass model=engine alone")
         if state.optimizers and state.model is None:
             raise ValueError("an optimizer needs its model: pass model= as well")
         for name, obj in state.extra.items():
@@ -77,6 +85,8 @@ class TrainingState:
         only `optimizer.step()` changes (parameters and optimizer state). Module buffers
         (BatchNorm statistics change in forward), extras, RNG and the rest are copied at once."""
         buffers = set()
+        if deepspeed_state.is_engine(self.model):
+            return lambda path, tensor: False  # gathered copies, not the live tensors: staged at once
         if self.model is not None:
             for b in self.model.buffers():
                 local = b._local_tensor if isinstance(b, DTensor) else b
@@ -93,7 +103,9 @@ class TrainingState:
         With `reuse`, the model and optimizer dicts are those of the last capture when
         nothing they hold has been replaced (see `_StateDictCache`)."""
         sd: dict[str, Any] = {}
-        if self.model is not None:
+        if deepspeed_state.is_engine(self.model):
+            sd.update(deepspeed_state.capture(self.model))
+        elif self.model is not None:
             sd.update(self._dcp_state.get(self.model, self.optimizers, reuse))
         if self.schedulers:
             sd["scheduler"] = {str(i): s.state_dict() for i, s in enumerate(self.schedulers)}
@@ -131,7 +143,9 @@ class TrainingState:
 
     def apply(self, sd: dict[str, Any], rank: int) -> dict[str, Any]:
         """Load a restored state dict into the objects; returns the saved counters."""
-        if "optim" in sd:
+        if deepspeed_state.is_engine(self.model):
+            deepspeed_state.apply(self.model, sd)
+        elif "optim" in sd:
             set_state_dict(
                 self.model,
                 self.optimizers,

@@ -1,0 +1,78 @@
+"""A DeepSpeed job for the tests, one process per rank (launch.py), on the CPU accelerator
+over gloo: a small MLP under ZeRO stage 1, 2 or 3 (optionally with the optimizer offloaded
+to the CPU) with AdamW and a DeepSpeed-owned LR scheduler, checkpointed by ckpt.
+
+Writes <out>.rank<R>.pt: the step, the step it resumed from, and the full fp32 weights and
+Adam moments (DeepSpeed's own tensor-fragment API) at the start (after the restore) and at
+the end, so a test can compare a resumed job with the one that saved.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+import deepspeed  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state  # noqa: E402
+
+import ckpt  # noqa: E402
+
+
+def full_state(engine, optimizer: bool) -> dict:
+    """Full fp32 weights (and Adam's moments, once the optimizer has stepped)."""
+    named = [(n, p) for n, p in engine.module.named_parameters()]
+    state = {"params": {n: safe_get_full_fp32_param(p).clone() for n, p in named}, "lr": engine.get_lr()[0], "global_steps": engine.global_steps}
+    if optimizer:
+        for key in ("exp_avg", "exp_avg_sq"):
+            state[key] = {n: safe_get_full_optimizer_state(p, key).clone() for n, p in named}
+    return state
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--stage", type=int, required=True)
+    p.add_argument("--offload", action="store_true")
+    p.add_argument("--root", required=True)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--every", type=int, default=5)
+    p.add_argument("--out", required=True)
+    p.add_argument("--no-save-on-exit", action="store_true")
+    args = p.parse_args()
+    os.environ.setdefault("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(1234)  # the same initial weights on every rank
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+    zero: dict = {"stage": args.stage}
+    if args.offload:
+        zero["offload_optimizer"] = {"device": "cpu"}
+    config = {
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 1e-2, "warmup_num_steps": 8}},
+        "zero_optimization": zero,
+        "zero_allow_untested_optimizer": True,
+    }
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    with ckpt.Checkpointer(args.root, model=engine, interval=ckpt.Every(steps=args.every), save_on_exit=not args.no_save_on_exit, timeout_s=120) as cp:
+        start = {"step": cp.step, **full_state(engine, optimizer=cp.step > 0)}
+        for step in range(cp.step, args.steps):
+            # The data depends on the global step and the rank only: a resumed job sees
+            # what the uninterrupted one saw.
+            g = torch.Generator().manual_seed(step * 1000 + rank)
+            x = torch.randn(4, 16, generator=g)
+            loss = engine(x).pow(2).mean()
+            engine.backward(loss)
+            engine.step()
+            cp.step_done()
+    torch.save({"step": cp.step, "restored_step": cp.restored_step, "world": world, "start": start, "end": full_state(engine, optimizer=cp.step > 0)}, f"{args.out}.rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
