@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 import sys
 import time
 from collections.abc import Iterator
@@ -163,10 +164,11 @@ def tensor_bytes(item: Any) -> int:
 def plan_reads(store: Store, entry: catalog.Entry, world: int) -> list[dict[str, Any]]:
     """What each of `world` ranks would read to restore this checkpoint into a job that
     shards model and optimizer state along the first dimension as FSDP2 does (evenly, the
-    last ranks shorter) and reads everything else (RNG, counters, data position, extras)
-    whole. Counts what the verified reader fetches: whole blocks of the files holding the
-    rows (a file without block checksums is read whole). Rank r's dict: bytes, files, and
-    the bytes of state it ends up holding."""
+    last ranks shorter), where rank r reads the RNG (and, on the same world size, the data
+    loader state) saved by rank r, and every rank reads the rest (counters, data position,
+    extras) whole. Counts what the verified reader fetches, `.metadata` included: whole
+    blocks of the files holding the rows (a file without block checksums is read whole).
+    Rank r's dict: bytes, files, and the bytes of state it ends up holding."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     md = inventory(store, entry)
@@ -177,6 +179,9 @@ def plan_reads(store: Store, entry: catalog.Entry, world: int) -> list[dict[str,
         spans: dict[str, list[tuple[int, int]]] = {}
         holds = 0
         for key, item in md.state_dict_metadata.items():
+            owner = _PER_RANK.match(key)
+            if owner and (int(owner.group(2)) != rank or (owner.group(1) == "loader" and world != manifest.world_size)):
+                continue  # another rank's RNG, or a loader state that cannot apply here
             if not isinstance(item, TensorStorageMetadata):
                 info = md.storage_data[_index(key)]
                 spans.setdefault(info.relative_path, []).append((info.offset, info.offset + info.length))
@@ -198,6 +203,9 @@ def plan_reads(store: Store, entry: catalog.Entry, world: int) -> list[dict[str,
         fetched += manifest.files[METADATA_NAME].size
         plans.append({"rank": rank, "bytes": fetched, "files": len(spans) + 1, "state_bytes": holds})
     return plans
+
+
+_PER_RANK = re.compile(r"^(rng|loader)\.rank_(\d+)(\.|$)")  # read by that rank alone (ckpt.capture)
 
 
 def _index(key: str, offsets: Any = None, i: int = 0) -> Any:
