@@ -87,7 +87,15 @@ class Handoff:
 
     # -- saving -------------------------------------------------------------------------------
     def target(self, need: int) -> Store:
-        """Where this save's files go: the spool, or the root when the spool cannot take them."""
+        """Where this save's files go: the spool, or the root when the spool cannot take them
+        (or cannot be looked at: never an error, as every rank must go on to write)."""
+        try:
+            return self._target(need)
+        except Exception as e:
+            log.warning("cannot look at the node spool (%s): writing to %s directly", e, self.store.display)
+            return self.store
+
+    def _target(self, need: int) -> Store:
         if self.spool is None or self.local is None:
             return self.store
         # Every rank of the node writes its part at the same time.
