@@ -43,8 +43,9 @@ from . import __version__
 from ._faults import fault_point
 from .agent_config import Config, JsonFormatter
 from .errors import CheckpointError, InvalidCheckpoint
-from .manifest import FileEntry
+from .manifest import FileEntry, Manifest
 from .metrics import failure_kind
+from .preempt import mtime_of
 from .spool import (
     COMMITTED,
     DURABLE,
@@ -188,7 +189,7 @@ class Agent:
         self._beat = time.monotonic()  # the main loop's last pass
         self._usage = {"used": 0, "evictable": 0, "free": 0}
         self._largest = 0  # bytes of the largest step directory seen: room kept free for the next save
-        self._notice_seen = _mtime(config.preempt_file)
+        self._notice_seen = mtime_of(config.preempt_file)
         self._server: http.server.ThreadingHTTPServer | None = None
 
     # -- the loop ---------------------------------------------------------------------------
@@ -248,7 +249,7 @@ class Agent:
             log.error("cannot write the preemption notice %s: %s", self.spool.notice_file, e)
 
     def _relay_notice(self) -> None:
-        mtime = _mtime(self.config.preempt_file)
+        mtime = mtime_of(self.config.preempt_file)
         if mtime is not None and mtime != self._notice_seen:
             self._notice_seen = mtime
             self.notify(f"notice file {self.config.preempt_file}")
@@ -333,12 +334,12 @@ class Agent:
             attempt += 1
             try:
                 self._set(path, request, UPLOADING)
-                check_request(request)
+                manifest = check_request(request)
                 store = self._store(request)
                 why = superseded(store, request) or (committed_as_requested(store, request) is False and "its step was committed by another save")
                 if why:
                     raise Superseded(why)
-                done = self._send(path, request, store)
+                done = self._send(path, request, manifest, store)
                 self.uploaded.inc(done)
                 why = superseded(store, request)  # claimed while this uploaded: no marker for it
                 if why:
@@ -374,13 +375,12 @@ class Agent:
         log.error("hand-off of step %d rank %d failed: %s", request.step, request.rank, redact(why), extra=where)
         self._set(path, request, FAILED, redact(why))
 
-    def _send(self, path: str, request: Request, store: Store) -> int:
+    def _send(self, path: str, request: Request, manifest: Manifest, store: Store) -> int:
         """Upload the request's files unless its marker says they are durable already (an
         agent that died after the marker). Every byte is checked against the manifest."""
         if store.exists(f"{request.rel}/{DURABLE_DIR}/{marker_name(request.save_id, request.rank)}"):
             return 0
         step_dir = os.path.dirname(os.path.dirname(path))
-        manifest = request.manifest_obj()
         return sum(self._send_file(os.path.join(step_dir, n), store, f"{request.rel}/{n}", manifest.files[n], request) for n in request.files)
 
     def _send_file(self, src: str, store: Store, rel: str, entry: FileEntry, request: Request) -> int:
@@ -548,13 +548,6 @@ def _load(path: str) -> Request | None:
     try:
         return Request.from_doc(read_json(path))
     except (ValueError, TypeError):
-        return None
-
-
-def _mtime(path: str) -> float | None:
-    try:
-        return os.stat(path).st_mtime_ns / 1e9 if path else None
-    except OSError:
         return None
 
 

@@ -40,7 +40,7 @@ class Preemption:
     def start(self, sigterm: bool) -> None:
         """From now on: a notice counts unless it is the one already there; with `sigterm`,
         SIGTERM asks too."""
-        self._stale = {path: _mtime(path) for path in self.notice_files}
+        self._stale = {path: mtime_of(path) for path in self.notice_files}
         if not sigterm:
             return
         if threading.current_thread() is not threading.main_thread():
@@ -70,14 +70,17 @@ class Preemption:
         if self.notice_files and (now := time.monotonic()) >= self._next_check:
             self._next_check = now + CHECK_EVERY_S
             for path in self.notice_files:
-                mtime = _mtime(path)
+                mtime = mtime_of(path)
                 if mtime is not None and mtime != self._stale.get(path):
                     self.ask(f"notice file {path}")
                     return True
         return False
 
 
-def _mtime(path: str) -> float | None:
+def mtime_of(path: str) -> float | None:
+    """A notice file's modification time, or None when there is none (or no path)."""
+    if not path:
+        return None
     try:
         return os.stat(path).st_mtime_ns / 1e9
     except OSError:

@@ -37,13 +37,12 @@ import logging
 import os
 import re
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import InvalidCheckpoint, NotFound
 from .manifest import MANIFEST_NAME, Manifest, SaveCosts
-from .storage import STEP_DIR, Store, fsync_dir, step_dir_name
+from .storage import STEP_DIR, Store, step_dir_name, write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -90,15 +89,7 @@ def public_options(options: dict[str, Any] | None) -> dict[str, Any]:
 
 def write_json(path: str, doc: Any) -> None:
     """Write a small JSON file whole: readers see the old one or the new one."""
-    directory = os.path.dirname(path)
-    os.makedirs(directory, exist_ok=True)
-    tmp = os.path.join(directory, f".{os.path.basename(path)}.{uuid.uuid4().hex[:8]}.tmp")
-    with open(tmp, "w") as f:
-        json.dump(doc, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(directory)
+    write_atomic(path, json.dumps(doc).encode())
 
 
 def listdir(path: str) -> list[str]:

@@ -396,16 +396,8 @@ class Store:
             if not self.is_local:
                 self.fs.pipe_file(path, data)  # one PUT: atomic on object stores
                 return
-            directory = os.path.dirname(path)
-            os.makedirs(directory, exist_ok=True)
-            tmp = os.path.join(directory, f".{os.path.basename(path)}.{uuid.uuid4().hex}.tmp")
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-            fsync_dir(directory)
-            fsync_dir(os.path.dirname(directory))  # and the step directory's own entry
+            write_atomic(path, data)
+            fsync_dir(os.path.dirname(os.path.dirname(path)))  # and the step directory's own entry
 
     def makedirs(self, rel: str) -> None:
         if self.is_local:
@@ -424,6 +416,19 @@ class Store:
                 self.fs.rm(manifest)
             with contextlib.suppress(FileNotFoundError):
                 self.fs.rm(self.step_path(step), recursive=True)
+
+
+def write_atomic(path: str, data: bytes) -> None:
+    """A local file written whole and durable: readers see the old one or the new one."""
+    directory = os.path.dirname(path)
+    os.makedirs(directory, exist_ok=True)
+    tmp = os.path.join(directory, f".{os.path.basename(path)}.{uuid.uuid4().hex}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(directory)
 
 
 def fsync_dir(directory: str) -> None:

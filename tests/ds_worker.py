@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
@@ -19,6 +18,7 @@ import deepspeed  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state  # noqa: E402
+from launch import exit_without_teardown  # noqa: E402
 
 import ckpt  # noqa: E402
 
@@ -73,12 +73,9 @@ def main() -> None:
             cp.step_done()
     torch.save({"step": cp.step, "restored_step": cp.restored_step, "world": world, "start": start, "end": full_state(engine, optimizer=cp.step > 0)}, f"{args.out}.rank{rank}.pt")
     dist.barrier()
-    # Leave without the interpreter's teardown: once in a CI run it aborted a finished 1-rank
-    # job ("terminate called without an active exception": a C++ thread of DeepSpeed's or
-    # gloo's destroyed at exit). Everything this job had to do is done and written.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    # Once in a CI run a finished 1-rank job aborted at teardown ("terminate called without
+    # an active exception": a C++ thread of DeepSpeed's or gloo's destroyed at exit).
+    exit_without_teardown()
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ import sys
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from launch import exit_without_teardown
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_state_dict,
@@ -51,9 +52,7 @@ def main() -> None:
         # run of 263 tests). This script uses nothing but torch; its output is written, so
         # it leaves without tearing gloo down at all.
         dist.barrier()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+        exit_without_teardown()
 
 
 if __name__ == "__main__":
