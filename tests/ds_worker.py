@@ -10,6 +10,8 @@ the end, so a test can compare a resumed job with the one that saved.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import glob
 import os
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -60,6 +62,8 @@ def main() -> None:
         "zero_allow_untested_optimizer": True,
     }
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    dist.barrier()  # every rank has mapped every other's shared allreduce buffer by now
+    drop_shm_buffer(rank)
     with ckpt.Checkpointer(args.root, model=engine, interval=ckpt.Every(steps=args.every), save_on_exit=not args.no_save_on_exit, timeout_s=120) as cp:
         start = {"step": cp.step, **full_state(engine, optimizer=cp.step > 0)}
         for step in range(cp.step, args.steps):
@@ -76,6 +80,16 @@ def main() -> None:
     # Once in a CI run a finished 1-rank job aborted at teardown ("terminate called without
     # an active exception": a C++ thread of DeepSpeed's or gloo's destroyed at exit).
     exit_without_teardown()
+
+
+def drop_shm_buffer(rank: int) -> None:
+    """Unlink this rank's /dev/shm allreduce buffer (DeepSpeed's CPU communicator, 69 MB a
+    rank) once all ranks have mapped it: DeepSpeed never unlinks it, so every run used to
+    leave it behind until /dev/shm filled the machine's memory."""
+    tail = f"_{os.environ.get('MASTER_ADDR', '')}_{os.environ.get('MASTER_PORT', '')}_{rank}"
+    for path in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*{tail}"):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
 
 
 if __name__ == "__main__":
