@@ -11,11 +11,13 @@ from typing import TYPE_CHECKING, Any
 from .errors import (
     CheckpointError,
     InvalidCheckpoint,
+    LeaseHeld,
     NotFound,
     RestoreFailed,
     SaveFailed,
     StorageError,
 )
+from .lease import Lease
 from .manifest import Manifest
 from .policy import Auto, Every, Keep
 
@@ -50,6 +52,7 @@ __all__ = [
     "Auto",
     "Every",
     "Keep",
+    "Lease",
     "Transfer",
     "ElasticSampler",
     "accumulation_steps",
@@ -61,4 +64,5 @@ __all__ = [
     "InvalidCheckpoint",
     "SaveFailed",
     "RestoreFailed",
+    "LeaseHeld",
 ]

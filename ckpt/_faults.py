@@ -2,12 +2,16 @@
 
 `CKPT_FAULT=<point>:<rank>:<step>` (several separated by commas) SIGKILLs the process when
 rank <rank> reaches <point> while saving step <step>; `*` matches any rank or step.
-`<point>:<rank>:<step>:sleep=<seconds>` stalls there instead (a slow store).
-Points: `write_item` (between two items of a data file), `writer_process` (in the writer
-process, before it writes a data file), `before_manifest` (all data files and `.metadata`
-durable, the manifest not yet written), `after_manifest`; with a node agent, `after_handoff`
-(this rank's files handed off to the agent) and, in the agent, `agent_upload` (a chunk of a
-rank's file written to the root, the upload not complete). Unset in production: one dict lookup.
+`<point>:<rank>:<step>:sleep=<seconds>` stalls there instead (a slow store), and
+`<point>:<rank>:<step>:nth=<k>` kills on the k-th time the rule matches in this process (a
+point deeper into a file, a later chunk). Points: `staging` (the state captured, its copy
+into host buffers not made yet), `write_item` (between two items of a data file),
+`writer_process` (in the writer process, before it writes a data file), `before_manifest`
+(all data files and `.metadata` durable, the manifest not yet written), `after_manifest`,
+`retention` (rank 0 deleting an old checkpoint, `<step>` the deleted one: its manifest gone,
+its files not yet); with a node agent, `after_handoff` (this rank's files handed off to the
+agent) and, in the agent, `agent_upload` (a chunk of a rank's file written to the root, the
+upload not complete). Unset in production: one dict lookup.
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ from __future__ import annotations
 import os
 import signal
 import time
+
+_hits: dict[str, int] = {}  # rule -> times matched, for nth=
 
 
 def fault_point(point: str, rank: int, step: int) -> None:
@@ -26,5 +32,7 @@ def fault_point(point: str, rank: int, step: int) -> None:
         if p == point and r in ("*", str(rank)) and s in ("*", "", str(step)):
             if action.startswith("sleep="):
                 time.sleep(float(action.removeprefix("sleep=")))
-            else:
+                continue
+            _hits[rule] = _hits.get(rule, 0) + 1
+            if not action.startswith("nth=") or _hits[rule] == int(action.removeprefix("nth=")):
                 os.kill(os.getpid(), signal.SIGKILL)

@@ -9,15 +9,21 @@ the manifests, plus `.metadata` (checksummed, never unpickled) for the restore c
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
+import functools
 import logging
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import BinaryIO
+from typing import TYPE_CHECKING, BinaryIO
 
 from .errors import InvalidCheckpoint, NotFound
 from .manifest import MANIFEST_NAME, METADATA_NAME, FileEntry, Manifest
 from .storage import Hasher, StepListing, Store, checksum, step_dir_name
+
+if TYPE_CHECKING:
+    from .signing import SigningKey
 
 log = logging.getLogger(__name__)
 
@@ -251,15 +257,28 @@ class Entry:
     manifest: Manifest | None = None
     problem: str | None = None  # why it is not committed
     bytes_on_store: int = 0
+    # Checked with a signing key: "signed-ok", "unsigned" or "BAD" (ckpt.signing); else None.
+    signature: str | None = None
 
     @property
     def dir(self) -> str:
         return step_dir_name(self.step)
 
 
-def inspect(store: Store, listing: StepListing, *, metadata: bool = False, deep: bool = False) -> Entry:
+def check_ranks(manifest: Manifest, where: str) -> None:
+    """InvalidCheckpoint unless the manifest lists one data file from each of the ranks it
+    says saved it (every rank writes one): a restore reads each rank's own state by it."""
+    ranks = sorted({f.rank for f in manifest.files.values() if f.rank >= 0})
+    if ranks != list(range(manifest.world_size)):
+        raise InvalidCheckpoint(f"{where}: manifest says world size {manifest.world_size}, but lists data files of ranks {ranks}")
+
+
+def inspect(
+    store: Store, listing: StepListing, *, metadata: bool = False, deep: bool = False, key: SigningKey | None = None
+) -> Entry:
     """Classify one step directory. Reads its manifest; with `metadata`, also checks the
-    checksum of `.metadata`; with `deep`, of every file."""
+    checksum of `.metadata`; with `deep`, of every file. With `key`, a manifest not signed
+    with it is corrupt: never to be trusted."""
     entry = Entry(listing.step, INCOMPLETE, bytes_on_store=sum(listing.files.values()))
     if not listing.has_manifest:
         entry.problem = "no manifest (never committed, or still being written)"
@@ -270,8 +289,13 @@ def inspect(store: Store, listing: StepListing, *, metadata: bool = False, deep:
         entry.manifest = manifest
         if manifest.step != listing.step:
             raise InvalidCheckpoint(f"{where}: manifest is for step {manifest.step}")
+        if key is not None:
+            entry.signature, why = key.check(manifest)
+            if why:
+                raise InvalidCheckpoint(f"{where}: {why}")
         if METADATA_NAME not in manifest.files:
             raise InvalidCheckpoint(f"{where}: manifest lists no {METADATA_NAME}")
+        check_ranks(manifest, where)
         for name, f in manifest.files.items():
             size = listing.files.get(name)
             if size is None:
@@ -293,9 +317,19 @@ def inspect(store: Store, listing: StepListing, *, metadata: bool = False, deep:
     return entry
 
 
-def scan(store: Store, *, metadata: bool = False, deep: bool = False) -> list[Entry]:
+def scan(store: Store, *, metadata: bool = False, deep: bool = False, key: SigningKey | None = None) -> list[Entry]:
     """Every step directory of the root, oldest first."""
-    return [inspect(store, lst, metadata=metadata, deep=deep) for _, lst in sorted(store.scan().items())]
+    return _inspect_all(store, [lst for _, lst in sorted(store.scan().items())], metadata=metadata, deep=deep, key=key)
+
+
+def _inspect_all(store: Store, listings: list[StepListing], **how: object) -> list[Entry]:
+    """`inspect` each, in order; an object store's several at a time (a thousand round trips
+    one after another take seconds)."""
+    one = functools.partial(inspect, store, **how)  # type: ignore[arg-type]
+    if store.is_local or len(listings) < 2:
+        return [one(lst) for lst in listings]
+    with concurrent.futures.ThreadPoolExecutor(min(16, len(listings)), thread_name_prefix="ckpt-scan") as pool:
+        return list(pool.map(one, listings))
 
 
 def commit_order(entries: list[Entry]) -> list[int]:
@@ -304,44 +338,68 @@ def commit_order(entries: list[Entry]) -> list[int]:
     return [e.step for e in sorted(done, key=lambda e: (e.manifest.created, e.step))]  # type: ignore[union-attr]
 
 
-def restore_candidates(store: Store) -> tuple[list[Entry], list[Entry]]:
+def restore_candidates(store: Store, key: SigningKey | None = None) -> tuple[list[Entry], list[Entry]]:
     """(committed checkpoints newest commit first, the directories that were passed over).
 
-    Newest by commit time: after a restart from an older step, the new run's checkpoints come
-    before the abandoned run's higher steps. Manifests are read for every directory (they are
-    small); `.metadata` is checksummed only for the first candidate."""
+    Newest by commit time (the manifest's `created`): after a restart from an older step,
+    the new run's checkpoints come before the abandoned run's higher steps. Manifests are read
+    newest written first (the listing's times), and no further once the rest were all written
+    before the newest good one was created (less CLOCK_SKEW_S): a root of a thousand
+    checkpoints costs one listing and a few reads. `.metadata` is checksummed for the first
+    candidate. Directories with a manifest left unread come last, newest written first, for
+    a restore that must fall back that far (it checks each as it tries it). With `key`, only
+    checkpoints signed with it are candidates."""
     listings = store.scan()
-    entries = [inspect(store, listings[step]) for step in sorted(listings)]
-    order = {step: i for i, step in enumerate(commit_order(entries))}
-    good = sorted((e for e in entries if e.state == COMMITTED), key=lambda e: order[e.step], reverse=True)
-    while good:
-        checked = inspect(store, listings[good[0].step], metadata=True)
+    entries = [inspect(store, lst) for lst in listings.values() if not lst.has_manifest]  # nothing to read
+    unread = sorted((lst for lst in listings.values() if lst.has_manifest), key=_written, reverse=True)
+    good: list[Entry] = []
+    while True:
+        while unread and not (good and _written(unread[0])[0] < good[0].manifest.created - CLOCK_SKEW_S):  # type: ignore[union-attr]
+            n = 1 if store.is_local else 16  # a remote store's in parallel: latency, not bytes
+            batch, unread = unread[:n], unread[n:]
+            for entry in _inspect_all(store, batch, key=key):
+                entries.append(entry)
+                if entry.state == COMMITTED:
+                    good.append(entry)
+            good.sort(key=lambda e: (e.manifest.created, e.step), reverse=True)  # type: ignore[union-attr]
+        if not good:
+            break
+        checked = inspect(store, listings[good[0].step], metadata=True, key=key)
         if checked.state == COMMITTED:
             break
         entries[entries.index(good[0])] = checked
-        good.pop(0)
-    newest = order[good[0].step] if good else None
-    skipped = [
-        e
-        for e in entries
-        if e.state != COMMITTED and (newest is None or e.step > good[0].step or e.state == CORRUPT)
-    ]
-    return good, skipped
+        good.pop(0)  # and read on: older manifests may hold the newest good one now
+    skipped = sorted(
+        (e for e in entries if e.state != COMMITTED and (not good or e.step > good[0].step or e.state == CORRUPT)),
+        key=lambda e: e.step,
+    )
+    return good + [Entry(lst.step, COMMITTED, problem="manifest not read yet") for lst in unread], skipped
 
 
-def find(store: Store, step: int | None) -> Entry:
-    """The committed checkpoint at `step` (newest when None); NotFound or InvalidCheckpoint."""
+# The most the clock of a host that commits (a manifest's `created`) may run ahead of the
+# store's (the time the listing gives the manifest): restore_candidates relies on it. Hosts
+# kept by NTP agree within milliseconds.
+CLOCK_SKEW_S = 60.0
+
+
+def _written(lst: StepListing) -> tuple[float, int]:
+    return (lst.manifest_mtime if lst.manifest_mtime is not None else math.inf), lst.step
+
+
+def find(store: Store, step: int | None, key: SigningKey | None = None) -> Entry:
+    """The committed checkpoint at `step` (newest when None); NotFound or InvalidCheckpoint.
+    With `key`, only one signed with it."""
     listings = store.scan()
     if not listings:
         raise NotFound(f"no checkpoints under {store.display}")
     if step is None:
-        good, _ = restore_candidates(store)
+        good, _ = restore_candidates(store, key)
         if not good:
             raise NotFound(f"no committed checkpoint under {store.display}")
         return good[0]
     if step not in listings:
         raise NotFound(f"no checkpoint at step {step} under {store.display}")
-    entry = inspect(store, listings[step], metadata=True)
+    entry = inspect(store, listings[step], metadata=True, key=key)
     if entry.state != COMMITTED:
         raise InvalidCheckpoint(f"step {step} is {entry.state}: {entry.problem}")
     return entry

@@ -23,6 +23,7 @@ from typing import Any, Literal
 from torch.distributed.checkpoint.api import CheckpointException
 
 from . import catalog
+from ._faults import fault_point
 from ._gc import gc_paused
 from .agreement import Agreement
 from .capture import TrainingState
@@ -32,12 +33,14 @@ from .data import data_position
 from .errors import CheckpointError, SaveFailed, dcp_causes
 from .events import History
 from .handoff import Handoff
+from .lease import Lease, LeaseKeeper, take_for_job
 from .manifest import Manifest
 from .metrics import Metrics, port_from_env
 from .policy import Auto, Every, Keep
 from .preempt import Preemption
 from .resave import Resaver
 from .restore import restore, start_fresh
+from .signing import SigningKey
 from .stage import Copies, Stager, default_host_budget
 from .storage import Store, Transfer, redact, step_dir_name
 from .writer_proc import ProcessSink, ThreadSink
@@ -45,7 +48,7 @@ from .writer_proc import ProcessSink, ThreadSink
 log = logging.getLogger(__name__)
 
 Restore = Literal["latest", "none"] | int
-OnError = Literal["raise", "log"]
+OnError = Literal["raise", "log"] | int
 
 
 class Checkpointer:
@@ -77,8 +80,10 @@ class Checkpointer:
             fresh whatever the root holds; a step number restores exactly that step.
         save_on_exit: leaving the block normally takes a final save if the last step is unsaved.
         on_error: a failed background save raises ``SaveFailed`` at the next ``step_done``
-            ("raise", default) or is only logged ("log"); either way nothing half-written is
-            ever restored.
+            ("raise", default), is only logged ("log": training goes on and the next save
+            tries again), or is logged until this many saves in a row have failed (an int K:
+            a store down for a while costs K intervals of progress at most, then the job
+            stops). Either way nothing half-written is ever restored.
         handle_sigterm: SIGTERM takes a checkpoint and exits: at the next step boundary on one
             rank, at the next meeting (``agree_every_s``) of several.
         preempt_file: a path (default ``CKPT_PREEMPT_FILE``) whose appearance does what a
@@ -116,6 +121,23 @@ class Checkpointer:
             and leaving the block waits (up to ``timeout_s``) for its commit. A restart on the
             node reads the files the spool still holds from there. The agent's SIGTERM or
             notice asks for a checkpoint as a SIGTERM does. See ``ckpt.handoff``.
+        signing_key: a secret (bytes or str, at least 16 bytes) to sign every manifest with
+            (HMAC-SHA256 over its content, which lists every file's size and checksum);
+            default: the file named by ``CKPT_SIGNING_KEY_FILE`` (preferred), else
+            ``CKPT_SIGNING_KEY``, else no signing. With a key, restore trusts only checkpoints
+            signed with it: an unsigned or wrongly signed one is passed over (saying why) for
+            the one before, and if none is trusted the restore fails (``RestoreFailed``), never
+            a silent fresh start. A node agent commits the signed draft and never sees the
+            key; the key is never logged or stored. See ``ckpt.signing``.
+        lease: one job per root (``ckpt.Lease(ttl_s=60, takeover=False)``; None: no lease).
+            Rank 0 takes ``<root>/lease.json`` on enter, before anything there is read or
+            written; if another live job holds it, every rank raises ``ckpt.LeaseHeld``
+            saying who and how to take over. The same job restarting (the same
+            ``CKPT_JOB_ID``, ``TORCHELASTIC_RUN_ID`` or ``SLURM_JOB_ID``), a crashed run's
+            restart on the same machine and a lease not renewed for ``ttl_s`` seconds are
+            taken at once. Renewed every ``ttl_s / 3``; released on a clean exit. A job whose
+            lease was taken over commits nothing more: its saves fail with ``SaveFailed``.
+            See ``ckpt.lease``.
     """
 
     def __init__(
@@ -147,12 +169,15 @@ class Checkpointer:
         transfer: Transfer | None = None,
         preempt_file: str | None = None,
         spool: str | None = None,
+        signing_key: bytes | str | None = None,
+        lease: Lease | None = Lease(),
     ) -> None:
-        if on_error not in ("raise", "log"):
-            raise ValueError(f"on_error must be 'raise' or 'log', not {on_error!r}")
-        if not (restore in ("latest", "none") or (isinstance(restore, int) and restore >= 0)):
+        if not (on_error in ("raise", "log") or (type(on_error) is int and on_error >= 1)):
+            raise ValueError(f"on_error must be 'raise', 'log' or a number of failed saves in a row (>= 1), not {on_error!r}")
+        if not (restore in ("latest", "none") or (isinstance(restore, int) and not isinstance(restore, bool) and restore >= 0)):
             raise ValueError(f"restore must be 'latest', 'none' or a step number, not {restore!r}")
         self.store = Store(root, storage_options, transfer)
+        self._signing_key = SigningKey.resolve(signing_key)
         self._storage_options = storage_options
         data, loader = data_position(data, dataloader)
         self.state = TrainingState.of(model, optimizer, scheduler, scaler, extra, data, loader)
@@ -166,6 +191,8 @@ class Checkpointer:
         self.restore_mode = restore
         self.save_on_exit = save_on_exit
         self.on_error = on_error
+        #: Background saves that failed since the last one that committed.
+        self.failures_in_row = 0
         self.handle_sigterm = handle_sigterm
         self.preempt_exit_code = preempt_exit_code
         self.timeout_s = timeout_s
@@ -201,6 +228,10 @@ class Checkpointer:
         self._inflight: concurrent.futures.Future[Manifest] | None = None
         self._preempt = Preemption(preempt_file)
         self._spool = spool
+        if not (lease is None or isinstance(lease, Lease)):
+            raise ValueError(f"lease must be a ckpt.Lease(...) or None, not {lease!r}")
+        self.lease = lease
+        self._lease: LeaseKeeper | None = None  # rank 0's hold on the root, taken on enter
         self._handoff: Handoff | None = None  # the node agent's link, found on enter
         self._ctrl = self._io = Group(None, 0, 1)
         self._taken: set[int] = set()  # steps whose directories hold a manifest: never written into
@@ -224,6 +255,17 @@ class Checkpointer:
         # Two groups: the loop's collectives and the background writer's must never interleave.
         self._ctrl = Group.new(self.timeout_s)
         self._io = Group.new(self.timeout_s)
+        # IMPORTANT: the root's lease first, before anything there is read or written.
+        self._lease = take_for_job(self.store, self.lease, self._ctrl)
+        try:
+            return self._start()
+        except BaseException:
+            if self._lease is not None:
+                self._lease.close(release=False)
+            raise
+
+    def _start(self) -> Checkpointer:
+        """The rest of entering, once the root is this job's."""
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ckpt-save")
         self.history = History(self.store, self._ctrl.world, enabled=self._ctrl.rank == 0)
         if isinstance(self.interval, Auto):
@@ -235,7 +277,7 @@ class Checkpointer:
         self._handoff = self._link_agent()
         if self.restore_mode != "none":
             began = time.perf_counter()
-            restored, self._taken = restore(self.store, self._ctrl, self.state, self.restore_mode, self._handoff)
+            restored, self._taken = restore(self.store, self._ctrl, self.state, self.restore_mode, self._handoff, self._signing_key)
             if restored is not None:
                 self._step = self.restored_step = restored.step
                 took = time.perf_counter() - began
@@ -438,10 +480,13 @@ class Checkpointer:
             return
         try:
             self.last_commit = fut.result()
+            self.failures_in_row = 0
         except SaveFailed as e:
             self._failed_step = self._saved_step  # one save in flight: the last one taken
-            log.error("%s", e)
-            if self.on_error == "raise":
+            self.failures_in_row += 1
+            limit = 1 if self.on_error == "raise" else None if self.on_error == "log" else self.on_error
+            log.error("%s (%d failed save(s) in a row%s)", e, self.failures_in_row, f"; giving up at {limit}" if limit and limit > 1 else "")
+            if limit is not None and self.failures_in_row >= limit:
                 raise
         finally:
             self.history.flush()
@@ -451,6 +496,7 @@ class Checkpointer:
             how, failure = (f"preempted ({self._preempt.why})" if self._preempt.why else "exited"), False
         else:
             how, failure = f"error: {exc_type.__name__}: {_first_line(exc)}", True
+        clean = False  # left without an error, the last save included: the root is free
         try:
             if exc_type is None and self.save_on_exit:
                 self._final_save()
@@ -465,6 +511,7 @@ class Checkpointer:
                 self._learn_commits(self.timeout_s)  # the last save committed by the agent, if it can be
                 if self._handoff.pending:
                     log.error("steps %s were handed off to the node agent but are not committed yet", self._handoff.pending)
+            clean = exc_type is None
         finally:
             for hook in self._hooks:
                 hook.remove()
@@ -483,6 +530,11 @@ class Checkpointer:
             self._ctrl = Group(None, self._ctrl.rank, self._ctrl.world)
             self._io = Group(None, self._io.rank, self._io.world)
             self.metrics.close()
+            if self._lease is not None:
+                # A clean exit frees the root; after a failure the lease is left to the same
+                # job's restart (or to expire), and its renewal stops with this block.
+                self._lease.close(release=clean)
+                self._lease = None
 
     def _final_save(self) -> None:
         """Leaving normally: the last step ends committed if it can be. A save of it that
@@ -533,6 +585,7 @@ class Checkpointer:
         try:
             try:
                 if copies is not None:
+                    fault_point("staging", self._io.rank, step)
                     copies.run()
             finally:
                 self._staged.set()
@@ -552,6 +605,8 @@ class Checkpointer:
                 started=started,
                 handoff=self._handoff,
                 need=self._stager.bytes_staged,
+                key=self._signing_key,
+                guard=self._lease.check if self._lease is not None else None,
             )
         except SaveFailed:
             raise
@@ -611,6 +666,9 @@ class Checkpointer:
         return sink
 
     def _apply_retention(self, just_committed: int) -> None:
+        if self._lease is not None and self._lease.lost is not None:
+            log.warning("retention skipped: the root is not this job's any more")  # nor its checkpoints
+            return
         try:
             entries = catalog.scan(self.store)
             committed = catalog.commit_order(entries)

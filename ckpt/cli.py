@@ -19,9 +19,11 @@ from . import catalog, cli_tools
 from .errors import CheckpointError, InvalidCheckpoint
 from .manifest import METADATA_NAME
 from .policy import Keep
-from .storage import Store, redact, step_dir_name
+from .storage import Store, Transfer, redact, step_dir_name
 
 EXIT_OK, EXIT_INVALID, EXIT_USAGE = 0, 1, 2
+# An admin command on an unreachable store says so in seconds, not after a trainer's patience.
+CLI_TRANSFER = Transfer(attempts=3, max_backoff_s=2.0)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -37,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
             return args.func(args)
         if hasattr(args, "other"):  # diff: ROOT[:STEP]
             args.root, args.root_step = cli_tools.split_step(args.root)
-        store = Store(args.root, _options(args.storage_option))
+        store = Store(args.root, _options(args.storage_option), CLI_TRANSFER)
         return args.func(store, args)
     except InvalidCheckpoint as e:
         _error(e)
@@ -60,8 +62,15 @@ def _error(e: Exception) -> None:
     print(f"ckpt: {redact(' '.join(str(e).split()))}", file=sys.stderr)
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors as one line and exit 2, like every other mistake (subcommands too)."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(EXIT_USAGE, f"ckpt: {message} (see {self.prog} --help)\n")
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="ckpt", description="Inspect and manage ckpt checkpoints.")
+    p = _Parser(prog="ckpt", description="Inspect and manage ckpt checkpoints.")
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("root", help="checkpoint root: a path or fsspec URL (s3://bucket/prefix)")
     common.add_argument(
@@ -80,18 +89,23 @@ def _parser() -> argparse.ArgumentParser:
     ls.set_defaults(func=cmd_ls)
 
     show = sub.add_parser("show", parents=[common], help="manifest and tensor inventory")
-    show.add_argument("--step", type=int, help="default: the newest committed")
+    show.add_argument("--step", type=cli_tools.step_arg, help="default: the newest committed")
     show.add_argument("--json", action="store_true")
     show.set_defaults(func=cmd_show)
 
     verify = sub.add_parser("verify", parents=[common], help="check files against manifests")
-    verify.add_argument("--step", type=int, help="default: every checkpoint")
+    verify.add_argument("--step", type=cli_tools.step_arg, help="default: every checkpoint")
     verify.add_argument("--deep", action="store_true", help="check every checksum, not only sizes")
     verify.add_argument("--json", action="store_true")
+    verify.add_argument(
+        "--signing-key-file",
+        help="check signatures with the key in this file (default: CKPT_SIGNING_KEY_FILE, else "
+        "CKPT_SIGNING_KEY); with a key, an unsigned or wrongly signed checkpoint fails",
+    )
     verify.set_defaults(func=cmd_verify)
 
     rm = sub.add_parser("rm", parents=[common], help="delete one checkpoint")
-    rm.add_argument("--step", type=int, required=True)
+    rm.add_argument("--step", type=cli_tools.step_arg, required=True)
     rm.add_argument("--force", action="store_true", help="allow deleting the newest committed one")
     rm.set_defaults(func=cmd_rm)
 
@@ -103,6 +117,11 @@ def _parser() -> argparse.ArgumentParser:
     events = sub.add_parser("events", parents=[common], help="the job's runs, restarts and failures")
     events.add_argument("--json", action="store_true")
     events.set_defaults(func=cmd_events)
+    lease = sub.add_parser("lease", parents=[common], help="which job holds the root (one at a time); --break frees it")
+    lease.add_argument("--break", dest="break_lease", action="store_true",
+                       help="free the root even from a live job: that job's next save fails instead of writing here")
+    lease.add_argument("--json", action="store_true")
+    lease.set_defaults(func=cmd_lease)
 
     pl = sub.add_parser("plan", help="checkpoint size, save/restore time, intervals and ETTR of a job")
     pl.add_argument("--params", required=True, help="parameters: 13e9, 13B")
@@ -302,7 +321,22 @@ def cmd_ls(store: Store, args: argparse.Namespace) -> int:
         for d in docs
     ]
     _table(rows, ["STEP", "TIME", "SIZE", "WORLD", "STATE"])
+    held = _lease_line(store)
+    if held:
+        print(f"lease: {held}")
     return EXIT_OK
+
+
+def _lease_line(store: Store) -> str | None:
+    """The root's lease in a line while a job holds it (expired too); None when it is free."""
+    from . import lease
+
+    try:
+        holder = lease.read(store)
+    except ValueError as e:
+        return f"unreadable ({e}); `ckpt lease ROOT --break` replaces it"
+    now = time.time()
+    return None if lease.state(holder, now) == "free" else lease.describe(holder, now)
 
 
 def cmd_show(store: Store, args: argparse.Namespace) -> int:
@@ -364,25 +398,30 @@ def inventory(metadata_blob: bytes) -> list[dict[str, Any]]:
 
 
 def cmd_verify(store: Store, args: argparse.Namespace) -> int:
+    from .signing import SigningKey
+
+    key = SigningKey.from_file(args.signing_key_file) if args.signing_key_file else SigningKey.resolve()
     _require_root(store)
     if args.step is not None:
         listing = store.list_step(args.step)
         if listing is None:
             raise catalog.NotFound(f"no checkpoint at step {args.step} under {store.display}")
-        entries = [catalog.inspect(store, listing, metadata=True, deep=args.deep)]
+        entries = [catalog.inspect(store, listing, metadata=True, deep=args.deep, key=key)]
     else:
-        entries = catalog.scan(store, metadata=True, deep=args.deep)
+        entries = catalog.scan(store, metadata=True, deep=args.deep, key=key)
     newest = max((e.step for e in entries if e.state == catalog.COMMITTED), default=-1)
     # A directory without a manifest newer than the newest commit may be a save in flight.
     failed = [e for e in entries if e.state == catalog.CORRUPT or (e.state == catalog.INCOMPLETE and args.step is not None)]
     if args.json:
-        _emit_json({"ok": not failed, "deep": args.deep, "checkpoints": [_entry_doc(e) for e in entries]})
+        docs = [{**_entry_doc(e), "signature": e.signature} for e in entries]
+        _emit_json({"ok": not failed, "deep": args.deep, "signing_key_id": key.key_id if key else None, "checkpoints": docs})
     else:
         for e in entries:
             note = "" if e.state == catalog.COMMITTED else f": {e.problem}"
             if e.state == catalog.INCOMPLETE and e.step > newest and args.step is None:
                 note += " (may be a save in progress)"
-            print(f"{e.dir}  {'ok' if e.state == catalog.COMMITTED else e.state.upper()}{note}")
+            signed = f"  {e.signature}" if e.signature else ""
+            print(f"{e.dir}  {'ok' if e.state == catalog.COMMITTED else e.state.upper()}{signed}{note}")
         print(f"{len(entries) - len(failed)} ok, {len(failed)} failed ({'checksums' if args.deep else 'sizes'})")
     return EXIT_INVALID if failed else EXIT_OK
 
@@ -437,6 +476,31 @@ def cmd_events(store: Store, args: argparse.Namespace) -> int:
         rows.append([_when(e.time), e.kind, what, lost, world, e.cause or "-"])
     _table(rows, ["TIME", "EVENT", "WHAT", "STEPS LOST", "WORLD", "CAUSE"])
     print(f"{len(runs)} runs, {sum(e.kind == 'restart' for e in evs)} restarts")
+    return EXIT_OK
+
+
+def cmd_lease(store: Store, args: argparse.Namespace) -> int:
+    from . import lease
+
+    _require_root(store)
+    if args.break_lease:
+        held = lease.break_lease(store)
+        print(f"{store.display}: " + ("no live lease to break" if held is None else f"broke the lease of {held.who()}; the root is free"))
+        return EXIT_OK
+    try:
+        holder = lease.read(store)
+    except ValueError as e:
+        raise InvalidCheckpoint(f"{store.display}/{lease.LEASE_NAME} is unreadable ({e}); `ckpt lease ROOT --break` replaces it") from e
+    now = time.time()
+    if args.json:
+        _emit_json({
+            "root": store.display,
+            "state": lease.state(holder, now),
+            "holder": asdict(holder) if holder else None,
+            "expires_in_s": holder.expires - now if holder and holder.released is None else None,
+        })
+    else:
+        print(f"{store.display}: {lease.describe(holder, now)}")
     return EXIT_OK
 
 

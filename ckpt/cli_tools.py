@@ -17,12 +17,12 @@ EXIT_OK, EXIT_DIFFERENT = 0, 1
 def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
     cp = sub.add_parser("cp", parents=[common], help="copy a checkpoint to another root, verified, resumable")
     cp.add_argument("dst", help="the destination root")
-    cp.add_argument("--step", type=int, help="default: the newest committed")
+    cp.add_argument("--step", type=step_arg, help="default: the newest committed")
     cp.add_argument("--progress", action="store_true", default=None, help="a progress bar (default: on a terminal)")
     cp.set_defaults(func=cmd_cp)
 
     restore = sub.add_parser("restore", parents=[common], help="copy a checkpoint to a local directory (cp to a local root)")
-    restore.add_argument("--step", type=int, help="default: the newest committed")
+    restore.add_argument("--step", type=step_arg, help="default: the newest committed")
     restore.add_argument("--to", required=True, help="a local directory: the checkpoint lands in <to>/step-N")
     restore.add_argument("--progress", action="store_true", default=None)
     restore.set_defaults(func=cmd_restore)
@@ -34,7 +34,7 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
     diff.set_defaults(func=cmd_diff)
 
     ex = sub.add_parser("export", parents=[common], help="full tensors as safetensors, torch or zarr")
-    ex.add_argument("--step", type=int, help="default: the newest committed")
+    ex.add_argument("--step", type=step_arg, help="default: the newest committed")
     ex.add_argument("--format", required=True, choices=["safetensors", "torch", "zarr"])
     ex.add_argument("--out", required=True, help="a file (safetensors, torch) or a directory (zarr)")
     ex.add_argument("--model-only", action="store_true", help="the model's tensors only, without the 'model.' prefix")
@@ -44,9 +44,16 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
 
     lt = sub.add_parser("load-test", parents=[common], help="what each rank would read to restore on another world size")
     lt.add_argument("--world-size", type=int, required=True)
-    lt.add_argument("--step", type=int, help="default: the newest committed")
+    lt.add_argument("--step", type=step_arg, help="default: the newest committed")
     lt.add_argument("--json", action="store_true")
     lt.set_defaults(func=cmd_load_test)
+
+
+def step_arg(text: str) -> int:
+    """A --step value: a step number, never a name or a path."""
+    if not (text.isascii() and text.isdigit()):
+        raise argparse.ArgumentTypeError(f"a step is a non-negative integer, not {text!r}")
+    return int(text)
 
 
 def cmd_cp(store: Store, args: argparse.Namespace) -> int:
@@ -155,7 +162,7 @@ def cmd_load_test(store: Store, args: argparse.Namespace) -> int:
 def split_step(spec: str) -> tuple[str, int | None]:
     """'ROOT:STEP' -> (ROOT, STEP); 'ROOT' -> (ROOT, None) (s3://b/x stays whole)."""
     head, sep, tail = spec.rpartition(":")
-    if sep and tail.isdigit() and head and not head.endswith(":/") and "//" not in tail:
+    if sep and tail.isascii() and tail.isdigit() and head and not head.endswith(":/") and "//" not in tail:
         return head, int(tail)
     return spec, None
 

@@ -37,6 +37,7 @@ from .storage import Store, step_dir_name
 
 if TYPE_CHECKING:
     from .handoff import Handoff
+    from .signing import SigningKey
 
 log = logging.getLogger(__name__)
 
@@ -114,14 +115,21 @@ def persist(
     started: float,
     handoff: Handoff | None = None,
     need: int = 0,
+    key: SigningKey | None = None,
+    guard: Callable[[], None] | None = None,
 ) -> Manifest:
     """Write and commit `staged` as step `step` (`sinks` writes files to a store). Returns
-    the manifest on every rank: committed, or with `handoff` handed off for the commit."""
+    the manifest on every rank: committed, or with `handoff` handed off for the commit.
+    With `key`, rank 0 signs the manifest (a draft handed off is committed as signed).
+    `guard` (rank 0's, the root lease's check) raises when this job may not write there any
+    more: called before the step directory is claimed and again just before the commit."""
     rel = step_dir_name(step)
     began = time.time() - (time.perf_counter() - started)
     refusal, save_id = None, uuid.uuid4().hex[:16]
     if group.rank == 0:
         try:
+            if guard is not None:
+                guard()  # IMPORTANT: a job that lost the root writes nothing more there
             refusal = claim_step_dir(store, step)
             if refusal is None and handoff is not None:
                 claim(store, rel, save_id)  # an agent holding an older save of this step leaves it be
@@ -161,7 +169,11 @@ def persist(
                 user=user,
                 schedule=dict(schedule or {}),
             )
+            if key is not None:
+                manifest = key.sign(manifest)  # only the signature travels: never the key
             if handoff is None:
+                if guard is not None:
+                    guard()  # another job may have taken the root while the files were written
                 # IMPORTANT: the commit. Written last, after every rank's files are durable.
                 store.put_atomic(f"{rel}/{MANIFEST_NAME}", manifest.to_json())
             outcome = manifest

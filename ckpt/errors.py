@@ -27,6 +27,10 @@ class RestoreFailed(CheckpointError):
     """No committed checkpoint could be restored although at least one exists."""
 
 
+class LeaseHeld(CheckpointError):
+    """The root belongs to another job (its lease, `ckpt.lease`), or no longer to this one."""
+
+
 def dcp_failures(e: BaseException) -> list[BaseException]:
     """The errors a DCP `CheckpointException` wraps, one per failed rank."""
     return [f[0] if isinstance(f, tuple) else f for f in e.failures.values()]  # type: ignore[attr-defined]

@@ -60,13 +60,27 @@ class Manifest:
     schedule: dict[str, Any] = field(default_factory=dict)
     format: str = FORMAT
     format_version: int = FORMAT_VERSION
+    # With a signing key (`ckpt.signing`): {"alg": "hmac-sha256", "key_id": ..., "mac": hex}
+    # over `signed_content()`. Absent from the JSON when unsigned; readers that predate it
+    # ignore it, so it needs no new format version.
+    signature: dict[str, str] | None = None
 
     @property
     def total_bytes(self) -> int:
         return sum(f.size for f in self.files.values())
 
     def to_json(self) -> bytes:
-        return json.dumps(dataclasses.asdict(self), indent=1, sort_keys=False).encode()
+        doc = dataclasses.asdict(self)
+        if doc["signature"] is None:
+            del doc["signature"]
+        return json.dumps(doc, indent=1, sort_keys=False).encode()
+
+    def signed_content(self) -> bytes:
+        """What a signature covers: every field but the signature (each file's size and
+        checksum too), as canonical JSON, the same for a manifest parsed back from its JSON."""
+        doc = json.loads(self.to_json())
+        doc.pop("signature", None)
+        return json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
 
     @classmethod
     def from_json(cls, raw: bytes, where: str = "manifest") -> Manifest:
@@ -93,12 +107,23 @@ class Manifest:
                 schedule=dict(doc.get("schedule", {})),
                 format=doc["format"],
                 format_version=int(doc["format_version"]),
+                signature=_signature(doc.get("signature")),
             )
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise InvalidCheckpoint(f"{where}: unreadable manifest ({e})") from e
 
 
+def _signature(doc: Any) -> dict[str, str] | None:
+    if doc is None:
+        return None
+    if not isinstance(doc, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in doc.items()):
+        raise ValueError("signature is not an object of strings")
+    return dict(doc)
+
+
 def _file_entry(name: str, doc: dict[str, Any]) -> FileEntry:
+    if not name or name.startswith("/") or ".." in name.split("/"):
+        raise ValueError(f"file name {name!r} is not a path inside the step directory")
     entry = FileEntry(**{**doc, "blocks": tuple(doc.get("blocks", ()))})
     if entry.block < 0 or (entry.block and len(entry.blocks) != -(-entry.size // entry.block)):
         raise ValueError(f"{name}: {len(entry.blocks)} block checksums for {entry.size} bytes in blocks of {entry.block}")

@@ -23,12 +23,20 @@ from ._gc import gc_paused
 from .capture import TrainingState
 from .commit import Group
 from .dcp_io import SafeLoadPlanner, make_reader
-from .errors import CheckpointError, RestoreFailed, StorageError, dcp_causes, dcp_failures
+from .errors import (
+    CheckpointError,
+    InvalidCheckpoint,
+    RestoreFailed,
+    StorageError,
+    dcp_causes,
+    dcp_failures,
+)
 from .manifest import MANIFEST_NAME, Manifest
 from .storage import Store, step_dir_name
 
 if TYPE_CHECKING:
     from .handoff import Handoff
+    from .signing import SigningKey
 
 log = logging.getLogger(__name__)
 
@@ -47,17 +55,23 @@ class Restored:
 
 @gc_paused  # the restore makes many small objects: a full collection costs more than the read
 def restore(
-    store: Store, ctrl: Group, state: TrainingState, mode: str | int, handoff: Handoff | None = None
+    store: Store,
+    ctrl: Group,
+    state: TrainingState,
+    mode: str | int,
+    handoff: Handoff | None = None,
+    key: SigningKey | None = None,
 ) -> tuple[Restored | None, set[int]]:
     """Load the newest checkpoint that loads (`mode` "latest") or step `mode` into `state`
-    on every rank; with `handoff`, files the node spool holds are read from there. Returns
+    on every rank; with `handoff`, files the node spool holds are read from there; with
+    `key`, only checkpoints signed with it are trusted (the others are passed over). Returns
     what was restored (None: the root holds nothing to restore) and the steps that hold a
     manifest, which this run must never write into."""
     plan: list[int] | str = []
     taken: set[int] = set()
     if ctrl.rank == 0:
         try:
-            plan, taken = _restore_plan(store, mode)
+            plan, taken = _restore_plan(store, mode, key)
         except CheckpointError as e:
             plan = f"{type(e).__name__}: {e}"
     plan, taken = ctrl.broadcast((plan, taken))
@@ -66,11 +80,11 @@ def restore(
         raise (RestoreFailed if kind in ("NotFound", "InvalidCheckpoint", "RestoreFailed") else StorageError)(plan)
     problems = []
     for step in plan:
-        outcome, why, restored = _try_restore(store, ctrl, state, step, handoff)
+        outcome, why, restored = _try_restore(store, ctrl, state, step, handoff, key)
         worst, spooled = ctrl.max([outcome, int(handoff is not None and handoff.local is not None)])
         if worst == 1 and spooled:  # a spool's copy may be what failed: the root's decides
             log.warning("restoring %s with the node spool's copies failed (%s); reading it all from %s", step_dir_name(step), why, store.display)
-            outcome, why, restored = _try_restore(store, ctrl, state, step, None)
+            outcome, why, restored = _try_restore(store, ctrl, state, step, None, key)
             worst = ctrl.max([outcome])[0]
         if worst == 0:
             return restored, taken
@@ -116,13 +130,13 @@ def start_fresh(store: Store, ctrl: Group) -> set[int]:
     return taken
 
 
-def _restore_plan(store: Store, mode: str | int) -> tuple[list[int], set[int]]:
+def _restore_plan(store: Store, mode: str | int, key: SigningKey | None) -> tuple[list[int], set[int]]:
     """Rank 0: the steps to try, best first, and the steps that hold a manifest."""
     store.check_reachable()
     if isinstance(mode, int):
-        entry = catalog.find(store, mode)
+        entry = catalog.find(store, mode, key)
         return [entry.step], {s for s, lst in store.scan().items() if lst.has_manifest}
-    good, skipped = catalog.restore_candidates(store)
+    good, skipped = catalog.restore_candidates(store, key)
     taken = {e.step for e in good} | {e.step for e in skipped if e.state == catalog.CORRUPT}
     for e in skipped:
         log.warning("passing over %s/%s: %s", store.display, e.dir, e.problem)
@@ -141,7 +155,7 @@ def _restore_plan(store: Store, mode: str | int) -> tuple[list[int], set[int]]:
 
 
 def _try_restore(
-    store: Store, ctrl: Group, state: TrainingState, step: int, handoff: Handoff | None
+    store: Store, ctrl: Group, state: TrainingState, step: int, handoff: Handoff | None, key: SigningKey | None
 ) -> tuple[int, str, Restored | None]:
     """Load `step` into the objects: 0 ok, 1 invalid (fall back), 2 storage error, 3 the
     training state does not match the checkpoint's (no fallback can help). Every phase
@@ -160,6 +174,13 @@ def _try_restore(
     prep: tuple[int, str] = (0, "")
     try:
         manifest = Manifest.from_json(doc, f"{store.display}/{rel}")
+        # IMPORTANT: the manifest read now is the one checked, whatever the listing saw.
+        why = key.check(manifest)[1] if key is not None else ""
+        if why:
+            raise InvalidCheckpoint(f"{store.display}/{rel}: {why}")
+        if manifest.step != step:  # IMPORTANT: another step's manifest lists that step's files
+            raise InvalidCheckpoint(f"{store.display}/{rel}: manifest is for step {manifest.step}")
+        catalog.check_ranks(manifest, f"{store.display}/{rel}")
         sd = state.template(rank, ctrl.world, manifest.world_size)
     except (CheckpointError, ValueError, TypeError, KeyError) as e:
         prep = (1, f"{type(e).__name__}: {e}")

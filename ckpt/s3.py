@@ -33,6 +33,9 @@ from .errors import NotFound, StorageError
 from .storage import MiB, Transfer, redact
 
 logger = logging.getLogger(__name__)
+# IMPORTANT: the jitter's own generator: drawing from `random`'s global one would move the
+# training loop's Python RNG stream, which a checkpoint saves and a resume must continue exactly.
+_JITTER = random.Random()
 T = TypeVar("T")
 
 MAX_PARTS = 10_000  # S3's limit for one multipart upload
@@ -99,6 +102,32 @@ def _describe(e: BaseException) -> str:
     return f"{type(err).__name__}: {redact(text)}"
 
 
+def backoff_s(cfg: Transfer, attempt: int) -> float:
+    """The wait before try `attempt + 1`: drawn below a bound that doubles with each try."""
+    return _JITTER.uniform(0, min(cfg.max_backoff_s, cfg.backoff_s * 2 ** (attempt - 1)))
+
+
+class RetriedFS(S3FileSystem):
+    """The root's S3 file system (listings, heads, small reads, deletes): each request tried
+    as `transfer` says, with ckpt's own backoff, and nothing else retrying around it (s3fs's
+    loop times botocore's would hold a hung store for half an hour, and botocore's jitter
+    draws from `random`'s global generator: the training loop's, which a resume continues)."""
+
+    retries = 1
+    transfer = Transfer()  # set per instance by Store
+
+    async def _call_s3(self, method: Any, *args: Any, **kwargs: Any) -> Any:
+        attempt = 1
+        while True:
+            try:
+                return await super()._call_s3(method, *args, **kwargs)
+            except Exception as e:
+                if attempt >= self.transfer.attempts or not is_transient(e):
+                    raise
+                await asyncio.sleep(backoff_s(self.transfer, attempt))
+                attempt += 1
+
+
 class _OneTry(S3FileSystem):
     retries = 1  # s3fs's own loop around each call: one pass (a class attribute survives pickling)
 
@@ -113,6 +142,8 @@ class S3Transfers:
             # IMPORTANT: `retry` below is the only retry policy (see the module docstring).
             "retries": {"mode": "standard", "total_max_attempts": 1},
             "max_pool_connections": max(10, config.concurrency + config.readahead),
+            "connect_timeout": config.timeout_s,
+            "read_timeout": config.timeout_s,
         }
         options["skip_instance_cache"] = True
         self.fs = _OneTry(**options)
@@ -130,9 +161,7 @@ class S3Transfers:
                 if attempt >= cfg.attempts or not is_transient(e):
                     tries = f" (gave up after {attempt} attempts)" if attempt > 1 else ""
                     raise StorageError(f"{what}: {_describe(e)}{tries}") from e
-                delay = random.uniform(
-                    0, min(cfg.max_backoff_s, cfg.backoff_s * 2 ** (attempt - 1))
-                )
+                delay = backoff_s(cfg, attempt)
                 logger.info(
                     "%s: %s; attempt %d of %d in %.2f s",
                     what,
@@ -147,6 +176,43 @@ class S3Transfers:
     def call(self, what: str, method: str, **kwargs: Any) -> Any:
         """One S3 request with retries, from synchronous code."""
         return self.run(self.retry, what, lambda: self.fs._call_s3(method, **kwargs))
+
+    def put_if(self, path: str, where: str, data: bytes, **condition: str) -> str | None:
+        """One PUT of `data` to `path` under a condition (`IfNoneMatch="*"`: only if absent;
+        `IfMatch=etag`: only if unchanged); the new object's ETag, or None when the store
+        refused it because the condition did not hold (412, or 409 when another conditional
+        write raced this one). A retried request may be refused because its own first
+        attempt landed: the caller reads back to tell."""
+        bucket, key, _ = self.fs.split_path(path)
+        try:
+            resp = self.call(f"writing {where}", "put_object", Bucket=bucket, Key=key, Body=data, **condition)
+        except StorageError as e:
+            if _is_code(e.__cause__, "PreconditionFailed", "412", "ConditionalRequestConflict", "409"):
+                return None
+            raise
+        return str(resp["ETag"])
+
+    def get_tagged(self, path: str, where: str) -> tuple[bytes, str] | None:
+        """The object `path` and its ETag, read in one GET (so they belong together); None
+        if there is no such object."""
+        bucket, key, _ = self.fs.split_path(path)
+
+        async def once() -> tuple[bytes, str] | None:
+            try:
+                resp = await self.fs._call_s3("get_object", Bucket=bucket, Key=key)
+            except FileNotFoundError as e:
+                if _is_code(e, "NoSuchKey") or not isinstance(_botocore_error(e), ClientError):
+                    return None
+                raise  # no such bucket: never "no such object"
+            try:
+                data = await resp["Body"].read()
+            finally:
+                resp["Body"].close()
+            if len(data) != resp.get("ContentLength", len(data)):
+                raise _ShortRead(f"{len(data)} of {resp['ContentLength']} bytes")
+            return data, resp["ETag"]
+
+        return self.run(self.retry, f"reading {where}", once)
 
     def run(self, coro: Callable[..., Awaitable[T]], *args: Any, **kwargs: Any) -> T:
         """Run a coroutine on fsspec's I/O loop and wait for it."""

@@ -246,8 +246,11 @@ def commit_if_complete(store: Store, request: Request) -> str | None:
     manifest = request.manifest_obj()
     # `created` stays the draft's: commits of different steps may land out of order (one
     # node slower), and the order of the saves is what restore and retention go by.
-    persist_s = max(time.time() - request.started, 0.0)
-    manifest = dataclasses.replace(manifest, costs=SaveCosts(manifest.costs.blocking_s, persist_s, manifest.costs.bytes))
+    # IMPORTANT: a signed draft is committed exactly as signed (its persist time stays the
+    # hand-off's): the signing key never leaves the trainer, so no one here could sign again.
+    if manifest.signature is None:
+        persist_s = max(time.time() - request.started, 0.0)
+        manifest = dataclasses.replace(manifest, costs=SaveCosts(manifest.costs.blocking_s, persist_s, manifest.costs.bytes))
     # IMPORTANT: the commit. Every rank's files are durable: their markers say so.
     store.put_atomic(f"{rel}/{MANIFEST_NAME}", manifest.to_json())
     return "committed"

@@ -9,6 +9,7 @@ StorageError, never "no checkpoint".
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import re
 import uuid
@@ -20,11 +21,14 @@ import fsspec
 import xxhash
 from fsspec.implementations.local import LocalFileSystem
 
+from ._faults import fault_point
 from .errors import CheckpointError, NotFound, StorageError
 from .manifest import FileEntry
 
 if TYPE_CHECKING:
     from .s3 import S3Transfers
+
+log = logging.getLogger(__name__)
 
 CHECKSUM_ALGO = "xxh3_64"
 MiB = 1 << 20
@@ -48,20 +52,55 @@ _SECRET_PATTERNS = [
     (re.compile(r"(?i)((?:secret|token|password|passwd|api[_-]?key|access[_-]?key|signature|credential)s?[\"']?\s*[=:]\s*[\"']?)[^\s\"',}&]+"), r"\1***"),
 ]
 _SECRET_ENV = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_ACCESS_KEY_ID", "CKPT_SIGNING_KEY")
+# Storage options whose values are credentials (s3fs' key/secret/token, Azure's account_key
+# and sas_token, client_kwargs' aws_*), by their names.
+_SECRET_OPTION = re.compile(r"(?i)secret|token|password|passwd|key|credential|signature|sas")
+_KNOWN_SECRETS: set[str] = set()  # credentials this process was given: masked like the environment's
+
+
+def remember_secrets(options: Any) -> None:
+    """Have `redact` mask the credentials among `options` (storage options, nested too)."""
+    for k, v in (options or {}).items() if isinstance(options, dict) else ():
+        if isinstance(v, dict):
+            remember_secrets(v)
+        elif isinstance(v, str) and len(v) >= 4 and _SECRET_OPTION.search(str(k)):
+            _KNOWN_SECRETS.add(v)
 
 
 def redact(text: str) -> str:
     """`text` (a URL, an error message) with credentials masked, safe to log or store:
     `user:password@` parts, signature and token parameters, bearer tokens, `secret=...`
-    pairs, and the values of the credential variables of this process's environment."""
+    pairs, the values of the credential variables of this process's environment and the
+    credentials it was given (`remember_secrets`)."""
     out = str(text)
-    for name in _SECRET_ENV:
-        value = os.environ.get(name)
+    for value in [os.environ.get(name) for name in _SECRET_ENV] + sorted(_KNOWN_SECRETS, key=len, reverse=True):
         if value and len(value) >= 4:
             out = out.replace(value, "***")
     for pattern, repl in _SECRET_PATTERNS:
         out = pattern.sub(repl, out)
     return out
+
+
+# The S3 stack's loggers that print whole requests at DEBUG (headers with the session token
+# and the access key): their records are masked before any handler sees them.
+_REQUEST_LOGGERS = ("botocore.auth", "botocore.endpoint", "aiobotocore.endpoint", "botocore.credentials", "aiobotocore.credentials", "botocore.parsers", "s3fs")
+
+
+class _RedactRecords(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        masked = redact(text)
+        if masked != text:
+            record.msg, record.args = masked, None
+        return True
+
+
+def redact_request_logs() -> None:
+    """Mask credentials in what the S3 stack logs (only records that are emitted pay)."""
+    for name in _REQUEST_LOGGERS:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _RedactRecords) for f in logger.filters):
+            logger.addFilter(_RedactRecords())
 
 
 # A data file's checksum is kept per block too, so that a restore which needs a few items of
@@ -188,11 +227,15 @@ class Transfer:
     """Most a first retry waits; the bound doubles with each retry up to `max_backoff_s`,
     and the wait is drawn uniformly below it (jitter, so that ranks do not retry in step)."""
     max_backoff_s: float = 20.0
+    timeout_s: float = 60.0
+    """Seconds one request may wait for the store, to connect and then for each read of its
+    answer; past it the request counts as a transient failure and is retried. A store that
+    hangs thus fails a save after about `attempts` times this, never later."""
 
     def __post_init__(self) -> None:
         if self.part_size < 5 * MiB:
             raise ValueError(f"Transfer.part_size must be at least 5 MiB (S3's minimum part), not {self.part_size}")
-        if min(self.concurrency, self.read_size, self.readahead, self.attempts) < 1:
+        if min(self.concurrency, self.read_size, self.readahead, self.attempts) < 1 or self.timeout_s <= 0:
             raise ValueError(f"Transfer's counts and sizes must be positive: {self}")
 
 
@@ -202,6 +245,7 @@ class StepListing:
 
     step: int
     files: dict[str, int] = field(default_factory=dict)
+    manifest_mtime: float | None = None  # when the store says the manifest was written
 
     @property
     def has_manifest(self) -> bool:
@@ -219,6 +263,8 @@ class Store:
     ):
         root = os.fspath(root)
         self.url = root
+        remember_secrets(storage_options)
+        redact_request_logs()
         with storage_errors(f"opening root {redact(root)}"):
             protocol = fsspec.utils.get_protocol(root)
             options = dict(storage_options or {})
@@ -226,7 +272,17 @@ class Store:
                 # IMPORTANT: listings must never come from a cache; another process commits.
                 options.setdefault("use_listings_cache", False)
                 options.setdefault("skip_instance_cache", True)
-            self.fs, path = fsspec.core.url_to_fs(root, **options)
+                # IMPORTANT: every request, listings too, gives up after Transfer.timeout_s
+                # and is tried Transfer.attempts times, by ckpt alone (s3.RetriedFS).
+                cfg = transfer or Transfer()
+                once = {"mode": "standard", "total_max_attempts": 1}
+                options["config_kwargs"] = {"connect_timeout": cfg.timeout_s, "read_timeout": cfg.timeout_s, "retries": once, **(options.get("config_kwargs") or {})}
+                from .s3 import RetriedFS
+
+                self.fs, path = RetriedFS(**options), RetriedFS._strip_protocol(root)
+                self.fs.transfer = cfg
+            else:
+                self.fs, path = fsspec.core.url_to_fs(root, **options)
         self.is_local = isinstance(self.fs, LocalFileSystem)
         if self.is_local:
             path = os.path.abspath(os.path.expanduser(path))
@@ -279,6 +335,9 @@ class Store:
             listing = steps.setdefault(int(m.group(1)), StepListing(int(m.group(1))))
             if tail and info.get("type") != "directory":
                 listing.files[tail] = int(info.get("size") or 0)
+                if tail == "manifest.json":
+                    when = info.get("mtime", info.get("LastModified"))
+                    listing.manifest_mtime = when.timestamp() if hasattr(when, "timestamp") else float(when) if when is not None else None
         return steps
 
     def list_step(self, step: int) -> StepListing | None:
@@ -393,11 +452,77 @@ class Store:
         """Write `data` so that readers see all of it or nothing: the commit primitive."""
         path = self.path(rel)
         with storage_errors(f"committing {self.display}/{rel}"):
+            if self._s3 is not None:  # one PUT: atomic on object stores; retried, bounded
+                self._s3.put_if(path, f"{self.display}/{rel}", data)
+                return
             if not self.is_local:
-                self.fs.pipe_file(path, data)  # one PUT: atomic on object stores
+                self.fs.pipe_file(path, data)
                 return
             write_atomic(path, data)
             fsync_dir(os.path.dirname(os.path.dirname(path)))  # and the step directory's own entry
+
+    # -- conditional writes (the root lease, ckpt.lease) ------------------------------------
+    # Atomic on local filesystems (a hard link; a lock file) and on S3 (conditional PUTs);
+    # on other fsspec backends a read then a write, which two racing writers can both pass.
+    def read_tagged(self, rel: str) -> Tagged | None:
+        """A small file's bytes and a tag of that version for `put_if_unchanged`, read
+        together; None if it does not exist."""
+        path = self.path(rel)
+        with storage_errors(f"reading {self.display}/{rel}"):
+            if self._s3 is not None:
+                got = self._s3.get_tagged(path, f"{self.display}/{rel}")
+                return None if got is None else Tagged(*got)
+            self.fs.invalidate_cache()
+            try:
+                data = self.fs.cat_file(path)
+            except FileNotFoundError:
+                return None
+            return Tagged(data, checksum(data))
+
+    def put_if_absent(self, rel: str, data: bytes) -> str | None:
+        """Create `rel` holding `data`, whole, unless it exists. Returns the new version's
+        tag, or None (nothing written) if it existed. Of several processes racing to create
+        it, exactly one gets a tag."""
+        path = self.path(rel)
+        with storage_errors(f"creating {self.display}/{rel}"):
+            if self._s3 is not None:
+                tag = self._s3.put_if(path, f"{self.display}/{rel}", data, IfNoneMatch="*")
+                return tag or self._reads_back(rel, data)
+            if self.is_local:
+                return checksum(data) if _link_new(path, data) else None
+            _best_effort(self)
+            self.fs.invalidate_cache()
+            if self.fs.exists(path):
+                return None
+            self.fs.pipe_file(path, data)
+            return checksum(data)
+
+    def put_if_unchanged(self, rel: str, data: bytes, tag: str) -> str | None:
+        """Replace `rel` with `data` if it still is the version `read_tagged` tagged `tag`.
+        Returns the new version's tag, or None (nothing written) if it changed or is gone.
+        Of several processes racing to replace one version, at most one gets a tag."""
+        path = self.path(rel)
+        with storage_errors(f"replacing {self.display}/{rel}"):
+            if self._s3 is not None:
+                new = self._s3.put_if(path, f"{self.display}/{rel}", data, IfMatch=tag)
+                return new or self._reads_back(rel, data)
+            if not self.is_local:
+                _best_effort(self)
+            with _locked(path) if self.is_local else contextlib.nullcontext():
+                now = self.read_tagged(rel)
+                if now is None or now.tag != tag:
+                    return None
+                if self.is_local:
+                    write_atomic(path, data)
+                else:
+                    self.fs.pipe_file(path, data)
+                return checksum(data)
+
+    def _reads_back(self, rel: str, data: bytes) -> str | None:
+        """After a conditional PUT was refused: did our own earlier attempt land (a reply
+        lost, the request retried)? `data` holds a token unique to the write."""
+        now = self.read_tagged(rel)
+        return now.tag if now is not None and now.data == data else None
 
     def makedirs(self, rel: str) -> None:
         if self.is_local:
@@ -414,8 +539,72 @@ class Store:
             manifest = self.step_path(step, "manifest.json")
             if self.fs.exists(manifest):
                 self.fs.rm(manifest)
+            fault_point("retention", 0, step)
             with contextlib.suppress(FileNotFoundError):
                 self.fs.rm(self.step_path(step), recursive=True)
+
+
+@dataclass(frozen=True)
+class Tagged:
+    """A file's bytes and the tag of that version (an S3 ETag, else a checksum of the bytes)."""
+
+    data: bytes
+    tag: str
+
+
+def _link_new(path: str, data: bytes) -> bool:
+    """Create the local file `path` holding `data` unless it exists. The bytes are written
+    and fsync'd under a temporary name, then hard-linked into place, which fails if `path`
+    exists: a crash never leaves a half-written file, and of racing creators one wins. The
+    temporary's link count decides who won, so that an NFS client's retried link (EEXIST for
+    a link that did happen) is read right."""
+    directory = os.path.dirname(path)
+    os.makedirs(directory, exist_ok=True)
+    tmp = os.path.join(directory, f".{os.path.basename(path)}.{uuid.uuid4().hex}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        with contextlib.suppress(FileExistsError):
+            os.link(tmp, path)
+        won = os.stat(tmp).st_nlink == 2
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+    if won:
+        fsync_dir(directory)
+    return won
+
+
+@contextlib.contextmanager
+def _locked(path: str) -> Iterator[None]:
+    """An exclusive `flock` on `.<name>.lock` next to `path` (left in place: removing a lock
+    file races with the next locker)."""
+    import fcntl
+
+    lock = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.lock")
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+_warned_best_effort: set[str] = set()
+
+
+def _best_effort(store: Store) -> None:
+    protocol = type(store.fs).__name__
+    if protocol not in _warned_best_effort:
+        _warned_best_effort.add(protocol)
+        log.warning(
+            "%s: %s has no conditional write here; the root lease is checked and written in two "
+            "steps, which two jobs starting at the same moment can both pass",
+            store.display,
+            protocol,
+        )
 
 
 def write_atomic(path: str, data: bytes) -> None:

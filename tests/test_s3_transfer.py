@@ -5,22 +5,16 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
-import http.client
 import itertools
 import logging
 import mmap
 import os
-import socket
-import struct
-import threading
 import time
-from collections import Counter
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from urllib.parse import urlsplit
 
 import boto3
 import pytest
 import s3fs
+from s3proxy import FaultyProxy
 
 from ckpt.errors import NotFound, StorageError
 from ckpt.storage import MiB, Store, Transfer
@@ -163,108 +157,6 @@ def test_reader_seeks_and_reads_into_buffers(store):
 
 
 # -- failures ------------------------------------------------------------------------------------
-
-
-class FaultyProxy:
-    """An HTTP proxy in front of moto that counts requests by kind ("part" for UploadPart,
-    "put" for PutObject, "range" for a ranged GET, else the method) and fails the next ones
-    of a kind as `fail` says: "503" (SlowDown), "500" (InternalError), "reset" (the
-    connection dropped without an answer), or "always" (500 to every one)."""
-
-    def __init__(self, upstream: str) -> None:
-        self.upstream = urlsplit(upstream).netloc
-        self.seen: Counter[str] = Counter()
-        self.ranges: list[str] = []  # the Range header of every ranged GET
-        self.failed: Counter[str] = Counter()
-        self._plan: dict[str, list[str]] = {}
-        self._lock = threading.Lock()
-        proxy = self
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *args: object) -> None:
-                pass
-
-            def do_ANY(self) -> None:
-                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                action = proxy._decide(self)
-                if action == "reset":
-                    self.connection.setsockopt(
-                        socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0)
-                    )
-                    self.close_connection = True
-                elif action:
-                    proxy._fail(self, int(action))
-                else:
-                    proxy._forward(self, body)
-
-            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = do_ANY
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def fail(self, kind: str, *actions: str) -> None:
-        self._plan[kind] = list(actions)
-
-    def _decide(self, req: BaseHTTPRequestHandler) -> str | None:
-        query = urlsplit(req.path).query
-        if req.command == "PUT" and "partNumber=" in query:
-            kind = "part"
-        elif req.command == "PUT" and "uploadId=" not in query:
-            kind = "put"
-        elif req.command == "GET" and "Range" in req.headers:
-            kind = "range"
-            with self._lock:
-                self.ranges.append(req.headers["Range"])
-        else:
-            kind = req.command.lower()
-        with self._lock:
-            self.seen[kind] += 1
-            plan = self._plan.get(kind, [])
-            action = plan[0] if plan else None
-            if plan and plan[0] != "always":
-                plan.pop(0)
-            if action:
-                self.failed[kind] += 1
-            return "500" if action == "always" else action
-
-    @staticmethod
-    def _fail(req: BaseHTTPRequestHandler, status: int) -> None:
-        code = "SlowDown" if status == 503 else "InternalError"
-        body = f"<Error><Code>{code}</Code><Message>injected</Message></Error>".encode()
-        req.send_response(status)
-        req.send_header("Content-Type", "application/xml")
-        req.send_header("Content-Length", str(len(body)))
-        req.end_headers()
-        if req.command != "HEAD":
-            req.wfile.write(body)
-
-    def _forward(self, req: BaseHTTPRequestHandler, body: bytes) -> None:
-        skip = {"connection", "expect", "transfer-encoding", "keep-alive"}
-        conn = http.client.HTTPConnection(self.upstream, timeout=30)
-        try:
-            headers = {k: v for k, v in req.headers.items() if k.lower() not in skip}
-            conn.request(req.command, req.path, body=body, headers=headers)
-            resp = conn.getresponse()
-            data = resp.read()
-        finally:
-            conn.close()
-        req.send_response(resp.status, resp.reason)
-        for k, v in resp.getheaders():
-            if k.lower() not in skip | {"content-length"}:
-                req.send_header(k, v)
-        length = resp.getheader("Content-Length") if req.command == "HEAD" else str(len(data))
-        req.send_header("Content-Length", length or "0")
-        req.end_headers()
-        if req.command != "HEAD":
-            req.wfile.write(data)
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
 
 
 @pytest.fixture

@@ -37,9 +37,12 @@ def main() -> None:
     p.add_argument("--no-save-on-exit", action="store_true")
     p.add_argument("--storage-options", default="{}", help="JSON")
     p.add_argument("--step-sleep", type=float, default=0.0)
+    p.add_argument("--on-error", default="raise", help="raise, log, or a number of failed saves in a row")
+    p.add_argument("--transfer", default="{}", help="JSON: ckpt.Transfer's fields")
     p.add_argument("--timeout", type=float, default=60.0, help="the Checkpointer's timeout_s")
+    p.add_argument("--log-level", default="INFO")
     args = p.parse_args()
-    logging.basicConfig(level=logging.INFO, format=f"[rank{os.environ.get('RANK', 0)}] %(name)s %(message)s")
+    logging.basicConfig(level=args.log_level, format=f"[rank{os.environ.get('RANK', 0)}] %(name)s %(message)s")
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:
@@ -67,6 +70,8 @@ def main() -> None:
             save_on_exit=not args.no_save_on_exit,
             storage_options=json.loads(args.storage_options),
             timeout_s=args.timeout,
+            on_error=int(args.on_error) if args.on_error.isdigit() else args.on_error,
+            transfer=ckpt.Transfer(**json.loads(args.transfer)),
         ) as cp:
             for _ in range(cp.step, args.steps):
                 # Per-rank data from every RNG stream, so a wrong RNG restore changes the result.
@@ -89,27 +94,32 @@ def main() -> None:
         preempted = e
 
     if args.out:
-        msd, osd = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
-        torch.save(
-            {
-                "step": cp.step,
-                "restored_step": cp.restored_step,
-                "preempted": preempted is not None,
-                "model": {k: v.clone() for k, v in msd.items()},
-                "optim": osd,
-                "sched": sched.state_dict(),
-                "rng": {
-                    "torch": torch.rand(4),
-                    "numpy": float(np.random.rand()),
-                    "python": random.random(),
-                },
-            },
-            f"{args.out}.rank{rank}.pt",
-        )
+        dump(f"{args.out}.rank{rank}.pt", cp, model, opt, sched, preempted=preempted is not None)
     if world > 1:
         dist.destroy_process_group()
     if preempted is not None:
         raise preempted
+
+
+def dump(path: str, cp: ckpt.Checkpointer, model: torch.nn.Module, opt: torch.optim.Optimizer, sched, *, preempted: bool = False) -> None:
+    """What a user would compare after a run (a collective under FSDP: every rank calls it)."""
+    msd, osd = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
+    torch.save(
+        {
+            "step": cp.step,
+            "restored_step": cp.restored_step,
+            "preempted": preempted,
+            "model": {k: v.clone() for k, v in msd.items()},
+            "optim": osd,
+            "sched": sched.state_dict(),
+            "rng": {
+                "torch": torch.rand(4),
+                "numpy": float(np.random.rand()),
+                "python": random.random(),
+            },
+        },
+        path,
+    )
 
 
 if __name__ == "__main__":

@@ -1,0 +1,151 @@
+"""A fault-injecting HTTP proxy on loopback in front of the moto S3 server, for the tests of
+transfers (test_s3_transfer) and of training on a flaky store (test_flaky_store)."""
+
+from __future__ import annotations
+
+import http.client
+import random
+import socket
+import struct
+import threading
+import time
+from collections import Counter
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import urlsplit
+
+# What a flaky store does to a request: answer 500 (InternalError) or 503 (SlowDown), drop
+# the connection without an answer ("reset"), answer after a delay ("delay"), send only part
+# of the body it announced and drop the connection ("truncate"), or say nothing for
+# `stall_s` ("stall": a store that hangs).
+FAULTS = ("500", "503", "reset", "delay", "truncate", "stall")
+
+
+class FaultyProxy:
+    """Counts requests by kind ("part" for UploadPart, "put" for PutObject, "range" for a
+    ranged GET, else the method) and fails some of them: the next ones of a kind as `fail`
+    says ("503", "500", "reset", or "always": 500 to every one), or, after `flaky`, any
+    request at random at the given rates."""
+
+    def __init__(self, upstream: str) -> None:
+        self.upstream = urlsplit(upstream).netloc
+        self.seen: Counter[str] = Counter()
+        self.ranges: list[str] = []  # the Range header of every ranged GET
+        self.failed: Counter[str] = Counter()
+        self.injected: Counter[str] = Counter()  # by fault, for the random ones
+        self._plan: dict[str, list[str]] = {}
+        self._rates: dict[str, float] = {}
+        self._rng = random.Random(0)
+        self.delay_s, self.stall_s = (0.05, 0.5), 30.0
+        self._lock = threading.Lock()
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def do_ANY(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                action = proxy._decide(self)
+                if action == "reset":
+                    self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                    self.close_connection = True
+                elif action == "stall":
+                    time.sleep(proxy.stall_s)
+                    self.close_connection = True
+                elif action in ("500", "503"):
+                    proxy._fail(self, int(action))
+                else:
+                    if action == "delay":
+                        time.sleep(proxy._rng.uniform(*proxy.delay_s))
+                    proxy._forward(self, body, truncate=action == "truncate")
+
+            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = do_ANY
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def fail(self, kind: str, *actions: str) -> None:
+        self._plan[kind] = list(actions)
+
+    def flaky(self, seed: int, rates: dict[str, float] | None = None) -> None:
+        """From now on, each request meets at most one fault, drawn at these rates (keys of
+        FAULTS; "truncate" only hits answers with a body). No arguments: a healthy store."""
+        rates = dict(rates or {})
+        unknown = set(rates) - set(FAULTS)
+        if unknown:
+            raise ValueError(f"unknown faults {unknown}; known: {FAULTS}")
+        with self._lock:
+            self._rng, self._rates = random.Random(seed), rates
+
+    def _decide(self, req: BaseHTTPRequestHandler) -> str | None:
+        query = urlsplit(req.path).query
+        if req.command == "PUT" and "partNumber=" in query:
+            kind = "part"
+        elif req.command == "PUT" and "uploadId=" not in query:
+            kind = "put"
+        elif req.command == "GET" and "Range" in req.headers:
+            kind = "range"
+            with self._lock:
+                self.ranges.append(req.headers["Range"])
+        else:
+            kind = req.command.lower()
+        with self._lock:
+            self.seen[kind] += 1
+            plan = self._plan.get(kind, [])
+            action = plan[0] if plan else None
+            if plan and plan[0] != "always":
+                plan.pop(0)
+            if action:
+                self.failed[kind] += 1
+                return "500" if action == "always" else action
+            draw = self._rng.random()
+            for fault, rate in self._rates.items():
+                if draw < rate:
+                    if fault == "truncate" and req.command == "HEAD":
+                        return None
+                    self.injected[fault] += 1
+                    return fault
+                draw -= rate
+        return None
+
+    @staticmethod
+    def _fail(req: BaseHTTPRequestHandler, status: int) -> None:
+        code = "SlowDown" if status == 503 else "InternalError"
+        body = f"<Error><Code>{code}</Code><Message>injected</Message></Error>".encode()
+        req.send_response(status)
+        req.send_header("Content-Type", "application/xml")
+        req.send_header("Content-Length", str(len(body)))
+        req.end_headers()
+        if req.command != "HEAD":
+            req.wfile.write(body)
+
+    def _forward(self, req: BaseHTTPRequestHandler, body: bytes, truncate: bool = False) -> None:
+        skip = {"connection", "expect", "transfer-encoding", "keep-alive"}
+        conn = http.client.HTTPConnection(self.upstream, timeout=30)
+        try:
+            headers = {k: v for k, v in req.headers.items() if k.lower() not in skip}
+            conn.request(req.command, req.path, body=body, headers=headers)
+            resp = conn.getresponse()
+            data = resp.read()
+        finally:
+            conn.close()
+        req.send_response(resp.status, resp.reason)
+        for k, v in resp.getheaders():
+            if k.lower() not in skip | {"content-length"}:
+                req.send_header(k, v)
+        length = resp.getheader("Content-Length") if req.command == "HEAD" else str(len(data))
+        req.send_header("Content-Length", length or "0")
+        req.end_headers()
+        if req.command != "HEAD":
+            # A truncated answer: the length announced, half of it sent, the connection gone.
+            req.wfile.write(data[: len(data) // 2] if truncate else data)
+        if truncate:
+            req.close_connection = True
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()

@@ -1,0 +1,144 @@
+"""Training against a flaky object store: the moto S3 server behind a fault-injecting proxy
+(tests/s3proxy.py) that answers 500 and 503 SlowDown, delays, drops connections, truncates
+bodies and hangs, at set rates. A save either commits correctly or fails cleanly and a later
+one commits; training goes on (unless told to stop after K failed saves in a row); a store
+that hangs fails a save within the configured timeout, never hangs the job."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from compare import assert_bitwise_equal
+from jobs import RANKS, WORKER, assert_same_training_state, dumps, rank_logs
+from launch import REPO, run
+from s3proxy import FaultyProxy
+from toy_model import build, optimizer
+
+import ckpt
+
+FLAKY = {"500": 0.04, "503": 0.06, "reset": 0.03, "delay": 0.08, "truncate": 0.03}
+QUICK = {"attempts": 6, "backoff_s": 0.01, "max_backoff_s": 0.2, "timeout_s": 5.0}
+
+
+@pytest.fixture
+def proxy(s3_endpoint):
+    p = FaultyProxy(s3_endpoint)
+    yield p
+    p.close()
+
+
+def verify_deep(root: str, options: dict) -> subprocess.CompletedProcess:
+    flags = [f"--storage-option={k}={v}" for k, v in options.items()]
+    return subprocess.run([sys.executable, "-m", "ckpt.cli", "verify", root, "--deep", *flags],
+                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+
+
+@pytest.mark.slow
+def test_a_job_on_a_flaky_store_ends_exactly_where_a_healthy_run_ends(tmp_path, proxy, s3_root, s3_options, straight_run):
+    """2 ranks, FSDP2, a save every 5 steps through a store that fails one request in four;
+    the run and a restart from what it committed both end bit for bit where a run on a
+    healthy store ends."""
+    proxy.flaky(seed=11, rates=FLAKY)
+    flaky = {**s3_options, "endpoint_url": proxy.url}
+    args = ("--mode", "fsdp2", "--root", s3_root, "--steps", 20, "--every", 5, "--on-error", "log",
+            "--storage-options", json.dumps(flaky), "--transfer", json.dumps(QUICK))
+    codes = run(RANKS, WORKER, *map(str, args), "--out", str(tmp_path / "out"), log_dir=tmp_path)
+    assert codes == [0] * RANKS, rank_logs(tmp_path)
+    assert_same_training_state(dumps(tmp_path / "out"), straight_run("fsdp2").dumps)
+    assert all(proxy.injected[f] for f in FLAKY), f"some faults never hit: {proxy.injected}"
+
+    # Every checkpoint the flaky run committed is whole, read through a healthy endpoint.
+    check = verify_deep(s3_root, s3_options)
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert "step-0000000020  ok" in check.stdout, check.stdout
+    # A restart through the same flaky store restores step 20 exactly.
+    codes = run(RANKS, WORKER, *map(str, args), "--out", str(tmp_path / "again"), log_dir=tmp_path)
+    assert codes == [0] * RANKS, rank_logs(tmp_path)
+    again = dumps(tmp_path / "again")
+    assert [d["restored_step"] for d in again] == [20] * RANKS
+    assert_same_training_state(again, straight_run("fsdp2").dumps)
+
+
+def one_rank(root: str, options: dict, **kw) -> tuple[ckpt.Checkpointer, torch.nn.Module, torch.optim.Optimizer]:
+    model = build("plain", 1)
+    opt, _ = optimizer(model)
+    cp = ckpt.Checkpointer(root, model=model, optimizer=opt, storage_options=options, interval=ckpt.Every(steps=1),
+                           handle_sigterm=False, transfer=ckpt.Transfer(**{**QUICK, "attempts": 2, "timeout_s": 1.0}), **kw)
+    return cp, model, opt
+
+
+def train_step(cp: ckpt.Checkpointer, model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+    model(torch.randn(4, 16)).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+    cp.step_done()
+
+
+def test_while_the_store_is_down_saves_fail_cleanly_training_goes_on_and_the_next_save_commits(proxy, s3_root, s3_options, caplog):
+    options = {**s3_options, "endpoint_url": proxy.url}
+    cp, model, opt = one_rank(s3_root, options, on_error="log")
+    with cp:
+        train_step(cp, model, opt)
+        cp.wait()
+        assert cp.last_commit.step == 1
+        proxy.flaky(seed=1, rates={"500": 0.5, "reset": 0.5})  # down: every request fails
+        with caplog.at_level(logging.ERROR, logger="ckpt"):
+            for _ in range(2):
+                train_step(cp, model, opt)
+                cp.wait()
+        assert cp.failures_in_row == 2 and cp.last_commit.step == 1
+        assert "2 failed save(s) in a row" in caplog.text
+        proxy.flaky(seed=2)  # back
+        train_step(cp, model, opt)
+        cp.wait()
+        assert cp.failures_in_row == 0 and cp.last_commit.step == 4
+        want = {k: v.clone() for k, v in model.state_dict().items()}
+    check = verify_deep(s3_root, s3_options)
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert "step-0000000002  ok" not in check.stdout and "step-0000000003  ok" not in check.stdout, check.stdout
+    cp, model, opt = one_rank(s3_root, s3_options, save_on_exit=False)
+    with cp:
+        assert cp.restored_step == 4
+        assert_bitwise_equal(dict(model.state_dict()), want, "model")
+
+
+def test_told_to_stop_after_k_failed_saves_in_a_row_the_kth_raises(proxy, s3_root, s3_options):
+    cp, model, opt = one_rank(s3_root, {**s3_options, "endpoint_url": proxy.url}, on_error=3, save_on_exit=False)
+    with cp:
+        train_step(cp, model, opt)
+        cp.wait()
+        proxy.flaky(seed=3, rates={"503": 1.0})
+        for _ in range(2):
+            train_step(cp, model, opt)
+            cp.wait()  # logged: 1, then 2 in a row
+        train_step(cp, model, opt)
+        with pytest.raises(ckpt.SaveFailed, match="SlowDown|503"):
+            cp.wait()
+        proxy.flaky(seed=4)
+    assert cp.failures_in_row == 3
+
+
+def test_a_store_that_hangs_fails_the_save_within_the_timeout_and_never_the_job(proxy, s3_root, s3_options):
+    """Requests that never get an answer: each gives up after Transfer.timeout_s (1 s here,
+    2 tries), so the save fails in seconds, the loop goes on, and the next save commits."""
+    proxy.stall_s = 120.0
+    cp, model, opt = one_rank(s3_root, {**s3_options, "endpoint_url": proxy.url}, on_error="log", save_on_exit=False)
+    with cp:
+        proxy.flaky(seed=5, rates={"stall": 1.0})
+        began = time.monotonic()
+        train_step(cp, model, opt)
+        cp.wait()
+        took = time.monotonic() - began
+        assert cp.failures_in_row == 1
+        assert took < 30, f"a hung store held the save for {took:.0f} s"
+        proxy.flaky(seed=6)
+        train_step(cp, model, opt)
+        cp.wait()
+        assert cp.failures_in_row == 0 and cp.last_commit.step == 2

@@ -1,0 +1,177 @@
+"""A full disk, for real: a small tmpfs mounted as the local root or as the node agent's
+spool, filled by a filler file until a save does not fit. The failing save says the disk is
+full, leaves nothing a restore would pick, the previous checkpoint stays intact, and once the
+filler is gone the next save commits.
+
+Mounting a tmpfs needs root (CI runs the suite as root); elsewhere these tests are skipped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from compare import assert_bitwise_equal
+
+import ckpt
+from ckpt import catalog
+from ckpt.storage import Store, step_dir_name
+
+MB = 1 << 20
+
+
+@contextlib.contextmanager
+def tmpfs(path: Path, size_mb: int) -> Iterator[Path]:
+    """A tmpfs of `size_mb` MiB mounted at `path` until the block exits; skips the test where
+    mounting is not permitted."""
+    path.mkdir(parents=True)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_mb}m", "tmpfs", str(path)], capture_output=True, text=True)
+    if done.returncode:
+        pytest.skip(f"cannot mount a tmpfs (needs root; CI runs as root): {done.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=True)
+
+
+def fill(disk: Path, leave: int) -> Path:
+    """A filler file that leaves `leave` bytes free on `disk`."""
+    st = os.statvfs(disk)
+    filler = disk / "filler"
+    with open(filler, "wb") as f:
+        f.write(b"\0" * max(0, st.f_bavail * st.f_frsize - leave))
+    return filler
+
+
+def make_model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """About 1 MiB of weights in 16 tensors; with Adam's moments a checkpoint is ~3 MiB."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(128, 128) for _ in range(16)])
+    return model, torch.optim.Adam(model.parameters(), lr=1e-3)
+
+
+def step(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+    model(torch.randn(4, 128)).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def restored_weights(root: Path, step_no: int) -> dict[str, torch.Tensor]:
+    """Step `step_no`'s weights, restored by a new job (once the one that saved it is gone)."""
+    model, opt = make_model()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    with ckpt.Checkpointer(str(root), model=model, optimizer=opt, interval=None, save_on_exit=False, restore=step_no) as cp:
+        assert cp.restored_step == step_no
+    return weights(model)
+
+
+def states(root: Path) -> dict[int, str]:
+    return {e.step: e.state for e in catalog.scan(Store(str(root)), deep=True)}
+
+
+@pytest.mark.parametrize("on_error", ["raise", "log"])
+def test_a_full_local_root_fails_the_save_clearly_keeps_the_previous_and_saves_again_once_freed(tmp_path, on_error, caplog):
+    caplog.set_level(logging.INFO, logger="ckpt")
+    with tmpfs(tmp_path / "disk", 16) as disk:
+        root = disk / "root"
+        model, opt = make_model()
+        with ckpt.Checkpointer(str(root), model=model, optimizer=opt, interval=ckpt.Every(steps=2),
+                               keep=ckpt.Keep(last=10), on_error=on_error, save_on_exit=False) as cp:
+            step(model, opt)
+            cp.step_done()
+            step(model, opt)
+            cp.step_done()  # step 2: saved
+            cp.wait()
+            at_2 = weights(model)
+            assert states(root) == {2: "committed"}
+            kept = {f.name: f.read_bytes() for f in (root / step_dir_name(2)).iterdir()}
+            size = sum(map(len, kept.values()))
+            filler = fill(disk, size // 2)
+
+            step(model, opt)
+            cp.step_done()
+            step(model, opt)
+            cp.step_done()  # step 4: its save runs out of space in the background
+            if on_error == "raise":  # at the next step_done, or when the save at 6 waits for it
+                with pytest.raises(ckpt.SaveFailed, match="No space left on device") as err:
+                    for _ in range(2):
+                        step(model, opt)
+                        cp.step_done()
+                assert step_dir_name(4) in str(err.value) or "step 4" in str(err.value)
+            else:
+                cp.wait()  # logged; training goes on
+                assert "No space left on device" in caplog.text
+            # Nothing a restore would pick, the previous checkpoint intact.
+            assert {s: v for s, v in states(root).items() if v != "incomplete"} == {2: "committed"}
+            assert catalog.find(Store(str(root)), None).step == 2
+            assert {f.name: f.read_bytes() for f in (root / step_dir_name(2)).iterdir()} == kept
+
+            filler.unlink()  # space returns: the next save commits
+            seen = {}
+            while cp.step < 8:
+                step(model, opt)
+                cp.step_done()
+                seen[cp.step] = weights(model)
+            cp.wait()
+        newest = catalog.find(Store(str(root)), None).step
+        assert newest in seen and 4 < newest <= 8
+        assert_bitwise_equal(restored_weights(root, newest), seen[newest], f"step {newest}")
+        assert_bitwise_equal(restored_weights(root, 2), at_2, "step 2")
+
+
+def test_a_spool_that_runs_out_of_space_mid_write_fails_that_save_cleanly_and_the_next_one_commits(tmp_path, caplog):
+    """The spool had room when the save chose it (the agent's check passed), but the disk
+    filled before the rank's file was written: a real ENOSPC in the middle of the write. That
+    save fails on every rank with the cause named (it is not rewritten to the root: see
+    ckpt/handoff.py), nothing of it is committed or left in the spool, the previous checkpoint
+    stays intact, and once space returns the next save goes through the agent and commits."""
+    from test_agent import agent, until
+
+    caplog.set_level(logging.INFO, logger="ckpt")
+    root = tmp_path / "root"
+    with tmpfs(tmp_path / "spool", 16) as spool, agent(spool, tmp_path / "agent.log") as a:
+        model, opt = make_model()
+        with ckpt.Checkpointer(str(root), model=model, optimizer=opt, interval=None, spool=str(spool)) as cp:
+            step(model, opt)
+            cp.step_done()
+            cp.save(blocking=True)
+            until("the agent to commit step 1", lambda: (root / step_dir_name(1) / "manifest.json").exists(), logs=a.text)
+            at_1 = {f.name: f.read_bytes() for f in (root / step_dir_name(1)).iterdir() if f.is_file()}
+
+            need = cp._stager.bytes_staged  # what the spool's check asks room for
+            size = next((root / step_dir_name(1)).glob("__0_0.distcp")).stat().st_size
+            assert need < size  # the file needs more than the check asks for: room for a real ENOSPC
+            filler = fill(spool, (need + size) // 2)
+
+            step(model, opt)
+            cp.step_done()
+            with pytest.raises(ckpt.SaveFailed, match="No space left on device"):
+                cp.save(blocking=True)
+            assert "cannot take this save" not in caplog.text  # the check passed: the write failed
+            assert not list(spool.glob(f"jobs/*/{step_dir_name(2)}/*.distcp"))
+            assert not (root / step_dir_name(2) / "manifest.json").exists()
+            assert {f.name: f.read_bytes() for f in (root / step_dir_name(1)).iterdir() if f.is_file()} == at_1
+            assert catalog.find(Store(str(root)), None).step == 1
+
+            filler.unlink()
+            step(model, opt)
+            cp.step_done()
+            cp.save(blocking=True)
+            at_3 = weights(model)
+        assert (root / step_dir_name(3) / "manifest.json").exists()
+        assert "handed off" in caplog.text
+    assert catalog.find(Store(str(root)), None).step == 3
+    assert states(root)[3] == "committed"
+    assert_bitwise_equal(restored_weights(root, 3), at_3, "step 3")

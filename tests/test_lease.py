@@ -1,0 +1,461 @@
+"""The root lease: one job writes to a root at a time (ckpt.lease).
+
+Real jobs (tests/lease_worker.py, one process each, or two gloo ranks) on a local root and on
+a real S3-protocol server; what is checked is what a user would: the exit status, the error
+and its message, the files of the root before and after.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from launch import HERE, REPO, start
+from launch import wait as wait_ranks
+
+import ckpt
+from ckpt import lease
+from ckpt.lease import Holder, Lease, LeaseKeeper, judge
+from ckpt.storage import Store
+
+WORKER = HERE / "lease_worker.py"
+TTL = 30.0  # long enough never to expire by itself during a test that does not wait for it
+
+
+@pytest.fixture(params=["local", "s3"])
+def root(request, tmp_path) -> str:
+    if request.param == "local":
+        return str(tmp_path / "root")
+    return request.getfixturevalue("s3_root")  # the AWS environment reaches the server: children inherit it
+
+
+_RUNNING: list[subprocess.Popen] = []
+
+
+@pytest.fixture(autouse=True)
+def _no_job_outlives_its_test():
+    """A failed test leaves no worker behind waiting for a file that will never appear."""
+    yield
+    while _RUNNING:
+        proc = _RUNNING.pop()
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGCONT)
+            proc.kill()
+            proc.wait()
+
+
+class Job:
+    """One run of the worker as job `name` (its CKPT_JOB_ID)."""
+
+    def __init__(self, tmp: Path, name: str, root: str, *args: object, env: dict[str, str] | None = None, label: str = ""):
+        label = label or name
+        self.events_file = tmp / f"{label}.jsonl"
+        self.log_file = tmp / f"{label}.log"
+        self.proc = subprocess.Popen(
+            [sys.executable, str(WORKER), "--root", root, "--events", str(self.events_file), *map(str, args)],
+            env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "CKPT_JOB_ID": name, **(env or {})},
+            stdout=open(self.log_file, "ab"),
+            stderr=subprocess.STDOUT,
+        )
+        self.pid = self.proc.pid
+        _RUNNING.append(self.proc)
+
+    def events(self) -> list[dict]:
+        if not self.events_file.exists():
+            return []
+        return [json.loads(line) for line in self.events_file.read_text().splitlines() if line.strip()]
+
+    def event(self, kind: str) -> dict | None:
+        return next((e for e in self.events() if e["event"] == kind), None)
+
+    def wait_event(self, kind: str, timeout: float = 90) -> dict:
+        deadline = time.monotonic() + timeout
+        while (found := self.event(kind)) is None:
+            assert self.proc.poll() is None, f"exited {self.proc.returncode} before {kind!r}:\n{self.log()}"
+            assert time.monotonic() < deadline, f"no {kind!r} within {timeout} s:\n{self.log()}"
+            time.sleep(0.05)
+        return found
+
+    def wait(self, timeout: float = 90) -> int:
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise AssertionError(f"still running after {timeout} s:\n{self.log()}") from None
+
+    def kill(self) -> None:
+        self.proc.send_signal(signal.SIGCONT)
+        self.proc.kill()
+        self.proc.wait()
+
+    def log(self) -> str:
+        return self.log_file.read_text()[-4000:] if self.log_file.exists() else ""
+
+
+def finish(job: Job, rc: int = 0) -> None:
+    got = job.wait()
+    assert got == rc, f"exit {got}, wanted {rc}:\n{job.log()}"
+
+
+def files(root: str, steps_only: bool = False) -> dict[str, bytes]:
+    """Every file of the root but the lease (and its lock), with its bytes; with
+    `steps_only`, only the checkpoints."""
+    store = Store(root)
+    try:
+        found = store.fs.find(store.root)
+    except FileNotFoundError:
+        return {}
+    out = {}
+    for path in found:
+        rel = path[len(store.root) + 1 :]
+        if rel in (lease.LEASE_NAME, f".{lease.LEASE_NAME}.lock") or (steps_only and not rel.startswith("step-")):
+            continue
+        out[rel] = store.fs.cat_file(path)
+    return out
+
+
+def steps(root: str) -> list[str]:
+    return sorted({p.split("/")[0] for p in files(root, steps_only=True)})
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "ckpt.cli", *args], env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True, text=True, timeout=60,
+    )
+
+
+def holder(root: str) -> Holder | None:
+    return lease.read(Store(root))
+
+
+# -- a second job is refused --------------------------------------------------------------------
+
+
+def test_a_second_job_on_a_held_root_is_refused_saying_who_holds_it_and_writes_nothing(tmp_path, root):
+    a = Job(tmp_path, "job-a", root, "--steps", 3, "--pause-at", 2, "--resume", tmp_path / "go-on", "--ttl", TTL)
+    a.wait_event("paused")
+    before = files(root)
+    assert steps(root) == ["step-0000000001", "step-0000000002"]
+
+    b = Job(tmp_path, "job-b", root, "--steps", 3, "--ttl", TTL)
+    finish(b, 3)
+
+    error = b.event("error")
+    assert error is not None and error["type"] == "LeaseHeld", b.log()
+    assert b.event("entered") is None  # refused on enter, before any restore
+    message = error["message"]
+    for needed in (
+        root,
+        "job 'job-a'",
+        f"host {socket.gethostname()}",
+        f"pid {a.pid}",
+        "last renewed",
+        "expires at",
+        "CKPT_TAKEOVER=1",
+        "lease=ckpt.Lease(takeover=True)",
+        f"ckpt lease {root} --break",
+        "'job-b'",
+    ):
+        assert needed in message, f"{needed!r} not in {message!r}"
+    assert files(root) == before  # nothing read into, nothing written: no event, no debris
+
+    (tmp_path / "go-on").touch()
+    finish(a)
+    assert a.event("done")["step"] == 3
+
+
+def test_every_rank_of_a_refused_job_raises_the_same_error_and_none_hangs(tmp_path):
+    root = str(tmp_path / "root")
+    a = Job(tmp_path, "job-a", root, "--bare", "--go", tmp_path / "go", "--resume", tmp_path / "release", "--ttl", TTL)
+    (tmp_path / "go").touch()
+    a.wait_event("took")
+
+    events = tmp_path / "b.jsonl"
+    ranks = start(2, WORKER, "--root", root, "--events", str(events), "--ttl", str(TTL), env={"CKPT_JOB_ID": "job-b"}, log_dir=tmp_path)
+    codes = wait_ranks(ranks, timeout=120)
+
+    logs = "\n".join((tmp_path / f"rank{r}.log").read_text()[-2000:] for r in range(2))
+    assert codes == [3, 3], logs
+    errors = [json.loads(Path(f"{events}.rank{r}").read_text().splitlines()[-1]) for r in range(2)]
+    assert [e["type"] for e in errors] == ["LeaseHeld", "LeaseHeld"]
+    assert errors[0]["message"] == errors[1]["message"] and "job 'job-a'" in errors[0]["message"]
+    assert files(root) == {}
+    (tmp_path / "release").touch()
+    finish(a)
+
+
+# -- who may take it ----------------------------------------------------------------------------
+
+
+def test_the_same_job_restarting_takes_its_root_at_once_even_while_its_old_process_lives(tmp_path):
+    root = str(tmp_path / "root")
+    old = Job(tmp_path, "job-x", root, "--steps", 4, "--pause-at", 2, "--resume", tmp_path / "never", "--ttl", 600, label="old")
+    old.wait_event("paused")
+
+    began = time.monotonic()
+    new = Job(tmp_path, "job-x", root, "--steps", 4, "--ttl", 600, label="new")
+    finish(new)
+
+    assert new.event("entered")["restored"] == 2
+    assert new.event("done")["step"] == 4
+    assert time.monotonic() - began < 60  # not a wait for the ttl (600 s)
+    assert "it is held by this same job" in new.log()
+    old.kill()
+
+
+def test_a_sigkilled_holder_on_this_machine_is_replaced_at_once(tmp_path, root):
+    a = Job(tmp_path, "job-a", root, "--steps", 4, "--pause-at", 2, "--resume", tmp_path / "never", "--ttl", 600)
+    a.wait_event("paused")
+    a.kill()  # no clean exit: the lease stays, held by a process that is gone
+
+    assert holder(root).pid == a.pid and holder(root).released is None
+    b = Job(tmp_path, "job-b", root, "--steps", 4, "--ttl", 600)
+    finish(b)
+
+    assert b.event("entered")["restored"] == 2
+    assert f"its holder, job 'job-a' (host {socket.gethostname()}, pid {a.pid}), is gone from this machine" in b.log()
+
+
+def test_an_expired_lease_is_taken_over_and_its_frozen_holder_commits_nothing_more(tmp_path, root):
+    ttl = 6.0  # more than a bare job takes to start, which must find it live
+    a = Job(tmp_path, "job-a", root, "--steps", 5, "--pause-at", 2, "--resume", tmp_path / "go-on", "--ttl", ttl)
+    a.wait_event("paused")
+    a.proc.send_signal(signal.SIGSTOP)  # alive, but renews nothing: a hung job
+    try:
+        (tmp_path / "go").touch()
+        early = Job(tmp_path, "job-b", root, "--bare", "--go", tmp_path / "go", "--ttl", ttl, label="early")
+        finish(early, 3)
+        assert early.event("refused") is not None  # alive, and not expired yet
+        assert time.time() < holder(root).expires
+
+        while time.time() <= holder(root).expires + 0.2:
+            time.sleep(0.1)
+        b = Job(tmp_path, "job-b", root, "--steps", 5, "--ttl", ttl, "--keep", 2)
+        finish(b)
+        assert b.event("entered")["restored"] == 2
+        assert "it expired: job 'job-a'" in b.log()
+        after_b = files(root, steps_only=True)
+        # Retention kept the last two and the one restored from: step 3 is gone.
+        assert steps(root) == ["step-0000000002", "step-0000000004", "step-0000000005"]
+    finally:
+        a.proc.send_signal(signal.SIGCONT)
+    (tmp_path / "go-on").touch()
+    finish(a, 3)
+
+    error = a.event("error")
+    assert error["type"] == "SaveFailed", a.log()
+    assert "no longer holds the lease" in error["message"] and "job 'job-b'" in error["message"]
+    # Its save of step 3 would have landed where nothing is (b's retention removed it): the
+    # lease alone stopped it, before it made the directory.
+    assert files(root, steps_only=True) == after_b
+
+
+def test_takeover_takes_a_live_lease_and_the_old_holders_next_save_fails_without_writing(tmp_path, root):
+    a = Job(tmp_path, "job-a", root, "--steps", 5, "--pause-at", 2, "--resume", tmp_path / "go-on", "--ttl", TTL)
+    a.wait_event("paused")
+
+    # Told by the policy on a local root, by the environment on S3.
+    how = ["--takeover"] if not root.startswith("s3://") else []
+    b = Job(tmp_path, "job-b", root, "--steps", 5, "--ttl", TTL, "--keep", 2, *how, env={} if how else {"CKPT_TAKEOVER": "1"})
+    finish(b)
+    assert b.event("entered")["restored"] == 2
+    assert "taking it over from job 'job-a'" in b.log()
+    after_b = files(root, steps_only=True)
+
+    (tmp_path / "go-on").touch()
+    finish(a, 3)
+    error = a.event("error")
+    assert error["type"] == "SaveFailed" and "no longer holds the lease" in error["message"], a.log()
+    assert files(root, steps_only=True) == after_b
+    assert [e["step"] for e in a.events() if e["event"] == "committed"] == [1, 2]
+
+
+@pytest.mark.parametrize("start_from", ["free", "stale"])
+def test_of_two_jobs_racing_for_a_root_exactly_one_takes_it(tmp_path, root, start_from):
+    for trial in range(3):
+        where = f"{root}/trial{trial}"
+        here = tmp_path / f"trial{trial}"
+        here.mkdir()
+        if start_from == "stale":  # a holder killed on this machine: both may replace it, one does
+            dead = Job(here, "job-dead", where, "--bare", "--go", here / "go0", "--resume", here / "never", "--ttl", TTL)
+            (here / "go0").touch()
+            dead.wait_event("took")
+            dead.kill()
+        racers = [Job(here, f"job-{n}", where, "--bare", "--go", here / "go", "--resume", here / "release", "--ttl", TTL) for n in "pq"]
+        for r in racers:
+            r.wait_event("ready")
+        (here / "go").touch()
+        outcomes = {}
+        for r in racers:
+            deadline = time.monotonic() + 60
+            while not (done := [e for e in r.events() if e["event"] in ("took", "refused")]):
+                exited = r.proc.poll() is not None
+                assert not (exited and not [e for e in r.events() if e["event"] in ("took", "refused")]), r.log()
+                assert time.monotonic() < deadline, r.log()
+                time.sleep(0.02)
+            outcomes[r] = done[0]
+        assert sorted(o["event"] for o in outcomes.values()) == ["refused", "took"], [r.log() for r in racers]
+        winner = next(r for r, o in outcomes.items() if o["event"] == "took")
+        loser = next(r for r, o in outcomes.items() if o["event"] == "refused")
+        assert holder(where).pid == winner.pid
+        assert f"pid {winner.pid}" in outcomes[loser]["message"]
+        (here / "release").touch()
+        finish(winner)
+        finish(loser, 3)
+
+
+# -- leaving ------------------------------------------------------------------------------------
+
+
+def test_a_clean_exit_releases_the_lease_and_a_failed_one_keeps_it_for_a_restart(tmp_path):
+    root = str(tmp_path / "root")
+    a = Job(tmp_path, "job-a", root, "--steps", 2, "--ttl", TTL)
+    finish(a)
+    held = holder(root)
+    assert held.job_id == "job-a" and held.released is not None and "left cleanly" in held.released_by
+    assert lease.state(held, time.time()) == "free"
+
+    c = Job(tmp_path, "job-c", root, "--steps", 4, "--raise-at", 3, "--ttl", TTL)
+    finish(c, 3)
+    assert c.event("error")["type"] == "RuntimeError"
+    held = holder(root)
+    assert (held.job_id, held.pid, held.released) == ("job-c", c.pid, None)
+    assert lease.state(held, time.time()) == "held"  # until it expires, or its own restart
+
+
+def test_lease_none_takes_no_lease(tmp_path):
+    import torch
+
+    model = torch.nn.Linear(2, 2)
+    with ckpt.Checkpointer(tmp_path / "root", model=model, interval=None, lease=None) as cp:
+        cp.step_done()
+    assert (tmp_path / "root" / "step-0000000001" / "manifest.json").is_file()
+    assert not (tmp_path / "root" / lease.LEASE_NAME).exists()
+
+
+def test_checkpointers_one_after_another_in_one_process_take_the_root_each_time(tmp_path, monkeypatch):
+    import torch
+
+    monkeypatch.delenv("CKPT_JOB_ID", raising=False)
+    model = torch.nn.Linear(2, 2)
+    for expect in (None, 1):
+        with ckpt.Checkpointer(tmp_path / "root", model=model, interval=None, lease=Lease(ttl_s=TTL)) as cp:
+            assert cp.restored_step == expect
+            assert holder(str(tmp_path / "root")).pid == os.getpid()
+            cp.step_done()
+    assert holder(str(tmp_path / "root")).released is not None
+
+
+# -- the CLI ------------------------------------------------------------------------------------
+
+
+def test_the_cli_shows_the_holder_and_break_frees_the_root_from_a_live_job(tmp_path, root):
+    a = Job(tmp_path, "job-a", root, "--steps", 4, "--pause-at", 2, "--resume", tmp_path / "go-on", "--ttl", TTL)
+    a.wait_event("paused")
+
+    shown, as_json, listed = cli("lease", root), cli("lease", root, "--json"), cli("ls", root)
+    assert shown.returncode == 0, shown.stderr
+    assert f"held by job 'job-a' (host {socket.gethostname()}, pid {a.pid})" in shown.stdout and "expires in" in shown.stdout
+    doc = json.loads(as_json.stdout)
+    assert doc["state"] == "held" and doc["holder"]["job_id"] == "job-a" and 0 < doc["expires_in_s"] <= TTL
+    assert listed.returncode == 0 and "lease: held by job 'job-a'" in listed.stdout.splitlines()[-1]
+
+    broke = cli("lease", root, "--break")
+    assert broke.returncode == 0, broke.stderr
+    assert f"broke the lease of job 'job-a' (host {socket.gethostname()}, pid {a.pid})" in broke.stdout
+    assert json.loads(cli("lease", root, "--json").stdout)["state"] == "free"
+    assert cli("lease", root, "--break").stdout.strip().endswith("no live lease to break")
+
+    before = files(root, steps_only=True)
+    (tmp_path / "go-on").touch()
+    finish(a, 3)
+    error = a.event("error")
+    assert error["type"] == "SaveFailed" and "broken by `ckpt lease --break`" in error["message"], a.log()
+    assert files(root, steps_only=True) == before
+
+
+def test_the_cli_says_when_a_root_has_no_lease_and_refuses_a_missing_root(tmp_path):
+    (tmp_path / "root").mkdir()
+    r = cli("lease", str(tmp_path / "root"))
+    assert r.returncode == 0 and r.stdout.strip().endswith("free (no lease)")
+    assert "lease:" not in cli("ls", str(tmp_path / "root")).stdout
+    missing = cli("lease", str(tmp_path / "nowhere"))
+    assert missing.returncode == 2 and "does not exist" in missing.stderr
+
+
+# -- the rules, on plain values -----------------------------------------------------------------
+
+
+def _holder(**kw: object) -> Holder:
+    base = dict(job_id="a", host="h1", pid=100, run_id="r", acquired=0.0, renewed=1000.0, ttl_s=60.0, boot_id="b", pid_ns=7, pid_start=5)
+    return Holder(**{**base, **kw})  # type: ignore[arg-type]
+
+
+def test_who_may_take_a_held_lease():
+    me = _holder(job_id="b", host="h2", pid=200, run_id="s", renewed=1010.0)
+    live_elsewhere = _holder()
+    assert not judge(live_elsewhere, me, 1010.0, takeover=False, alive=None).take
+    assert judge(live_elsewhere, me, 1010.0, takeover=True, alive=None).warn
+    assert judge(live_elsewhere, me, 1061.0, takeover=False, alive=None).take  # expired: renewed + ttl passed
+    assert not judge(live_elsewhere, me, 1059.0, takeover=False, alive=None).take
+    assert judge(_holder(job_id="b"), me, 1010.0, takeover=False, alive=None).take  # the same job
+    assert judge(_holder(released=1005.0), me, 1010.0, takeover=False, alive=None).take
+    here = _holder(host="h2", boot_id="b", pid_ns=7)
+    me_here = _holder(job_id="b", host="h2", pid=200, pid_start=9)
+    assert judge(here, me_here, 1010.0, takeover=False, alive=False).take  # its process is gone
+    assert not judge(here, me_here, 1010.0, takeover=False, alive=True).take
+    own = _holder(job_id="old", host="h2", pid=200, pid_start=9)
+    assert judge(own, me_here, 1010.0, takeover=False, alive=True).take  # this very process
+    reused_pid = _holder(job_id="old", host="h2", pid=200, pid_start=3)
+    assert not judge(reused_pid, me_here, 1010.0, takeover=False, alive=True).take
+
+
+def test_the_job_id_comes_from_the_environment_in_order(monkeypatch):
+    for var in lease.JOB_ID_VARS:
+        monkeypatch.delenv(var, raising=False)
+    fresh = lease.job_id()
+    assert fresh.startswith("run-") and lease.job_id() == fresh  # one per process
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    assert lease.job_id() == "4242"
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")  # torchrun's default: no identity
+    assert lease.job_id() == "4242"
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "rdzv-7")
+    assert lease.job_id() == "rdzv-7"
+    monkeypatch.setenv("CKPT_JOB_ID", "mine")
+    assert lease.job_id() == "mine"
+
+
+def test_a_bad_ttl_and_an_unreadable_lease_get_clear_errors(tmp_path, monkeypatch):
+    for bad in (0, -1, float("nan"), float("inf"), "60", True):
+        with pytest.raises(ValueError, match="ttl"):
+            Lease(ttl_s=bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="lease must be"):
+        ckpt.Checkpointer(tmp_path / "r", lease=60)  # type: ignore[arg-type]
+
+    monkeypatch.delenv("CKPT_TAKEOVER", raising=False)
+    store = Store(tmp_path / "root")
+    store.put_atomic(lease.LEASE_NAME, b"{not json")
+    with pytest.raises(ckpt.LeaseHeld, match="unreadable.*--break"):
+        LeaseKeeper.take(store, Lease(ttl_s=TTL))
+    assert store.read_bytes(lease.LEASE_NAME) == b"{not json"  # refused: nothing replaced
+    keeper = LeaseKeeper.take(store, Lease(ttl_s=TTL, takeover=True))
+    keeper.close(release=True)
+    assert holder(str(tmp_path / "root")).released is not None
+
+
+def test_a_root_that_cannot_be_reached_is_a_storage_error_never_a_free_lease(s3_endpoint, s3_strict_endpoint, s3_options):
+    missing_bucket = Store("s3://no-such-bucket-here/run", s3_options)
+    refused = Store("s3://bucket/run", {**s3_options, "endpoint_url": s3_strict_endpoint})  # 403 for everything
+    for store in (missing_bucket, refused):
+        with pytest.raises(ckpt.StorageError):
+            LeaseKeeper.take(store, Lease(ttl_s=TTL))
+        with pytest.raises(ckpt.StorageError):
+            lease.read(store)

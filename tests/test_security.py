@@ -1,0 +1,471 @@
+"""Security: signed manifests, nothing unpickled unguarded, no secret in any output of a run,
+no path out of the root, listeners on loopback.
+
+Real parts: Checkpointers saving with DCP, 2-rank jobs of tests/worker.py over gloo, a real
+`ckpt agent` process, the `ckpt` CLI as a subprocess, the moto S3 server on loopback.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.parse
+import urllib.request
+import uuid
+from pathlib import Path
+
+import boto3
+import pytest
+import torch
+from jobs import RANKS, rank_logs
+from launch import HERE, REPO, free_port, start, wait
+
+import ckpt
+from ckpt.agent import Agent
+from ckpt.agent_config import Config
+from ckpt.errors import InvalidCheckpoint, RestoreFailed
+from ckpt.manifest import Manifest
+from ckpt.metrics import Metrics
+from ckpt.signing import SigningKey
+from ckpt.spool import Request, Spool, check_request, read_json, status_of
+from ckpt.storage import Store
+
+CLI = [sys.executable, "-m", "ckpt.cli"]
+WORKER = HERE / "worker.py"
+KEY = "signing-key-0123456789-abcdef-Nr1"
+OTHER_KEY = "another-key-0123456789-abcdef-Nr2"
+
+
+def step_dir(step: int) -> str:
+    return f"step-{step:010d}"
+
+
+def train(root: Path | str, steps: int, *, key: str | None = None, restore: str | int = "latest", **kw) -> ckpt.Checkpointer:
+    """A one-process job saving every step with real DCP; returns its Checkpointer."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with ckpt.Checkpointer(
+        str(root), model=model, optimizer=opt, interval=ckpt.Every(steps=1), keep=ckpt.Keep(last=100),
+        restore=restore, signing_key=key, **kw,
+    ) as cp:
+        for _ in range(cp.step, steps):
+            model(torch.randn(2, 8)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            cp.step_done()
+    return cp
+
+
+def manifest_doc(root: Path, step: int) -> dict:
+    return json.loads((root / step_dir(step) / "manifest.json").read_text())
+
+
+def write_manifest(root: Path, step: int, doc: dict) -> None:
+    (root / step_dir(step) / "manifest.json").write_text(json.dumps(doc))
+
+
+def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})})
+
+
+def one_line_error(r: subprocess.CompletedProcess, rc: int = 2) -> str:
+    assert r.returncode == rc, (r.returncode, r.stdout, r.stderr)
+    lines = r.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ckpt: ") and "Traceback" not in r.stderr, r.stderr
+    return lines[0]
+
+
+@pytest.fixture(autouse=True)
+def _thread_writer(monkeypatch):
+    monkeypatch.setenv("CKPT_WRITER", "thread")  # in-process jobs: no writer process to spawn
+    for name in ("CKPT_SIGNING_KEY", "CKPT_SIGNING_KEY_FILE"):
+        monkeypatch.delenv(name, raising=False)
+
+
+# -- 1. signing ---------------------------------------------------------------------------------
+def test_with_a_key_tampered_and_unsigned_checkpoints_are_passed_over_saying_why(tmp_path, caplog):
+    root = tmp_path / "root"
+    train(root, 3, key=KEY)
+    for step in (1, 2, 3):
+        sig = manifest_doc(root, step)["signature"]
+        assert sig["alg"] == "hmac-sha256" and sig["key_id"] == SigningKey(KEY).key_id and len(sig["mac"]) == 64
+    # Step 3: a file entry changed under the old signature (another file's bytes and checksum).
+    doc = manifest_doc(root, 3)
+    doc["files"]["__0_0.distcp"] = manifest_doc(root, 2)["files"]["__0_0.distcp"]
+    (root / step_dir(3) / "__0_0.distcp").write_bytes((root / step_dir(2) / "__0_0.distcp").read_bytes())
+    write_manifest(root, 3, doc)
+    # Step 4: saved by a job without the key, so unsigned.
+    train(root, 4, restore=2)
+    assert "signature" not in manifest_doc(root, 4)
+
+    with caplog.at_level(logging.WARNING, logger="ckpt"):
+        cp = train(root, 4, key=KEY, save_on_exit=False)
+    assert cp.restored_step == 2
+    assert f"{step_dir(4)}: unsigned, and a signing key" in caplog.text
+    assert f"{step_dir(3)}: its signature does not match its content" in caplog.text
+    assert KEY not in caplog.text
+
+    # Without a key, signatures are not checked: the newest commit restores as ever.
+    assert train(root, 4, save_on_exit=False).restored_step == 4
+    # A step asked for by number is refused just the same.
+    with pytest.raises(RestoreFailed, match="unsigned"):
+        train(root, 5, key=KEY, restore=4)
+
+
+def test_with_the_wrong_key_nothing_is_trusted_and_the_restore_fails_instead_of_starting_over(tmp_path):
+    root = tmp_path / "root"
+    train(root, 2, key=KEY)
+    before = sorted(p.relative_to(root) for p in root.rglob("*") if "events" not in p.parts)
+    with pytest.raises(RestoreFailed) as e:
+        train(root, 3, key=OTHER_KEY)
+    assert "signed with another key" in str(e.value) and "restore='none'" in str(e.value)
+    assert KEY not in str(e.value) and OTHER_KEY not in str(e.value)
+    assert sorted(p.relative_to(root) for p in root.rglob("*") if "events" not in p.parts) == before
+
+
+def test_the_key_comes_from_a_key_file_then_the_environment_and_is_never_shown(tmp_path, monkeypatch):
+    key_file = tmp_path / "key"
+    key_file.write_text(KEY + "\n")
+    monkeypatch.setenv("CKPT_SIGNING_KEY", OTHER_KEY)
+    assert SigningKey.resolve().key_id == SigningKey(OTHER_KEY).key_id
+    monkeypatch.setenv("CKPT_SIGNING_KEY_FILE", str(key_file))
+    key = SigningKey.resolve()
+    assert key.key_id == SigningKey(KEY).key_id  # the file wins; its newline is not key
+    assert SigningKey.resolve(OTHER_KEY.encode()).key_id == SigningKey(OTHER_KEY).key_id
+    assert KEY not in repr(key) and KEY not in str(vars(ckpt.Checkpointer(str(tmp_path / "r"))))
+    with pytest.raises(TypeError):
+        import pickle
+
+        pickle.dumps(key)
+    with pytest.raises(ValueError, match="at least 16 bytes") as e:
+        SigningKey("short-secret")
+    assert "short-secret" not in str(e.value)
+    monkeypatch.setenv("CKPT_SIGNING_KEY_FILE", str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="cannot read the signing key file"):
+        ckpt.Checkpointer(str(tmp_path / "r"))
+
+
+def test_a_signature_survives_json_and_a_copy_but_not_a_change(tmp_path):
+    key = SigningKey(KEY)
+    m = key.sign(Manifest(step=1, world_size=2, created=time.time(), files={}, counters={"step": 1, "tokens": 3}, user={"run": "a", "n": [1, 2.5]}))
+    parsed = Manifest.from_json(m.to_json())
+    assert key.check(parsed) == ("signed-ok", "")
+    for field, value in (("world_size", 3), ("user", {"run": "b", "n": [1, 2.5]}), ("created", m.created + 1)):
+        changed = Manifest.from_json(m.to_json())
+        setattr(changed, field, value)
+        assert key.check(changed)[0] == "BAD", field
+    assert SigningKey(OTHER_KEY).check(parsed)[0] == "BAD"
+    with pytest.raises(InvalidCheckpoint, match="signature"):
+        Manifest.from_json(json.dumps({**json.loads(m.to_json()), "signature": "x"}).encode())
+
+
+def test_ckpt_verify_reports_signed_ok_bad_and_unsigned_and_fails_on_untrusted(tmp_path):
+    root = tmp_path / "root"
+    train(root, 2, key=KEY)
+    train(root, 3)  # step 3 unsigned
+    key_file = tmp_path / "key"
+    key_file.write_text(KEY)
+    ok = cli("verify", str(root), "--signing-key-file", str(key_file), "--step", "2")
+    assert ok.returncode == 0 and f"{step_dir(2)}  ok  signed-ok" in ok.stdout, ok.stdout + ok.stderr
+    doc = manifest_doc(root, 1)
+    doc["user"] = {"forged": True}
+    write_manifest(root, 1, doc)
+    everything = cli("verify", str(root), "--json", env={"CKPT_SIGNING_KEY_FILE": str(key_file)})
+    assert everything.returncode == 1, everything.stderr
+    verdicts = {c["step"]: c["signature"] for c in json.loads(everything.stdout)["checkpoints"]}
+    assert verdicts == {1: "BAD", 2: "signed-ok", 3: "unsigned"}
+    by_env = cli("verify", str(root), "--step", "3", env={"CKPT_SIGNING_KEY": KEY})
+    assert by_env.returncode == 1 and "CORRUPT  unsigned" in by_env.stdout
+    keyless = cli("verify", str(root), "--step", "2")  # no key: signatures are not checked
+    assert keyless.returncode == 0 and "signed" not in keyless.stdout
+    missing = cli("verify", str(root), "--signing-key-file", str(tmp_path / "nope"))
+    assert "cannot read the signing key file" in one_line_error(missing)
+    # A copy keeps the signature: the destination verifies with the key.
+    assert cli("cp", str(root), str(tmp_path / "copy"), "--step", "2").returncode == 0
+    copied = cli("verify", str(tmp_path / "copy"), "--signing-key-file", str(key_file))
+    assert copied.returncode == 0 and "signed-ok" in copied.stdout, copied.stdout + copied.stderr
+    for r in (ok, everything, by_env, keyless, missing, copied):
+        assert KEY not in r.stdout + r.stderr
+
+
+@pytest.mark.slow
+def test_a_manifest_the_agent_commits_is_signed_though_the_key_never_reaches_the_spool_or_the_agent(tmp_path):
+    from test_agent import agent, until
+
+    spool, root = tmp_path / "spool", tmp_path / "root"
+    key_file = tmp_path / "key"
+    key_file.write_text(KEY)
+    ranks_env = {"CKPT_SPOOL": str(spool), "CKPT_SIGNING_KEY_FILE": str(key_file)}
+    common = ("--root", root, "--every", 5, "--log-level", "DEBUG")
+    with agent(spool, tmp_path / "agent.log") as a:  # the agent's environment holds no key
+        # Both ranks die right after handing step 5 off: only the agent can commit it.
+        procs = start(RANKS, WORKER, *map(str, (*common, "--steps", 5, "--no-save-on-exit")), env={**ranks_env, "CKPT_FAULT": "after_handoff:*:5"}, log_dir=tmp_path)
+        assert wait(procs) == [-signal.SIGKILL] * RANKS, rank_logs(tmp_path)
+        until("the agent to commit step 5", lambda: (root / step_dir(5) / "manifest.json").exists(), logs=a.text)
+        assert "committed" in a.text()
+        spool_bytes = b"".join(p.read_bytes() for p in spool.rglob("*") if p.is_file())
+        assert b'"signature"' in spool_bytes  # the draft carried its signature through the spool
+        # The restart restores the agent's commit, trusting it by its signature.
+        procs = start(RANKS, WORKER, *map(str, (*common, "--steps", 7, "--out", tmp_path / "out")), env=ranks_env, log_dir=tmp_path)
+        assert wait(procs) == [0] * RANKS, rank_logs(tmp_path)
+        agent_log = a.text()
+    key = SigningKey(KEY)
+    assert key.check(Manifest.from_json((root / step_dir(5) / "manifest.json").read_bytes()))[0] == "signed-ok"
+    assert key.check(Manifest.from_json((root / step_dir(7) / "manifest.json").read_bytes()))[0] == "signed-ok"
+    assert [torch.load(f"{tmp_path / 'out'}.rank{r}.pt", weights_only=True)["restored_step"] for r in range(RANKS)] == [5] * RANKS
+    for blob in (spool_bytes, agent_log.encode(), *(p.read_bytes() for p in spool.rglob("*") if p.is_file())):
+        assert KEY.encode() not in blob
+
+
+# -- 2. nothing is unpickled unguarded ----------------------------------------------------------
+# Each unpickling in ckpt/ that is not torch.load(weights_only=True), and why it is safe.
+ALLOWED_UNPICKLING = {
+    ("writer_proc.py", "_recv", "pickle.loads"): "messages from our own parent over a private socket pair, never storage",
+    ("dcp_io.py", "_MetadataUnpickler", "pickle.Unpickler"): "the allowlisting unpickler of checksum-verified .metadata",
+    ("dcp_io.py", "load_metadata", "_MetadataUnpickler"): "checksum-verified bytes, through the allowlist",
+}
+PICKLE_MODULES = {"pickle", "_pickle", "cPickle", "dill", "cloudpickle", "joblib", "marshal", "shelve"}
+
+
+def unguarded_unpickling(source: str, filename: str) -> list[str]:
+    """Where `source` may unpickle other than as ALLOWED_UNPICKLING says: torch.load without
+    weights_only=True, pickle.load(s)/Unpickler (or an import of them by another name)."""
+    found = []
+
+    def dotted(node: ast.AST) -> str:
+        if isinstance(node, ast.Name):
+            return node.id
+        if isinstance(node, ast.Attribute):
+            return f"{dotted(node.value)}.{node.attr}"
+        return ""
+
+    def visit(node: ast.AST, scope: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            inner = child.name if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and scope == "" else scope
+            where = f"{filename}:{getattr(child, 'lineno', '?')}"
+            if isinstance(child, ast.ImportFrom) and (child.module or "").split(".")[0] in PICKLE_MODULES | {"torch"}:
+                bad = [a.name for a in child.names if a.name in ("load", "loads", "Unpickler", "Unpickler_")]
+                if bad:
+                    found.append(f"{where}: from {child.module} import {bad}")
+            if isinstance(child, ast.Import):
+                found.extend(f"{where}: import {a.name} as {a.asname}" for a in child.names if a.asname and a.name.split(".")[0] in PICKLE_MODULES)
+            names = [dotted(child.func)] if isinstance(child, ast.Call) else [dotted(b) for b in child.bases] if isinstance(child, ast.ClassDef) else []
+            for name in names:
+                head = name.split(".")[0]
+                if name in ("torch.load", "torch.serialization.load"):
+                    weights_only = [k for k in child.keywords if k.arg == "weights_only"]  # type: ignore[union-attr]
+                    if not (weights_only and isinstance(weights_only[0].value, ast.Constant) and weights_only[0].value.value is True):
+                        found.append(f"{where}: {name} without weights_only=True")
+                elif (head in PICKLE_MODULES and name.rsplit(".", 1)[-1] in ("load", "loads", "Unpickler")) or name in {k[2] for k in ALLOWED_UNPICKLING}:
+                    if (filename, inner, name) not in ALLOWED_UNPICKLING:
+                        found.append(f"{where}: {name} in {inner or 'module level'}")
+            visit(child, inner)
+
+    visit(ast.parse(source), "")
+    return found
+
+
+def test_every_unpickling_in_ckpt_is_weights_only_or_allowlisted():
+    sources = sorted((REPO / "ckpt").rglob("*.py"))
+    assert len(sources) > 30
+    found = [hit for path in sources for hit in unguarded_unpickling(path.read_text(), path.name)]
+    assert found == [], "unguarded unpickling (use weights_only=True, or say why in ALLOWED_UNPICKLING):\n" + "\n".join(found)
+    # The scan itself finds what it must.
+    bad = (
+        "import torch, pickle\nimport pickle as p\nfrom pickle import loads\n"
+        "def f(b):\n    torch.load(b)\n    torch.load(b, weights_only=False)\n    pickle.loads(b)\n"
+        "class U(pickle.Unpickler):\n    pass\n"
+        "def _recv(b):\n    return pickle.load(b)\n"
+    )
+    assert len(unguarded_unpickling(bad, "writer_proc.py")) == 7
+    assert unguarded_unpickling("import torch\ntorch.load(b, map_location='cpu', weights_only=True)\n", "x.py") == []
+
+
+# -- 3. no secret anywhere in a whole run ---------------------------------------------------------
+@pytest.mark.slow
+def test_no_secret_appears_in_any_output_log_manifest_event_or_spool_file_of_a_run(tmp_path, s3_endpoint):
+    secrets = {
+        "access key": "AKIASCANACCESSNR7Q2X",
+        "secret key": "scan-Secret/Key+Nr7",
+        "session token": "scan-Session-Token/Nr8+",
+        "signing key": "scan-signing-key-0123456789abcdef",
+        "url password": "url-Secret-In-Scan-Nr9",
+    }
+    aws = {
+        "AWS_ACCESS_KEY_ID": secrets["access key"],
+        "AWS_SECRET_ACCESS_KEY": secrets["secret key"],
+        "AWS_SESSION_TOKEN": secrets["session token"],
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_ENDPOINT_URL": s3_endpoint,
+    }
+    bucket = f"ckpt-{uuid.uuid4().hex[:12]}"
+    boto3.client("s3", endpoint_url=s3_endpoint, region_name="us-east-1", aws_access_key_id="x", aws_secret_access_key="y").create_bucket(Bucket=bucket)
+    root = f"s3://{bucket}/run"
+    key_file = tmp_path / "signing.key"
+    key_file.write_text(secrets["signing key"])
+    options = json.dumps({"endpoint_url": s3_endpoint, "key": secrets["access key"], "secret": secrets["secret key"], "token": secrets["session token"]})
+    logs, spool = tmp_path / "logs", tmp_path / "spool"
+    logs.mkdir()
+    port = free_port()
+    ranks_env = {**aws, "CKPT_SIGNING_KEY_FILE": str(key_file), "CKPT_METRICS_PORT": str(port), "CKPT_WRITER": "process"}
+    args = ["--root", root, "--every", "3", "--storage-options", options, "--log-level", "DEBUG", "--step-sleep", "0.2"]
+    outputs: dict[str, bytes] = {}
+
+    # Run 1: straight to the store, metrics served (scraped while it trains).
+    procs = start(RANKS, WORKER, *args, "--steps", "6", env=ranks_env, log_dir=logs)
+    scraped = b""
+    while not scraped and all(p.poll() is None for p in procs):
+        with contextlib.suppress(OSError):
+            scraped = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read()
+        time.sleep(0.2)
+    assert wait(procs) == [0] * RANKS, rank_logs(logs)
+    assert b"ckpt_" in scraped
+    outputs["metrics scrape"] = scraped
+
+    # Run 2: through a node agent logging JSON, with its own credentials (the same ones here).
+    from test_agent import agent
+
+    with agent(spool, logs / "agent.log", "--log-format", "json", env=aws) as a:
+        procs = start(RANKS, WORKER, *args, "--steps", "12", env={**ranks_env, "CKPT_SPOOL": str(spool), "CKPT_METRICS_PORT": str(free_port())}, log_dir=logs)
+        assert wait(procs) == [0] * RANKS, rank_logs(logs)
+        a.proc.send_signal(signal.SIGTERM)
+        a.proc.wait(timeout=60)
+        agent_log = a.text()
+    assert '"message": "committed' in agent_log
+
+    # The admin CLI with the credentials in options, the environment and a URL.
+    cred_options = [f"--storage-option=endpoint_url={s3_endpoint}", f"--storage-option=key={secrets['access key']}", f"--storage-option=secret={secrets['secret key']}", f"--storage-option=token={secrets['session token']}"]
+    in_url = f"s3://{secrets['access key']}:{secrets['url password']}@{bucket}/run"
+    for name, call in {
+        "verify": ["verify", root, "-v", "--signing-key-file", str(key_file), *cred_options],
+        "show": ["show", root, "--json", *cred_options],
+        "events": ["events", root, *cred_options],
+        "ls with credentials in the URL": ["ls", in_url, f"--storage-option=endpoint_url={s3_endpoint}"],
+    }.items():
+        r = subprocess.run([*CLI, *call], capture_output=True, env={**os.environ, **aws, "PYTHONPATH": str(REPO)}, timeout=120)
+        outputs[f"ckpt {name}"] = r.stdout + r.stderr
+        if name == "verify":
+            assert r.returncode == 0 and b"signed-ok" in r.stdout, r.stdout + r.stderr
+
+    # Everything the run left: logs, spool, every object under the root.
+    for path in tmp_path.rglob("*"):
+        if path.is_file() and path != key_file:
+            outputs[str(path.relative_to(tmp_path))] = path.read_bytes()
+    s3 = boto3.client("s3", endpoint_url=s3_endpoint, region_name="us-east-1", aws_access_key_id="x", aws_secret_access_key="y")
+    objects = [o["Key"] for o in s3.list_objects_v2(Bucket=bucket).get("Contents", [])]
+    for k in objects:
+        outputs[f"s3://{bucket}/{k}"] = s3.get_object(Bucket=bucket, Key=k)["Body"].read()
+
+    # The run did what it claims: debug logging, signed commits by the ranks and the agent,
+    # events written, the spool used.
+    rank_text = (logs / "rank0.log").read_text()
+    assert "ckpt.checkpointer step 3 staged in" in rank_text
+    assert any(k.endswith("events/") or "/events/" in k for k in objects)
+    manifests = [k for k in objects if k.endswith("manifest.json")]
+    assert len(manifests) >= 4
+    for k in manifests:
+        assert SigningKey(secrets["signing key"]).check(Manifest.from_json(outputs[f"s3://{bucket}/{k}"]))[0] == "signed-ok", k
+    assert any(k.startswith("spool/") for k in outputs)
+    leaks = [
+        f"{what} in {where}"
+        for where, blob in outputs.items()
+        for what, secret in secrets.items()
+        for form in {secret, urllib.parse.quote(secret, safe=""), json.dumps(secret)[1:-1]}
+        if form.encode() in blob
+    ]
+    assert leaks == [], "\n".join(leaks)
+
+
+# -- 4. nothing reaches outside the root --------------------------------------------------------
+def test_paths_that_escape_the_root_are_refused(tmp_path):
+    store = Store(str(tmp_path / "root"))
+    for bad in ("../x", "/etc/passwd", "step-0000000001/../../x", "a/../../b", ".."):
+        with pytest.raises(ValueError, match="escapes the checkpoint root"):
+            store.path(bad)
+    assert store.path("step-0000000001", "__0_0.distcp").startswith(str(tmp_path / "root") + "/")
+    for bad in ("../1", "-1", "step-1", True, 1.5):
+        with pytest.raises(ValueError, match="restore must be"):
+            ckpt.Checkpointer(str(tmp_path / "root"), restore=bad)
+    doc = {"step": 1, "world_size": 1, "created": 0.0, "format": "ckpt", "format_version": 2}
+    for name in ("../evil", "/etc/passwd", "a/../../b", ""):
+        with pytest.raises(InvalidCheckpoint, match="not a path inside the step directory"):
+            Manifest.from_json(json.dumps({**doc, "files": {name: {"size": 1, "checksum": "xxh3_64:00", "rank": 0}}}).encode())
+
+
+def test_every_cli_command_refuses_a_step_that_is_not_a_number_in_one_line(tmp_path):
+    root = tmp_path / "root"
+    train(root, 1)
+    calls = [
+        ["show", str(root), "--step", "../1"],
+        ["verify", str(root), "--step", "-1"],
+        ["rm", str(root), "--step", "/etc"],
+        ["export", str(root), "--step", "step-0000000001", "--format", "torch", "--out", str(tmp_path / "x.pt")],
+        ["cp", str(root), str(tmp_path / "dst"), "--step", "1/../2"],
+        ["restore", str(root), "--to", str(tmp_path / "here"), "--step", "1.0"],
+        ["load-test", str(root), "--world-size", "2", "--step", "²"],
+    ]
+    procs = [subprocess.Popen([*CLI, *c], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO)}) for c in calls]
+    for c, p in zip(calls, procs, strict=True):
+        out, err = p.communicate(timeout=120)
+        assert "a step is a non-negative integer" in one_line_error(subprocess.CompletedProcess(c, p.returncode, out, err)), c
+    assert not (tmp_path / "dst").exists() and not (tmp_path / "here").exists() and not (tmp_path / "x.pt").exists()
+    # diff takes ROOT:STEP: a tail that is not a step number is part of the root, not found.
+    diff = cli("diff", f"{root}:1", f"{root}:../1")
+    assert diff.returncode == 2 and "Traceback" not in diff.stderr
+    # A manifest that names a file outside its directory is corrupt, and nothing copies it.
+    doc = manifest_doc(root, 1)
+    doc["files"]["../../outside"] = doc["files"]["__0_0.distcp"]
+    write_manifest(root, 1, doc)
+    verify = cli("verify", str(root))
+    assert verify.returncode == 1 and "not a path inside the step directory" in verify.stdout
+    copy = cli("cp", str(root), str(tmp_path / "dst"))
+    one_line_error(copy)
+    assert not (tmp_path / "outside").exists() and not (tmp_path / "dst" / step_dir(1) / "manifest.json").exists()
+
+
+def test_the_agent_refuses_requests_for_step_directories_that_are_not_one(tmp_path):
+    spool, root = tmp_path / "spool", tmp_path / "root"
+    manifest = {"step": 1, "world_size": 1, "created": 0.0, "files": {"__0_0.distcp": {"size": 1, "checksum": "xxh3_64:00", "rank": 0}}, "format": "ckpt", "format_version": 2}
+    good = {"root": str(root), "storage_options": {}, "rel": "step-0000000001", "step": 1, "save_id": "s", "rank": 0, "world": 1, "files": ["__0_0.distcp"], "manifest": manifest, "started": 0.0}
+    check_request(Request.from_doc(good))
+    for rel in ("../step-0000000001", "step-0000000001/../..", "/etc", "step-1", "step-0000000002"):
+        with pytest.raises(InvalidCheckpoint, match="not a step directory"):
+            check_request(Request.from_doc({**good, "rel": rel}))
+    request = spool / "jobs" / "0123456789abcdef" / "step-0000000001" / ".requests" / "rank-00000.json"
+    request.parent.mkdir(parents=True)
+    doc = {**good, "rel": "../../../../outside"}
+    request.write_text(json.dumps(doc))
+    Agent(Config(spool=str(spool), metrics_port=-1))._upload(str(request), Request.from_doc(doc))
+    assert read_json(status_of(str(request)))["state"] == "failed"
+    assert not root.exists() and not (tmp_path / "outside").exists()
+
+
+# -- 5. listeners bind to loopback unless configured ----------------------------------------------
+def test_metrics_and_the_agent_listen_on_loopback_unless_configured(tmp_path, monkeypatch):
+    m = Metrics()
+    try:
+        m.serve(0)
+        assert m.address[0] == "127.0.0.1"
+    finally:
+        m.close()
+    monkeypatch.delenv("CKPT_METRICS_ADDR", raising=False)
+    torch.manual_seed(0)
+    with ckpt.Checkpointer(str(tmp_path / "root"), model=torch.nn.Linear(2, 2), interval=None, metrics_port=0, save_on_exit=False) as cp:
+        assert cp.metrics.address[0] == "127.0.0.1"
+    config = Config.load(["--spool", str(tmp_path / "spool"), "--metrics-port", "0"])
+    assert config.metrics_addr == "127.0.0.1"
+    a = Agent(config)
+    try:
+        a.serve()
+        assert a._server is not None and a._server.server_address[0] == "127.0.0.1"
+    finally:
+        a.close()
+    assert Spool(str(tmp_path / "spool")).agent() is None  # served, not run: no heartbeat
