@@ -326,7 +326,8 @@ def _inspect_all(store: Store, listings: list[StepListing], **how: object) -> li
     """`inspect` each, in order; an object store's several at a time (a thousand round trips
     one after another take seconds)."""
     one = functools.partial(inspect, store, **how)  # type: ignore[arg-type]
-    if store.is_local or len(listings) < 2:
+    # Not for checksums: each reader of an object store holds its readahead (about 300 MB).
+    if store.is_local or len(listings) < 2 or how.get("deep") or how.get("metadata"):
         return [one(lst) for lst in listings]
     with concurrent.futures.ThreadPoolExecutor(min(16, len(listings)), thread_name_prefix="ckpt-scan") as pool:
         return list(pool.map(one, listings))
@@ -338,7 +339,9 @@ def commit_order(entries: list[Entry]) -> list[int]:
     return [e.step for e in sorted(done, key=lambda e: (e.manifest.created, e.step))]  # type: ignore[union-attr]
 
 
-def restore_candidates(store: Store, key: SigningKey | None = None) -> tuple[list[Entry], list[Entry]]:
+def restore_candidates(
+    store: Store, key: SigningKey | None = None, exclude: set[int] | frozenset[int] = frozenset()
+) -> tuple[list[Entry], list[Entry]]:
     """(committed checkpoints newest commit first, the directories that were passed over).
 
     Newest by commit time (the manifest's `created`): after a restart from an older step,
@@ -347,9 +350,10 @@ def restore_candidates(store: Store, key: SigningKey | None = None) -> tuple[lis
     before the newest good one was created (less CLOCK_SKEW_S): a root of a thousand
     checkpoints costs one listing and a few reads. `.metadata` is checksummed for the first
     candidate. Directories with a manifest left unread come last, newest written first, for
-    a restore that must fall back that far (it checks each as it tries it). With `key`, only
-    checkpoints signed with it are candidates."""
-    listings = store.scan()
+    a restore that must fall back that far (it checks each as it tries it), in an order that
+    is exact only for the first: a restore that falls back asks again, `exclude`-ing the steps
+    it tried. With `key`, only checkpoints signed with it are candidates."""
+    listings = {step: lst for step, lst in store.scan().items() if step not in exclude}
     entries = [inspect(store, lst) for lst in listings.values() if not lst.has_manifest]  # nothing to read
     unread = sorted((lst for lst in listings.values() if lst.has_manifest), key=_written, reverse=True)
     good: list[Entry] = []

@@ -83,7 +83,8 @@ class Checkpointer:
             ("raise", default), is only logged ("log": training goes on and the next save
             tries again), or is logged until this many saves in a row have failed (an int K:
             a store down for a while costs K intervals of progress at most, then the job
-            stops). Either way nothing half-written is ever restored.
+            stops). A save refused because another job took the root (see ``lease``) raises
+            whatever this says. Either way nothing half-written is ever restored.
         handle_sigterm: SIGTERM takes a checkpoint and exits: at the next step boundary on one
             rank, at the next meeting (``agree_every_s``) of several.
         preempt_file: a path (default ``CKPT_PREEMPT_FILE``) whose appearance does what a
@@ -486,7 +487,10 @@ class Checkpointer:
             self.failures_in_row += 1
             limit = 1 if self.on_error == "raise" else None if self.on_error == "log" else self.on_error
             log.error("%s (%d failed save(s) in a row%s)", e, self.failures_in_row, f"; giving up at {limit}" if limit and limit > 1 else "")
-            if limit is not None and self.failures_in_row >= limit:
+            # Another job holds the root now: no later save can commit, whatever on_error says
+            # (the text is the same on every rank: rank 0's, broadcast).
+            lost_root = "LeaseHeld: " in str(e)
+            if lost_root or (limit is not None and self.failures_in_row >= limit):
                 raise
         finally:
             self.history.flush()

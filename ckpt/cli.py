@@ -23,7 +23,7 @@ from .storage import Store, Transfer, redact, step_dir_name
 
 EXIT_OK, EXIT_INVALID, EXIT_USAGE = 0, 1, 2
 # An admin command on an unreachable store says so in seconds, not after a trainer's patience.
-CLI_TRANSFER = Transfer(attempts=3, max_backoff_s=2.0)
+CLI_TRANSFER = Transfer(attempts=3, max_backoff_s=2.0, timeout_s=20.0)
 
 
 def main(argv: list[str] | None = None) -> int:

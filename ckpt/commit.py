@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from ._faults import fault_point
 from .arena import Arena
 from .dcp_write import Sink, Writer
-from .errors import CheckpointError, SaveFailed
+from .errors import CheckpointError, LeaseHeld, SaveFailed
 from .manifest import MANIFEST_NAME, METADATA_NAME, FileEntry, Manifest, SaveCosts
 from .resave import Layout, Resaver
 from .spool import claim
@@ -134,7 +134,7 @@ def persist(
             if refusal is None and handoff is not None:
                 claim(store, rel, save_id)  # an agent holding an older save of this step leaves it be
         except CheckpointError as e:  # told to every rank below, not left to hang them
-            refusal = str(e)
+            refusal = f"{type(e).__name__}: {e}" if isinstance(e, LeaseHeld) else str(e)
     refusal, save_id = group.broadcast((refusal, save_id))
     if refusal:
         raise SaveFailed(f"save of step {step} to {store.display} failed: {refusal}")

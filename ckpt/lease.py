@@ -249,6 +249,7 @@ class LeaseKeeper:
         """Take the root's lease for this job, or raise LeaseHeld saying who holds it."""
         me = this_process(policy.ttl_s)
         store.check_reachable()  # a missing bucket says so, not "could not create the lease"
+        waited: str | None = None  # the version of the lease waited out, once
         for _ in range(_ATTEMPTS):
             got = store.read_tagged(LEASE_NAME)
             if got is None:
@@ -256,6 +257,15 @@ class LeaseKeeper:
                 why, warn = "it had none", False
             else:
                 verdict = _judge_stored(got.data, me, policy.takes_over)
+                if not verdict.take and waited is None and (pause := _expiry_wait(got.data, me)) is not None:
+                    # Held from another machine, nobody here can tell whether it still runs
+                    # (a crashed job's restart lands on another node): see if it renews.
+                    log.warning("the lease of %s is held from another machine; waiting %.0f s to see whether it renews", store.display, pause)
+                    time.sleep(pause)
+                    waited = got.tag
+                    continue
+                if not verdict.take and waited == got.tag:
+                    verdict = judge(Holder.from_json(got.data), me, math.inf, takeover=False, alive=None)  # not renewed: expired
                 if not verdict.take:
                     raise LeaseHeld(_refusal(store, got.data, me))
                 tag = store.put_if_unchanged(LEASE_NAME, me.to_json(), got.tag)
@@ -375,6 +385,22 @@ def take_for_job(store: Store, policy: Lease | None, group: Any) -> LeaseKeeper 
         kind, text = told
         raise (LeaseHeld if kind == "LeaseHeld" else StorageError if kind == "StorageError" else CheckpointError)(text)
     return keeper
+
+
+# The longest rank 0 waits out another machine's lease at enter (the other ranks wait in a
+# collective meanwhile, whose timeout is longer by default).
+MAX_EXPIRY_WAIT_S = 120.0
+
+
+def _expiry_wait(data: bytes, me: Holder) -> float | None:
+    """Seconds until a lease held from another machine expires (plus a second), when that is
+    short enough to wait out; None otherwise."""
+    try:
+        held = Holder.from_json(data)
+    except ValueError:
+        return None
+    left = held.expires - time.time() + 1.0
+    return left if not held.same_machine(me) and held.released is None and 0 < left <= MAX_EXPIRY_WAIT_S else None
 
 
 def _judge_stored(data: bytes, me: Holder, takeover: bool) -> Verdict:

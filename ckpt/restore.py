@@ -67,19 +67,29 @@ def restore(
     `key`, only checkpoints signed with it are trusted (the others are passed over). Returns
     what was restored (None: the root holds nothing to restore) and the steps that hold a
     manifest, which this run must never write into."""
-    plan: list[int] | str = []
+    problems: list[str] = []
+    tried: list[int] = []
     taken: set[int] = set()
-    if ctrl.rank == 0:
-        try:
-            plan, taken = _restore_plan(store, mode, key)
-        except CheckpointError as e:
-            plan = f"{type(e).__name__}: {e}"
-    plan, taken = ctrl.broadcast((plan, taken))
-    if isinstance(plan, str):
-        kind = plan.partition(":")[0]  # the error's type name, as rank 0 raised it
-        raise (RestoreFailed if kind in ("NotFound", "InvalidCheckpoint", "RestoreFailed") else StorageError)(plan)
-    problems = []
-    for step in plan:
+    passed: list[str] = []
+    while True:
+        # Rank 0 picks the next candidate afresh after each failure: the catalog reads only
+        # the manifests it needs to know the newest (catalog.restore_candidates).
+        plan: list[int] | str = []
+        if ctrl.rank == 0:
+            try:
+                plan, more, passed = _restore_plan(store, mode, key, tried)
+                taken |= more
+            except CheckpointError as e:
+                plan = f"{type(e).__name__}: {e}"
+        plan, taken, passed = ctrl.broadcast((plan, taken, passed if ctrl.rank == 0 else []))
+        problems += passed
+        if isinstance(plan, str):
+            kind = plan.partition(":")[0]  # the error's type name, as rank 0 raised it
+            raise (RestoreFailed if kind in ("NotFound", "InvalidCheckpoint", "RestoreFailed") else StorageError)(plan)
+        if not plan:
+            break
+        step = plan[0]
+        tried.append(step)
         outcome, why, restored = _try_restore(store, ctrl, state, step, handoff, key)
         worst, spooled = ctrl.max([outcome, int(handoff is not None and handoff.local is not None)])
         if worst == 1 and spooled:  # a spool's copy may be what failed: the root's decides
@@ -97,7 +107,7 @@ def restore(
             )
         problems.append(f"{step_dir_name(step)}: {why}")
         log.warning("could not restore %s (%s); falling back to the one before", step_dir_name(step), why)
-    if plan:
+    if tried:
         raise RestoreFailed(
             f"no checkpoint under {store.display} could be restored ("
             + "; ".join(problems)
@@ -130,14 +140,26 @@ def start_fresh(store: Store, ctrl: Group) -> set[int]:
     return taken
 
 
-def _restore_plan(store: Store, mode: str | int, key: SigningKey | None) -> tuple[list[int], set[int]]:
-    """Rank 0: the steps to try, best first, and the steps that hold a manifest."""
-    store.check_reachable()
+def _restore_plan(store: Store, mode: str | int, key: SigningKey | None, tried: list[int]) -> tuple[list[int], set[int], list[str]]:
+    """Rank 0: the next step to try (none left: []), after the `tried` ones failed; the steps
+    that hold a manifest; and, falling back, the corrupt ones passed over on the way."""
     if isinstance(mode, int):
+        if tried:
+            return [], set(), []
+        store.check_reachable()
         entry = catalog.find(store, mode, key)
-        return [entry.step], {s for s, lst in store.scan().items() if lst.has_manifest}
-    good, skipped = catalog.restore_candidates(store, key)
-    taken = {e.step for e in good} | {e.step for e in skipped if e.state == catalog.CORRUPT}
+        return [entry.step], {s for s, lst in store.scan().items() if lst.has_manifest}, []
+    if not tried:
+        store.check_reachable()
+    good, skipped = catalog.restore_candidates(store, key, exclude=set(tried))
+    taken = {e.step for e in good} | {e.step for e in skipped if e.state == catalog.CORRUPT} | set(tried)
+    if tried:  # falling back: the corrupt ones newer than the next candidate were said before
+        passed = [e for e in skipped if e.state == catalog.CORRUPT and (not good or e.step < good[0].step)]
+        for e in passed:
+            log.warning("passing over %s/%s: %s", store.display, e.dir, e.problem)
+        if good:
+            log.info("falling back to %s/%s", store.display, good[0].dir)
+        return [e.step for e in good[:1]], taken, [f"{e.dir}: {e.problem}" for e in passed]
     for e in skipped:
         log.warning("passing over %s/%s: %s", store.display, e.dir, e.problem)
     if good:
@@ -151,7 +173,7 @@ def _restore_plan(store: Store, mode: str | int, key: SigningKey | None) -> tupl
             + "values). To start fresh, pass restore='none' (the corrupt directories are kept "
             + "and their steps skipped) or use a new root."
         )
-    return [e.step for e in good], taken
+    return [e.step for e in good[:1]], taken, []
 
 
 def _try_restore(

@@ -49,7 +49,8 @@ _SECRET_PATTERNS = [
     (re.compile(r"(?i)([?&](?:x-amz-signature|x-amz-credential|x-amz-security-token|signature|sig|token|access_token|key)=)[^&\s\"']+"), r"\1***"),
     (re.compile(r"(?i)(bearer\s+)[\w.~+/=-]+"), r"\1***"),
     # secret=..., "password": "...", api_key: ...
-    (re.compile(r"(?i)((?:secret|token|password|passwd|api[_-]?key|access[_-]?key|signature|credential)s?[\"']?\s*[=:]\s*[\"']?)[^\s\"',}&]+"), r"\1***"),
+    # (a header dict's value may be bytes: b'...', as botocore logs a request it sends)
+    (re.compile(r"(?i)((?:secret|token|password|passwd|api[_-]?key|access[_-]?key|signature|credential)s?[\"']?\s*[=:]\s*(?:b?[\"'])?)[^\s\"',}&]+"), r"\1***"),
 ]
 _SECRET_ENV = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_ACCESS_KEY_ID", "CKPT_SIGNING_KEY")
 # Storage options whose values are credentials (s3fs' key/secret/token, Azure's account_key
@@ -268,7 +269,7 @@ class Store:
         with storage_errors(f"opening root {redact(root)}"):
             protocol = fsspec.utils.get_protocol(root)
             options = dict(storage_options or {})
-            if protocol == "s3":
+            if protocol in ("s3", "s3a"):
                 # IMPORTANT: listings must never come from a cache; another process commits.
                 options.setdefault("use_listings_cache", False)
                 options.setdefault("skip_instance_cache", True)
@@ -276,7 +277,7 @@ class Store:
                 # and is tried Transfer.attempts times, by ckpt alone (s3.RetriedFS).
                 cfg = transfer or Transfer()
                 once = {"mode": "standard", "total_max_attempts": 1}
-                options["config_kwargs"] = {"connect_timeout": cfg.timeout_s, "read_timeout": cfg.timeout_s, "retries": once, **(options.get("config_kwargs") or {})}
+                options["config_kwargs"] = {"connect_timeout": cfg.timeout_s, "read_timeout": cfg.timeout_s, **(options.get("config_kwargs") or {}), "retries": once}
                 from .s3 import RetriedFS
 
                 self.fs, path = RetriedFS(**options), RetriedFS._strip_protocol(root)
@@ -453,7 +454,8 @@ class Store:
         path = self.path(rel)
         with storage_errors(f"committing {self.display}/{rel}"):
             if self._s3 is not None:  # one PUT: atomic on object stores; retried, bounded
-                self._s3.put_if(path, f"{self.display}/{rel}", data)
+                bucket, key, _ = self._s3.fs.split_path(path)
+                self._s3.call(f"committing {self.display}/{rel}", "put_object", Bucket=bucket, Key=key, Body=data)
                 return
             if not self.is_local:
                 self.fs.pipe_file(path, data)

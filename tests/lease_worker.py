@@ -42,6 +42,7 @@ def main() -> None:
     p.add_argument("--raise-at", type=int, default=-1, help="raise an error in the loop after committing this step")
     p.add_argument("--bare", action="store_true")
     p.add_argument("--go", default="")
+    p.add_argument("--on-error", default="raise")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format=f"[{os.environ.get('CKPT_JOB_ID')}] %(name)s %(levelname)s %(message)s")
 
@@ -79,7 +80,7 @@ def main() -> None:
     try:
         with ckpt.Checkpointer(
             args.root, model=model, optimizer=opt, interval=ckpt.Every(steps=1), keep=ckpt.Keep(last=args.keep),
-            lease=policy, handle_sigterm=False, timeout_s=30,
+            lease=policy, handle_sigterm=False, timeout_s=30, on_error=args.on_error,
         ) as cp:
             say(args.events, event="entered", restored=cp.restored_step, job=os.environ.get("CKPT_JOB_ID"))
             for _ in range(cp.step, args.steps):

@@ -515,3 +515,35 @@ def test_metadata_rewritten_with_a_matching_manifest_is_still_never_run(root_5_1
     deep = subprocess.run([sys.executable, "-m", "ckpt.cli", "verify", str(root), "--deep"], capture_output=True, text=True)
     assert deep.returncode == 1 and "never holds" in deep.stdout
     assert not marker.exists()
+
+
+def test_a_fallback_goes_to_the_newest_commit_before_though_its_manifest_was_written_long_before(tmp_path):
+    """Restore reads manifests newest-written first and stops early (catalog.CLOCK_SKEW_S);
+    after the chosen one fails to load, the next is picked afresh by commit time, not by when
+    its manifest was written (an agent's commit lands late, its `created` stays early)."""
+    import json
+
+    from toy_model import build, optimizer
+
+    def run(restore_to=None):
+        model = build("plain", 1)
+        opt, _ = optimizer(model)
+        cp = ckpt.Checkpointer(str(tmp_path), model=model, optimizer=opt, interval=ckpt.Every(steps=1),
+                               keep=ckpt.Keep(last=10), handle_sigterm=False, save_on_exit=False)
+        with cp:
+            for _ in range(cp.step, restore_to or 3):
+                model(torch.randn(2, 16)).sum().backward()
+                opt.step()
+                opt.zero_grad()
+                cp.step_done()
+        return cp
+
+    run()
+    for step, created, written in ((1, 1000.0, 2000.0), (2, 1200.0, 1300.0), (3, 1900.0, 1950.0)):
+        m = tmp_path / sd(step) / "manifest.json"
+        doc = json.loads(m.read_text())
+        doc["created"] = created
+        m.write_text(json.dumps(doc))
+        os.utime(m, (written, written))
+    flip_byte(next((tmp_path / sd(3)).glob("__0_*.distcp")))  # found only when loaded
+    assert run(restore_to=3).restored_step == 2

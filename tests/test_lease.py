@@ -259,7 +259,8 @@ def test_an_expired_lease_is_taken_over_and_its_frozen_holder_commits_nothing_mo
 
 
 def test_takeover_takes_a_live_lease_and_the_old_holders_next_save_fails_without_writing(tmp_path, root):
-    a = Job(tmp_path, "job-a", root, "--steps", 5, "--pause-at", 2, "--resume", tmp_path / "go-on", "--ttl", TTL)
+    # on_error="log" would go on past a failed save: one refused for a lost root stops the job.
+    a = Job(tmp_path, "job-a", root, "--steps", 5, "--pause-at", 2, "--resume", tmp_path / "go-on", "--ttl", TTL, "--on-error", "log")
     a.wait_event("paused")
 
     # Told by the policy on a local root, by the environment on S3.
@@ -459,3 +460,42 @@ def test_a_root_that_cannot_be_reached_is_a_storage_error_never_a_free_lease(s3_
             LeaseKeeper.take(store, Lease(ttl_s=TTL))
         with pytest.raises(ckpt.StorageError):
             lease.read(store)
+
+
+def test_a_lease_held_from_another_machine_is_waited_out_and_refused_only_if_it_renews(tmp_path):
+    """Nobody here can tell whether a holder on another machine still runs (a crashed job's
+    restart often lands on another node): enter waits for its expiry, and takes it unless it
+    was renewed meanwhile."""
+    import dataclasses
+    import threading
+
+    import torch
+
+    from ckpt.lease import LEASE_NAME, this_process
+
+    def foreign(root: Path, ttl: float) -> None:
+        now = time.time()
+        held = dataclasses.replace(this_process(ttl), job_id="job-elsewhere", host="node-7", boot_id="another-boot", renewed=now, acquired=now)
+        root.mkdir(parents=True, exist_ok=True)
+        (root / LEASE_NAME).write_bytes(held.to_json())
+
+    def enter(root: Path) -> None:
+        model = torch.nn.Linear(2, 2)
+        with ckpt.Checkpointer(str(root), model=model, interval=None, handle_sigterm=False, lease=ckpt.Lease(ttl_s=30)):
+            pass
+
+    quiet = tmp_path / "quiet"
+    foreign(quiet, ttl=2.0)
+    began = time.monotonic()
+    enter(quiet)  # waited out and taken
+    assert 1.0 < time.monotonic() - began < 15
+    assert "job-elsewhere" not in (quiet / LEASE_NAME).read_text()
+
+    alive = tmp_path / "alive"
+    foreign(alive, ttl=3.0)
+    renewer = threading.Timer(1.0, foreign, args=(alive, 60.0))  # the holder renews while we wait
+    renewer.start()
+    with pytest.raises(ckpt.LeaseHeld, match="job-elsewhere"):
+        enter(alive)
+    renewer.join()
+    assert Store(str(alive)).exists(LEASE_NAME)

@@ -210,7 +210,7 @@ def test_a_manifest_the_agent_commits_is_signed_though_the_key_never_reaches_the
         procs = start(RANKS, WORKER, *map(str, (*common, "--steps", 5, "--no-save-on-exit")), env={**ranks_env, "CKPT_FAULT": "after_handoff:*:5"}, log_dir=tmp_path)
         assert wait(procs) == [-signal.SIGKILL] * RANKS, rank_logs(tmp_path)
         until("the agent to commit step 5", lambda: (root / step_dir(5) / "manifest.json").exists(), logs=a.text)
-        assert "committed" in a.text()
+        until("the agent to log its commit", lambda: "committed" in a.text(), logs=a.text)  # logged after the write
         spool_bytes = b"".join(p.read_bytes() for p in spool.rglob("*") if p.is_file())
         assert b'"signature"' in spool_bytes  # the draft carried its signature through the spool
         # The restart restores the agent's commit, trusting it by its signature.
