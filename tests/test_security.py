@@ -469,3 +469,16 @@ def test_metrics_and_the_agent_listen_on_loopback_unless_configured(tmp_path, mo
     finally:
         a.close()
     assert Spool(str(tmp_path / "spool")).agent() is None  # served, not run: no heartbeat
+
+
+def test_request_headers_logged_as_bytes_are_masked_whoever_gave_the_credentials():
+    """botocore logs the requests it sends with bytes header values; credentials from an
+    instance role or ~/.aws are in neither the environment nor the storage options, so only
+    the patterns can mask them."""
+    from ckpt.storage import redact
+
+    line = ("Sending http request: <AWSPreparedRequest headers={'X-Amz-Security-Token': b'IQoJb3JpZ2luX2VjTOKENVALUE', "
+            "'Authorization': b'AWS4-HMAC-SHA256 Credential=AKIAROLEKEY/20261130/us-east-1/s3/aws4_request, Signature=abcdef0123'}>")
+    masked = redact(line)
+    for secret in ("IQoJb3JpZ2luX2VjTOKENVALUE", "AKIAROLEKEY", "abcdef0123"):
+        assert secret not in masked, masked
