@@ -93,6 +93,9 @@ def main() -> None:
                 x = torch.stack([torch.sin(idx.float() * (k + 1)) for k in range(16)], dim=1)
                 (model(x).pow(2).mean() / accum).backward()
             if args.die_at and step == args.die_at and rank == 1:
+                # The save in flight commits first (on a loaded machine it could still be
+                # writing two steps on): the test counts on the last one before the death.
+                cp.wait()
                 os.kill(os.getpid(), 9)  # a lost GPU: no goodbye
             opt.step()
             opt.zero_grad()
