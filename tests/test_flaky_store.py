@@ -145,3 +145,31 @@ def test_a_store_that_hangs_fails_the_save_within_the_timeout_and_never_the_job(
         train_step(cp, model, opt)
         cp.wait()
         assert cp.failures_in_row == 0 and cp.last_commit.step == 2
+
+
+def test_a_writer_process_killed_mid_write_is_an_error_at_once_and_the_next_save_commits(tmp_path, monkeypatch):
+    """The rank's writer process dies while it writes (SIGKILL, an OOM kill): the save fails
+    as soon as its socket closes, not after a timeout, and the next save starts a new one."""
+    import signal
+
+    monkeypatch.setenv("CKPT_FAULT", "writer_process:0:2:sleep=30")  # the writer is busy with step 2's file
+    model = build("plain", 1)
+    opt, _ = optimizer(model)
+    with ckpt.Checkpointer(str(tmp_path), model=model, optimizer=opt, interval=ckpt.Every(steps=1), on_error="log",
+                           handle_sigterm=False, lease=None, save_on_exit=False) as cp:
+        train_step(cp, model, opt)
+        cp.wait()
+        train_step(cp, model, opt)  # step 2: its file goes to the writer, which sleeps in it
+        sink = next(iter(cp._sinks.values()))
+        time.sleep(1.0)
+        killed = time.monotonic()
+        os.kill(sink.proc.pid, signal.SIGKILL)
+        cp.wait()
+        detected = time.monotonic() - killed
+        assert cp.failures_in_row == 1 and cp.last_commit.step == 1
+        print(f"\nwriter process killed mid-write: the save failed {detected:.3f} s later")
+        assert detected < 5, detected
+        monkeypatch.delenv("CKPT_FAULT")
+        train_step(cp, model, opt)
+        cp.wait()
+        assert cp.failures_in_row == 0 and cp.last_commit.step == 3
