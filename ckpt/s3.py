@@ -117,15 +117,34 @@ class RetriedFS(S3FileSystem):
     transfer = Transfer()  # set per instance by Store
 
     async def _call_s3(self, method: Any, *args: Any, **kwargs: Any) -> Any:
-        attempt = 1
-        while True:
-            try:
-                return await super()._call_s3(method, *args, **kwargs)
-            except Exception as e:
-                if attempt >= self.transfer.attempts or not is_transient(e):
-                    raise
-                await asyncio.sleep(backoff_s(self.transfer, attempt))
-                attempt += 1
+        try:
+            return await tried(self.transfer, f"S3 {method}", lambda: super(RetriedFS, self)._call_s3(method, *args, **kwargs))
+        except GaveUp as e:
+            raise e.error from e.error.__cause__  # as s3fs raised it: FileNotFoundError stays one
+
+
+class GaveUp(Exception):
+    """The last failure of a request `tried` gave up on, and how many tries it took."""
+
+    def __init__(self, error: Exception, attempts: int) -> None:
+        super().__init__(str(error))
+        self.error, self.attempts = error, attempts
+
+
+async def tried(cfg: Transfer, what: str, request: Callable[[], Awaitable[T]]) -> T:
+    """`request()`, sent again after a transient failure (with `backoff_s`), at most
+    `cfg.attempts` times; GaveUp with the last failure otherwise."""
+    attempt = 1
+    while True:
+        try:
+            return await request()
+        except Exception as e:
+            if attempt >= cfg.attempts or not is_transient(e):
+                raise GaveUp(e, attempt) from e
+            delay = backoff_s(cfg, attempt)
+            logger.info("%s: %s; attempt %d of %d in %.2f s", what, _describe(e), attempt + 1, cfg.attempts, delay)
+            await asyncio.sleep(delay)
+            attempt += 1
 
 
 class _OneTry(S3FileSystem):
@@ -152,26 +171,11 @@ class S3Transfers:
     async def retry(self, what: str, request: Callable[[], Awaitable[T]]) -> T:
         """`request()`, sent again after a transient failure, at most `attempts` times; a
         StorageError that says `what` failed otherwise."""
-        cfg = self.config
-        attempt = 1
-        while True:
-            try:
-                return await request()
-            except Exception as e:
-                if attempt >= cfg.attempts or not is_transient(e):
-                    tries = f" (gave up after {attempt} attempts)" if attempt > 1 else ""
-                    raise StorageError(f"{what}: {_describe(e)}{tries}") from e
-                delay = backoff_s(cfg, attempt)
-                logger.info(
-                    "%s: %s; attempt %d of %d in %.2f s",
-                    what,
-                    _describe(e),
-                    attempt + 1,
-                    cfg.attempts,
-                    delay,
-                )
-                await asyncio.sleep(delay)
-                attempt += 1
+        try:
+            return await tried(self.config, what, request)
+        except GaveUp as e:
+            tries = f" (gave up after {e.attempts} attempts)" if e.attempts > 1 else ""
+            raise StorageError(f"{what}: {_describe(e.error)}{tries}") from e.error
 
     def call(self, what: str, method: str, **kwargs: Any) -> Any:
         """One S3 request with retries, from synchronous code."""
