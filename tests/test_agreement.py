@@ -97,6 +97,7 @@ def test_auto_records_the_interval_as_a_number_of_steps(tmp_path):
     measured = [m.schedule for m in manifests if "step_s" in m.schedule]
     assert measured, [m.schedule for m in manifests]
     last = measured[-1]
-    assert last["steps"] == max(1, round(last["seconds"] / last["step_s"]))
+    # steps was taken from the unrounded interval and step time; the manifest keeps both rounded
+    assert last["steps"] >= 1 and abs(last["steps"] - last["seconds"] / last["step_s"]) < 1, last
     assert 0.005 <= last["step_s"] <= 0.05, last
     assert ranks[0]["meetings"] == ranks[1]["meetings"] < 120, ranks
