@@ -38,7 +38,7 @@ from torch.futures import Future
 
 from ._faults import fault_point
 from .arena import PAGE, Arena
-from .filewrite import Piece, piece_len
+from .filewrite import Fixed, Piece, piece_len
 from .manifest import METADATA_NAME, FileEntry
 from .storage import Store, checksum
 from .writer_proc import Segment
@@ -51,7 +51,7 @@ _JOIN_UP_TO = 4 << 10  # adjacent literal pieces are joined up to this many byte
 
 class Sink(Protocol):
     def write(
-        self, rel: str, pieces: list[Piece], segments: Sequence[Segment], rank: int, step: int
+        self, rel: str, pieces: list[Piece], segments: Sequence[Segment], rank: int, step: int, fixed: Fixed | None = None
     ) -> FileEntry: ...
 
 
@@ -173,7 +173,7 @@ def written(item: WriteItem, name: str, offset: int, length: int) -> WriteResult
 def write_file(sink: Sink, rel: str, layout: FileLayout, arenas: Sequence[Arena], rank: int, step: int) -> FileEntry:
     """Has the sink write a laid-out data file, durably; its checksum comes back."""
     segments = [s for a in arenas for s in a.segments.values()]
-    entry = sink.write(rel, layout.pieces, segments, rank, step)
+    entry = sink.write(rel, layout.pieces, segments, rank, step, layout.fixed)
     if entry.size != layout.size:  # IMPORTANT: the offsets in .metadata must be the file's
         raise OSError(f"{rel}: {entry.size} bytes written, {layout.size} laid out")
     return entry
@@ -192,6 +192,7 @@ class FileLayout:
     def __init__(self, pieces: list[Piece] | None = None, size: int = 0) -> None:
         self.pieces: list[Piece] = pieces if pieces is not None else []
         self.size = size
+        self.fixed: Fixed | None = None  # set by a layout saved again (ckpt.resave)
 
     def add(self, parts: list[Piece]) -> tuple[int, int]:
         offset = self.size

@@ -12,6 +12,12 @@ disk without a trip through the page cache, which is where a buffered write spen
 its CPU. Everything else (headers, small tensors, unaligned tails) is gathered in an aligned
 bounce buffer. Filesystems without O_DIRECT (tmpfs, some network filesystems) get buffered
 writes. Either way the file is fsync'd before `write_file` returns.
+
+A file saved again and again with the same layout (`ckpt.resave`) names its fixed first pieces
+once: a `Prefix` gathers them into an image of their bytes, headers filled in once, so each
+later write copies only the arena ranges into it (a state of 10,000 small tensors is 40,000
+pieces, which one by one cost the writer two copies of the state in Python) and writes the
+image and the page-aligned ranges in a few large writes.
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ from .storage import Hasher, Store, block_size, storage_errors
 
 #: A piece of a file: literal bytes, or (segment id, offset, length) of the staging arena.
 Piece = bytes | tuple[int, int, int]
+#: (key, n): a file's first n pieces are those of the layout `key`, the same at every save of it.
+Fixed = tuple[int, int]
 
 def piece_len(piece: Piece) -> int:
     return len(piece) if isinstance(piece, bytes) else piece[2]
@@ -36,6 +44,7 @@ def piece_len(piece: Piece) -> int:
 ALIGN = 4096  # O_DIRECT alignment of memory, file offsets and lengths (the page size)
 _BOUNCE = 8 << 20  # bytes gathered before a direct write
 _IOV_MAX = 512  # pieces per writev call on the buffered path
+_PREFIX_IMAGE_MAX = 256 << 20  # a prefix whose gathered bytes exceed this is written piece by piece
 
 
 def write_file(
@@ -46,30 +55,34 @@ def write_file(
     *,
     rank: int = -1,
     direct: bool = True,
+    prefix: Prefix | None = None,
 ) -> FileEntry:
-    """Write `pieces` (literal bytes and arena ranges) as the file `rel` of `store`."""
+    """Write `pieces` (literal bytes and arena ranges) as the file `rel` of `store`; with
+    `prefix`, the file starts with its pieces and `pieces` are the rest."""
     pieces = list(pieces)
-    block = block_size(sum(map(piece_len, pieces)))
+    runs = prefix.gather() if prefix is not None else []
+    block = block_size(sum(map(piece_len, pieces)) + sum(map(len, runs)))
     if store.is_local and direct and hasattr(os, "O_DIRECT"):
         path = store.path(rel)
         with storage_errors(f"writing {store.display}/{rel}"):
             os.makedirs(os.path.dirname(path), exist_ok=True)
             try:
-                return _write_direct(path, pieces, segments, rank, block)
+                return _write_direct(path, runs, pieces, segments, rank, block)
             except _NoDirectIO:
                 pass  # the filesystem refused O_DIRECT: the buffered path below
     with store.open_write(rel) as f:
         hasher = Hasher(block)
         if store.is_local:
-            _writev_all(f.fileno(), _views(pieces, segments), hasher)
+            _writev_all(f.fileno(), _views(runs, pieces, segments), hasher)
         else:
-            for view in _views(pieces, segments):
+            for view in _views(runs, pieces, segments):
                 f.write(view)
                 hasher.update(view)
     return hasher.entry(rank)
 
 
-def _views(pieces: list[Piece], segments: Mapping[int, memoryview]) -> Iterable[memoryview]:
+def _views(runs: list[memoryview], pieces: list[Piece], segments: Mapping[int, memoryview]) -> Iterable[memoryview]:
+    yield from runs
     for piece in pieces:
         if isinstance(piece, bytes):
             if piece:
@@ -106,7 +119,7 @@ class _NoDirectIO(Exception):
 
 
 def _write_direct(
-    path: str, pieces: list[Piece], segments: Mapping[int, memoryview], rank: int, block: int
+    path: str, runs: list[memoryview], pieces: list[Piece], segments: Mapping[int, memoryview], rank: int, block: int
 ) -> FileEntry:
     try:
         fd = os.open(
@@ -118,6 +131,8 @@ def _write_direct(
         raise
     try:
         out = _DirectFile(fd, block)
+        for run in runs:  # page-aligned in memory, each starting on a page of the file
+            out.write(run, aligned=True)
         for piece in pieces:
             if isinstance(piece, bytes):
                 out.write(memoryview(piece), aligned=False)
@@ -196,3 +211,117 @@ class _DirectFile:
                 raise
             self.written += n
             view = view[n:]
+
+
+class Prefix:
+    """The fixed first pieces of a file, gathered for writing it again and again: their bytes
+    in file order are runs, each a page-aligned range of an arena segment (written as it is)
+    or of an image made once, which holds the literal pieces and into which `gather` copies
+    the other arena ranges before each write. Built where the file is written (the writer
+    process), from the segments mapped there; `close` before any of them is unmapped."""
+
+    def __init__(self, pieces: list[Piece], segments: Mapping[int, memoryview]) -> None:
+        plan, fills, size = _lay_out_runs(pieces)
+        self.nbytes = size
+        self._image = mmap.mmap(-1, max(size, 1))
+        view = memoryview(self._image)
+        self._copies: list[tuple[memoryview, memoryview]] = []
+        for at, piece in fills:
+            if isinstance(piece, bytes):
+                view[at : at + len(piece)] = piece
+            else:
+                seg, off, n = piece
+                self._copies.append((view[at : at + n], segments[seg][off : off + n]))
+        self._runs = [view[off : off + n] if seg < 0 else segments[seg][off : off + n] for seg, off, n in plan]
+
+    @classmethod
+    def build(cls, pieces: list[Piece], segments: Mapping[int, memoryview]) -> Prefix | None:
+        """The prefix of `pieces`; None if its image would exceed _PREFIX_IMAGE_MAX bytes."""
+        return cls(pieces, segments) if _lay_out_runs(pieces)[2] <= _PREFIX_IMAGE_MAX else None
+
+    def gather(self) -> list[memoryview]:
+        """The runs, with the arena's current bytes copied into the image."""
+        for dst, src in self._copies:
+            dst[:] = src
+        return self._runs
+
+    def close(self) -> None:
+        for dst, src in self._copies:
+            dst.release()
+            src.release()
+        for run in self._runs:
+            run.release()
+        self._copies, self._runs = [], []
+        self._image.close()
+
+
+def _lay_out_runs(pieces: list[Piece]) -> tuple[list[tuple[int, int, int]], list[tuple[int, Piece]], int]:
+    """A prefix's runs, (segment or -1 for the image, offset, length) in file order; what goes
+    where in the image, (offset, piece); the image's size. An arena range on a page, at a page
+    of the file, is a run of its own (its whole pages; the rest of it goes to the image); all
+    else joins the image, where each run starts on a page."""
+    plan: list[tuple[int, int, int]] = []
+    fills: list[tuple[int, Piece]] = []
+    pos = image = start = 0  # file position; image bytes used; the open image run's start
+    for piece in pieces:
+        n = piece_len(piece)
+        if not isinstance(piece, bytes) and piece[1] % ALIGN == 0 and pos % ALIGN == 0 and n >= ALIGN:
+            if image > start:
+                plan.append((-1, start, image - start))
+            whole = n - n % ALIGN
+            plan.append((piece[0], piece[1], whole))
+            pos += whole
+            start = image = image + -image % ALIGN
+            piece, n = (piece[0], piece[1] + whole, n - whole), n - whole
+        if n:
+            fills.append((image, piece))
+            image += n
+            pos += n
+    if image > start:
+        plan.append((-1, start, image - start))
+    return plan, fills, image
+
+
+class Prefixes:
+    """A sink's prefix of the file it writes again and again: one at a time, by the key that
+    `ckpt.resave` gives a layout; a new key, or the segments changing, drops the last one."""
+
+    def __init__(self) -> None:
+        self.key: int | None = None
+        self.pieces: list[Piece] = []
+        self._built: Prefix | None = None
+        self._failed = False
+
+    def learn(self, key: int, pieces: list[Piece]) -> None:
+        if key != self.key:
+            self.drop()
+            self.key, self.pieces = key, pieces
+
+    def get(self, key: int, segments: Mapping[int, memoryview]) -> Prefix | None:
+        if key != self.key:
+            raise ValueError(f"a write names prefix {key}, but prefix {self.key} was sent")
+        if self._built is None and not self._failed:
+            self._built = Prefix.build(self.pieces, segments)
+            self._failed = self._built is None
+        return self._built
+
+    def write(
+        self, store: Store, rel: str, key: int | None, rest: list[Piece], segments: Mapping[int, memoryview], rank: int
+    ) -> FileEntry:
+        """Write the file `rel`: the prefix `key` (learnt before), then `rest`; with no key,
+        `rest` is all of it, and the prefix is dropped (a save of a new layout)."""
+        if key is None:
+            self.drop()
+            return write_file(store, rel, rest, segments, rank=rank)
+        prefix = self.get(key, segments)
+        return write_file(store, rel, rest if prefix else self.pieces + rest, segments, rank=rank, prefix=prefix)
+
+    def release(self) -> None:
+        """Let go of the segments (and the image); the next write builds the prefix again."""
+        if self._built is not None:
+            self._built.close()
+        self._built, self._failed = None, False
+
+    def drop(self) -> None:
+        self.release()
+        self.key, self.pieces = None, []

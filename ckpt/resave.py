@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import itertools
 import pickle
 from typing import Any
 
@@ -38,6 +39,8 @@ from .storage import Store
 # Where a rank's pickled objects landed in its file this save, sent to rank 0 for `.metadata`
 # (their sizes can change from save to save).
 Placed = dict[MetadataIndex, _StorageInfo]
+# A layout's fixed pieces are sent to the writer once, under a key unique in the process.
+_keys = itertools.count()
 
 
 _NESTED = (dict, list, tuple, torch.Tensor, ShardedTensor)
@@ -89,6 +92,7 @@ class Layout:
     objects: list[tuple[MetadataIndex, tuple[Any, ...]]]  # pickled after the tensors
     metadata: Metadata | None = None
     metadata_blob: bytes = b""
+    key: int = dataclasses.field(default_factory=lambda: next(_keys))
 
     @gc_paused  # in the background, but a collection it set off would hold the trainer's GIL
     def fits(self, staged: Any) -> bool:
@@ -103,6 +107,8 @@ class Layout:
     @gc_paused
     def _lay_out(self, staged: Any) -> tuple[FileLayout, Placed]:
         layout = FileLayout(list(self.tensor_pieces), self.tensor_size)
+        # The last tensor piece may be joined with the first object's pickle (FileLayout.add).
+        layout.fixed = (self.key, max(0, len(self.tensor_pieces) - 1))
         placed: Placed = {}
         for index, path in self.objects:
             buf = io.BytesIO()

@@ -29,7 +29,7 @@ from typing import Any, Protocol
 
 from ._faults import fault_point
 from .errors import SaveFailed, StorageError
-from .filewrite import Piece, piece_len, write_file
+from .filewrite import Fixed, Piece, Prefixes, piece_len
 from .manifest import FileEntry
 from .storage import Store
 
@@ -71,14 +71,18 @@ class ThreadSink:
 
     def __init__(self, store: Store) -> None:
         self.store = store
+        self._prefixes = Prefixes()
 
     def write(
-        self, rel: str, pieces: list[Piece], segments: Iterable[Segment], rank: int, step: int
+        self, rel: str, pieces: list[Piece], segments: Iterable[Segment], rank: int, step: int, fixed: Fixed | None = None
     ) -> FileEntry:
-        return write_file(self.store, rel, pieces, {s.id: s.view for s in segments}, rank=rank)
+        if fixed is not None:
+            self._prefixes.learn(fixed[0], pieces[: fixed[1]])
+            pieces = pieces[fixed[1] :]
+        return self._prefixes.write(self.store, rel, fixed and fixed[0], pieces, {s.id: s.view for s in segments}, rank)
 
     def close(self) -> None:
-        pass
+        self._prefixes.drop()
 
 
 class ProcessSink:
@@ -106,6 +110,8 @@ class ProcessSink:
             theirs.close()
         self.sock = ours
         self._sent: set[int] = set()
+        self._prefix_sent: int | None = None  # the key of the prefix the writer holds, its bytes
+        self._prefix_bytes = 0
         self._broken = False  # a message went unanswered: never used again
         reply = self._call(init, _START_TIMEOUT_S, "starting")
         if reply[0] != "ok":
@@ -113,7 +119,7 @@ class ProcessSink:
             raise OSError(f"the writer process cannot open {store.display}: {reply[-1]}")
 
     def write(
-        self, rel: str, pieces: list[Piece], segments: Iterable[Segment], rank: int, step: int
+        self, rel: str, pieces: list[Piece], segments: Iterable[Segment], rank: int, step: int, fixed: Fixed | None = None
     ) -> FileEntry:
         segments = list(segments)
         new = [s for s in segments if s.id not in self._sent]
@@ -123,9 +129,16 @@ class ProcessSink:
             self._sent.update(s.id for s in batch)
         live = [s.id for s in segments]
         self._sent.intersection_update(live)
-        nbytes = sum(map(piece_len, pieces))
+        if fixed is not None:  # the layout's fixed pieces go once; each write names them
+            if fixed[0] != self._prefix_sent:
+                head = pieces[: fixed[1]]
+                self._call(pickle.dumps(("prefix", fixed[0], head), protocol=5), self.timeout_s, f"writing {rel}")
+                self._prefix_sent, self._prefix_bytes = fixed[0], sum(map(piece_len, head))
+            pieces = pieces[fixed[1] :]
+        nbytes = sum(map(piece_len, pieces)) + (self._prefix_bytes if fixed is not None else 0)
         deadline = self.timeout_s + nbytes / _SLOWEST_BYTES_PER_S
-        reply = self._call(pickle.dumps(("write", rel, pieces, live, rank, step), protocol=5), deadline, f"writing {rel}")
+        message = ("write", rel, pieces, live, rank, step, fixed and fixed[0])
+        reply = self._call(pickle.dumps(message, protocol=5), deadline, f"writing {rel}")
         if reply[0] == "ok":
             entry: FileEntry = reply[1]
             return entry
@@ -218,6 +231,7 @@ def serve(sock: socket.socket) -> None:
     """The writer process's loop: until the trainer closes the socket."""
     store: Store | None = None
     maps: dict[int, mmap.mmap] = {}
+    prefixes = Prefixes()
     while True:
         msg, fds = _recv(sock)
         if msg is None:
@@ -234,8 +248,13 @@ def serve(sock: socket.socket) -> None:
                 maps[seg_id] = mmap.mmap(fd, size, prot=mmap.PROT_READ)
                 os.close(fd)
             _send(sock, pickle.dumps(("ok",)))
+        elif msg[0] == "prefix":
+            prefixes.learn(msg[1], msg[2])
+            _send(sock, pickle.dumps(("ok",)))
         elif msg[0] == "write":
-            _, rel, pieces, live, rank, step = msg
+            _, rel, pieces, live, rank, step, key = msg
+            if set(maps) - set(live):
+                prefixes.release()  # IMPORTANT: its views of a segment would keep it mapped
             for seg_id in set(maps) - set(live):
                 with contextlib.suppress(BufferError):
                     maps.pop(seg_id).close()
@@ -243,9 +262,7 @@ def serve(sock: socket.socket) -> None:
             try:
                 if store is None:
                     raise RuntimeError("write before init")
-                entry = write_file(
-                    store, rel, pieces, {i: memoryview(maps[i]) for i in live}, rank=rank
-                )
+                entry = prefixes.write(store, rel, key, pieces, {i: memoryview(maps[i]) for i in live}, rank)
                 reply = ("ok", entry)
             except Exception as e:  # reported to the trainer, which fails the save
                 kind = "StorageError" if isinstance(e, StorageError) else type(e).__name__

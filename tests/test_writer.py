@@ -71,6 +71,76 @@ def test_pieces_land_in_order_with_their_checksum_on_any_filesystem(tmp_path, wh
     assert entry.checksum == f"xxh3_64-blocks:{whole}"
 
 
+def _prefix_pieces(seg: mmap.mmap) -> list:
+    """Pieces as a layout saved again has them: headers, packed small ranges, page-aligned
+    large ones (one with a tail that is not a whole page), padding, an empty piece."""
+    pieces: list = [b"H" * 300]
+    for i in range(40):  # small tensors: header and trailer around each packed range
+        pieces += [(0, 64 * 1024 + i * 192, 100 + i), b"t" * (50 + i)]
+    size = sum(len(p) if isinstance(p, bytes) else p[2] for p in pieces)
+    pieces += [b"\0" * (-size % 4096), (0, 4 * MB, 2 * MB + 700), b"trailer", b""]
+    size = sum(len(p) if isinstance(p, bytes) else p[2] for p in pieces)
+    pieces += [b"\0" * (-size % 4096), (0, 8 * MB, 3 * MB), (0, 12 * MB + 5, 5000), b"end"]
+    return pieces
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "buffered"])
+def test_a_layout_written_again_from_its_gathered_prefix_is_the_file_written_piece_by_piece(tmp_path, direct):
+    from ckpt.filewrite import Prefixes
+
+    seg = _segment(16 * MB)
+    pieces = _prefix_pieces(seg)
+    rest = [b"pickled objects", (0, 9, 33)]
+    store = Store(tmp_path)
+    prefixes = Prefixes()
+    prefixes.learn(7, pieces)
+    for save in range(3):  # the arena's bytes change between saves: each write has the new ones
+        seg[64 * 1024 : 64 * 1024 + 16] = f"save {save:11d}".encode()
+        seg[12 * MB + 5 : 12 * MB + 21] = f"tail {save:11d}".encode()
+        plain = write_file(store, f"plain-{save}", pieces + rest, {0: memoryview(seg)}, rank=1, direct=direct)
+        got = prefixes.write(store, f"fixed-{save}", 7, rest, {0: memoryview(seg)}, rank=1)
+        assert got == plain
+        assert (tmp_path / f"fixed-{save}").read_bytes() == (tmp_path / f"plain-{save}").read_bytes()
+    # the image holds the literal pieces and the unaligned ranges, not the page-aligned ones
+    built = prefixes.get(7, {0: memoryview(seg)})
+    assert built is not None and built.nbytes < 64 * 1024
+    prefixes.drop()
+    seg.close()  # nothing of the prefix holds the segment any more
+
+
+def test_the_writer_process_keeps_a_layouts_fixed_pieces_and_lets_go_of_dead_segments(tmp_path):
+    from ckpt.arena import Arena
+    from ckpt.writer_proc import ProcessSink
+
+    store = Store(tmp_path)
+    arena = Arena()
+    a = arena.empty((2 * MB,), torch.uint8)
+    seg_a = next(iter(arena.segments.values()))
+    pieces = _prefix_pieces(seg_a.map)
+    sink = ProcessSink(store)
+    try:
+        for save in range(2):
+            a[:16] = torch.frombuffer(bytearray(f"save {save:11d}".encode()), dtype=torch.uint8)
+            want = write_file(store, f"plain-{save}", pieces + [b"obj"], {seg_a.id: seg_a.view}, rank=0)
+            got = sink.write(f"fixed-{save}", pieces + [b"obj"], [seg_a], 0, save, fixed=(3, len(pieces)))
+            assert got == want and (tmp_path / f"fixed-{save}").read_bytes() == (tmp_path / f"plain-{save}").read_bytes()
+        assert sink._prefix_sent == 3
+        maps = Path(f"/proc/{sink.proc.pid}/maps").read_text()
+        assert f"ckpt-arena-{os.getpid()}-{seg_a.id} " in maps
+        # a new arena (the state was staged afresh): the old segment is unmapped in the writer
+        other = Arena()
+        b = other.empty((MB,), torch.uint8)
+        b.fill_(5)
+        seg_b = next(iter(other.segments.values()))
+        got = sink.write("new", [b"x" * 10, (seg_b.id, 0, MB)], [seg_b], 0, 2)
+        assert (tmp_path / "new").read_bytes() == b"x" * 10 + b"\5" * MB
+        maps = Path(f"/proc/{sink.proc.pid}/maps").read_text()
+        assert f"ckpt-arena-{os.getpid()}-{seg_a.id} " not in maps
+        assert f"ckpt-arena-{os.getpid()}-{seg_b.id} " in maps
+    finally:
+        sink.close()
+
+
 def _state() -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
     big = torch.randn(700, 1024, generator=g)  # 2.8 MB: page-aligned in the arena and the file
