@@ -375,7 +375,7 @@ def test_a_stale_hand_off_never_overwrites_a_later_save_of_its_step(tmp_path):
     root, x, y = tmp_path / "root", tmp_path / "x", tmp_path / "y"
     model = torch.nn.Linear(64, 64)
     with agent(x, tmp_path / "x.log", env={"CKPT_FAULT": "agent_upload:0:1:sleep=60"}) as a:
-        with ckpt.Checkpointer(str(root), model=model, interval=None, spool=str(x), timeout_s=0.5) as cp:
+        with ckpt.Checkpointer(str(root), model=model, interval=None, spool=str(x), timeout_s=3) as cp:
             cp.step_done()
             cp.save(blocking=True)
         a.kill()

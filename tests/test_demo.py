@@ -1,5 +1,6 @@
 """The main job of the README, end to end, so that it never rots."""
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +18,11 @@ def test_demo_loses_a_node_resumes_on_one_rank_and_matches_the_reference(tmp_pat
     )
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
     assert "node B lost" in out.stdout
-    assert "restart: world size 2 -> 1, resumed at step 60" in out.stdout
+    # the node is lost once step 60 committed (a save every 10 steps); on a loaded machine the
+    # next save may commit before the kill lands
+    resumed = re.search(r"restart: world size 2 -> 1, resumed at step (\d+)", out.stdout)
+    assert resumed and int(resumed[1]) >= 60 and int(resumed[1]) % 10 == 0, out.stdout[-4000:]
+    assert f"resumed from step {resumed[1]}:" in out.stdout
     assert "data order: every global batch holds the reference's samples: True" in out.stdout
     assert "(tolerance 1e-03): True" in out.stdout
     png = tmp_path / "demo" / "loss.png"

@@ -52,7 +52,6 @@ def test_a_job_on_a_flaky_store_ends_exactly_where_a_healthy_run_ends(tmp_path, 
     codes = run(RANKS, WORKER, *map(str, args), "--out", str(tmp_path / "out"), log_dir=tmp_path)
     assert codes == [0] * RANKS, rank_logs(tmp_path)
     assert_same_training_state(dumps(tmp_path / "out"), straight_run("fsdp2").dumps)
-    assert all(proxy.injected[f] for f in FLAKY), f"some faults never hit: {proxy.injected}"
     print(f"\nflaky store: {sum(proxy.seen.values())} requests, faults injected {dict(proxy.injected)}")
 
     # Every checkpoint the flaky run committed is whole, read through a healthy endpoint.
@@ -65,6 +64,8 @@ def test_a_job_on_a_flaky_store_ends_exactly_where_a_healthy_run_ends(tmp_path, 
     again = dumps(tmp_path / "again")
     assert [d["restored_step"] for d in again] == [20] * RANKS
     assert_same_training_state(again, straight_run("fsdp2").dumps)
+    # both runs met every kind of fault (which request draws which depends on the ranks' timing)
+    assert all(proxy.injected[f] for f in FLAKY), f"some faults never hit: {proxy.injected}"
 
 
 def one_rank(root: str, options: dict, **kw) -> tuple[ckpt.Checkpointer, torch.nn.Module, torch.optim.Optimizer]:
@@ -72,7 +73,7 @@ def one_rank(root: str, options: dict, **kw) -> tuple[ckpt.Checkpointer, torch.n
     opt, _ = optimizer(model)
     # No lease: its check (a read before each save) would be the request that fails first.
     cp = ckpt.Checkpointer(root, model=model, optimizer=opt, storage_options=options, interval=ckpt.Every(steps=1),
-                           handle_sigterm=False, transfer=ckpt.Transfer(**{**QUICK, "attempts": 2, "timeout_s": 1.0}),
+                           handle_sigterm=False, transfer=ckpt.Transfer(**{**QUICK, "attempts": 2, "timeout_s": 3.0}),
                            lease=None, **kw)
     return cp, model, opt
 
@@ -129,7 +130,7 @@ def test_told_to_stop_after_k_failed_saves_in_a_row_the_kth_raises(proxy, s3_roo
 
 
 def test_a_store_that_hangs_fails_the_save_within_the_timeout_and_never_the_job(proxy, s3_root, s3_options):
-    """Requests that never get an answer: each gives up after Transfer.timeout_s (1 s here,
+    """Requests that never get an answer: each gives up after Transfer.timeout_s (3 s here,
     2 tries), so the save fails in seconds, the loop goes on, and the next save commits."""
     proxy.stall_s = 120.0
     cp, model, opt = one_rank(s3_root, {**s3_options, "endpoint_url": proxy.url}, on_error="log", save_on_exit=False)
