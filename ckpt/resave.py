@@ -34,6 +34,7 @@ from ._gc import gc_paused
 from .arena import Arena
 from .dcp_write import FileLayout, Sink, Writer, write_file, write_metadata
 from .manifest import FileEntry
+from .stage import _MEMO_PATHS
 from .storage import Store
 
 # Where a rank's pickled objects landed in its file this save, sent to rank 0 for `.metadata`
@@ -46,17 +47,33 @@ _keys = itertools.count()
 _NESTED = (dict, list, tuple, torch.Tensor, ShardedTensor)
 
 
-def shape_of(obj: Any) -> Any:
+def shape_of(obj: Any, known: dict[int, Any] | None = None, path: tuple[Any, ...] = ()) -> Any:
     """Everything DCP's plan depends on: the nesting and keys, each tensor by identity
     (staging buffers are reused objects) and each other leaf by type. A list of plain
-    values is one leaf, as it is one pickled item to DCP."""
+    values is one leaf, as it is one pickled item to DCP. `known`: the shapes of subtrees
+    the stager memoizes (stage._MEMO_PATHS) by the id of their staged dict, which the
+    stager hands back, unchanged, as that very object while its source is unchanged."""
     if isinstance(obj, dict):
-        return tuple((k, shape_of(v)) for k, v in obj.items())
+        if known is not None and path in _MEMO_PATHS and id(obj) in known:
+            return known[id(obj)]
+        return tuple((k, shape_of(v, known, (*path, k))) for k, v in obj.items())
     if isinstance(obj, (torch.Tensor, ShardedTensor)):
         return id(obj)
     if isinstance(obj, tuple) or (isinstance(obj, list) and any(isinstance(v, _NESTED) for v in obj)):
-        return (type(obj), tuple(shape_of(v) for v in obj))
+        return (type(obj), tuple(shape_of(v, known, (*path, i)) for i, v in enumerate(obj)))
     return type(obj)
+
+
+def _memoized_shapes(staged: Any) -> dict[int, Any]:
+    """The shapes of `staged`'s memoized subtrees, by the id of their dict."""
+    known = {}
+    for path in _MEMO_PATHS:
+        sub = staged
+        for key in path:
+            sub = sub.get(key) if isinstance(sub, dict) else None
+        if isinstance(sub, dict):
+            known[id(sub)] = shape_of(sub)
+    return known
 
 
 def _real_path(root: Any, path: tuple[Any, ...]) -> tuple[Any, ...] | None:
@@ -84,8 +101,9 @@ class Layout:
     """One rank's data file as a planned save laid it out, and on rank 0 the metadata."""
 
     generation: int  # the planned save it came from: the same on every rank
-    staged: Any  # IMPORTANT: held so that the tensor ids in `shape` are never reused
+    staged: Any  # IMPORTANT: held so that the tensor ids in `shape` (and `known`) are never reused
     shape: Any
+    known: dict[int, Any]  # shape_of's memoized subtrees of `staged`
     name: str  # the data file, relative to the step directory
     tensor_pieces: list[Any]
     tensor_size: int
@@ -96,7 +114,7 @@ class Layout:
 
     @gc_paused  # in the background, but a collection it set off would hold the trainer's GIL
     def fits(self, staged: Any) -> bool:
-        return shape_of(staged) == self.shape
+        return shape_of(staged, self.known) == self.shape
 
     def write(self, sink: Sink, step_dir: str, staged: Any, arenas: list[Arena], rank: int, step: int) -> tuple[FileEntry, Placed]:
         """This rank's data file for `staged` (which `fits`), durable on return."""
@@ -156,6 +174,7 @@ class Resaver:
             generation=self.generation,
             staged=staged,
             shape=shape_of(staged),
+            known=_memoized_shapes(staged),
             name=writer.data_name,
             tensor_pieces=pieces,
             tensor_size=size,

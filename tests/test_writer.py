@@ -71,16 +71,16 @@ def test_pieces_land_in_order_with_their_checksum_on_any_filesystem(tmp_path, wh
     assert entry.checksum == f"xxh3_64-blocks:{whole}"
 
 
-def _prefix_pieces(seg: mmap.mmap) -> list:
+def _prefix_pieces(seg: int = 0) -> list:
     """Pieces as a layout saved again has them: headers, packed small ranges, page-aligned
     large ones (one with a tail that is not a whole page), padding, an empty piece."""
     pieces: list = [b"H" * 300]
     for i in range(40):  # small tensors: header and trailer around each packed range
-        pieces += [(0, 64 * 1024 + i * 192, 100 + i), b"t" * (50 + i)]
+        pieces += [(seg, 64 * 1024 + i * 192, 100 + i), b"t" * (50 + i)]
     size = sum(len(p) if isinstance(p, bytes) else p[2] for p in pieces)
-    pieces += [b"\0" * (-size % 4096), (0, 4 * MB, 2 * MB + 700), b"trailer", b""]
+    pieces += [b"\0" * (-size % 4096), (seg, 4 * MB, 2 * MB + 700), b"trailer", b""]
     size = sum(len(p) if isinstance(p, bytes) else p[2] for p in pieces)
-    pieces += [b"\0" * (-size % 4096), (0, 8 * MB, 3 * MB), (0, 12 * MB + 5, 5000), b"end"]
+    pieces += [b"\0" * (-size % 4096), (seg, 8 * MB, 3 * MB), (seg, 12 * MB + 5, 5000), b"end"]
     return pieces
 
 
@@ -89,7 +89,7 @@ def test_a_layout_written_again_from_its_gathered_prefix_is_the_file_written_pie
     from ckpt.filewrite import Prefixes
 
     seg = _segment(16 * MB)
-    pieces = _prefix_pieces(seg)
+    pieces = _prefix_pieces()
     rest = [b"pickled objects", (0, 9, 33)]
     store = Store(tmp_path)
     prefixes = Prefixes()
@@ -116,7 +116,7 @@ def test_the_writer_process_keeps_a_layouts_fixed_pieces_and_lets_go_of_dead_seg
     arena = Arena()
     a = arena.empty((2 * MB,), torch.uint8)
     seg_a = next(iter(arena.segments.values()))
-    pieces = _prefix_pieces(seg_a.map)
+    pieces = _prefix_pieces(seg_a.id)
     sink = ProcessSink(store)
     try:
         for save in range(2):
