@@ -3,9 +3,10 @@
 It says what happens, one JSON object a line, in the file --events: "entered" (with the step
 it restored), "committed" after each save, "paused", and last "done" or "error" (with the
 error's type and message; exit status 3). With --pause-at K it stops after committing step K
-until the file --resume exists. --bare only takes the lease (no torch, no Checkpointer),
-after the file --go appears: for races, where the start-up time of torch would spread the
-racers apart.
+until the file --resume exists. --bare only takes the lease (no torch, no Checkpointer): it
+says "ready" once set up, takes the lease after the file --go appears, and says "took" or
+"refused" (with the message and the time): for races, where the start-up time of torch would
+spread the racers apart, and for a check timed against the lease's expiry.
 """
 
 from __future__ import annotations
@@ -50,16 +51,20 @@ def main() -> None:
 
     policy = ckpt.Lease(ttl_s=args.ttl, takeover=args.takeover)
     if args.bare:
-        from ckpt.lease import LeaseKeeper
+        from ckpt.lease import LEASE_NAME, LeaseKeeper
         from ckpt.storage import Store
 
         store = Store(args.root)
+        # The first requests set the client up (on S3: botocore's models, a connection): done
+        # before "ready", so that after --go only the take itself runs.
+        store.check_reachable()
+        store.read_tagged(LEASE_NAME)
         say(args.events, event="ready")
         wait_for(args.go)
         try:
             keeper = LeaseKeeper.take(store, policy)
         except ckpt.LeaseHeld as e:
-            say(args.events, event="refused", message=str(e))
+            say(args.events, event="refused", message=str(e), time=time.time())
             sys.exit(3)
         say(args.events, event="took")
         if args.resume:

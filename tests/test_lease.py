@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -104,9 +105,14 @@ def finish(job: Job, rc: int = 0) -> None:
     assert got == rc, f"exit {got}, wanted {rc}:\n{job.log()}"
 
 
+# The temporary a renewal writes and renames over the lease, on a local root (storage.write_atomic).
+LEASE_TMP = re.compile(rf"\.{re.escape(lease.LEASE_NAME)}\.[0-9a-f]{{32}}\.tmp")
+
+
 def files(root: str, steps_only: bool = False) -> dict[str, bytes]:
-    """Every file of the root but the lease (and its lock), with its bytes; with
-    `steps_only`, only the checkpoints."""
+    """Every file of the root but the lease (its lock, and the temporary of a renewal under
+    way, which the holder renames a moment later), with its bytes; with `steps_only`, only
+    the checkpoints."""
     store = Store(root)
     try:
         found = store.fs.find(store.root)
@@ -115,7 +121,7 @@ def files(root: str, steps_only: bool = False) -> dict[str, bytes]:
     out = {}
     for path in found:
         rel = path[len(store.root) + 1 :]
-        if rel in (lease.LEASE_NAME, f".{lease.LEASE_NAME}.lock") or (steps_only and not rel.startswith("step-")):
+        if rel in (lease.LEASE_NAME, f".{lease.LEASE_NAME}.lock") or LEASE_TMP.fullmatch(rel) or (steps_only and not rel.startswith("step-")):
             continue
         out[rel] = store.fs.cat_file(path)
     return out
@@ -224,17 +230,53 @@ def test_a_sigkilled_holder_on_this_machine_is_replaced_at_once(tmp_path, root):
     assert f"its holder, job 'job-a' (host {socket.gethostname()}, pid {a.pid}), is gone from this machine" in b.log()
 
 
+def stop_between_renewals(job: Job, root: str) -> None:
+    """SIGSTOP `job`, not in the middle of a renewal of its lease: on a local root that holds
+    the lease's lock, which the next job to take the lease would wait for for ever."""
+    import fcntl
+
+    lock = None if root.startswith("s3://") else os.path.join(root, f".{lease.LEASE_NAME}.lock")
+    for _ in range(100):
+        job.proc.send_signal(signal.SIGSTOP)
+        while not all(_stopped(t) for t in Path(f"/proc/{job.pid}/task").iterdir()):
+            time.sleep(0.001)  # each thread stops when the kernel gets to it
+        if lock is None:
+            return
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return  # free (closing the descriptor unlocks it)
+        except BlockingIOError:
+            pass
+        finally:
+            os.close(fd)
+        job.proc.send_signal(signal.SIGCONT)  # caught renewing: let it finish, try again
+        time.sleep(0.05)
+    raise AssertionError(f"the lease's lock stayed held:\n{job.log()}")
+
+
+def _stopped(task: Path) -> bool:
+    try:
+        return (task / "stat").read_text().rsplit(")", 1)[1].split()[0] in "tT"
+    except FileNotFoundError:  # a thread that ended
+        return True
+
+
 def test_an_expired_lease_is_taken_over_and_its_frozen_holder_commits_nothing_more(tmp_path, root):
-    ttl = 6.0  # more than a bare job takes to start, which must find it live
+    ttl = 6.0  # renewed every 2 s: live for at least 4 s after it stops
     a = Job(tmp_path, "job-a", root, "--steps", 5, "--pause-at", 2, "--resume", tmp_path / "go-on", "--ttl", ttl)
     a.wait_event("paused")
-    a.proc.send_signal(signal.SIGSTOP)  # alive, but renews nothing: a hung job
+    # Set up (Python, ckpt, the store's client) before a stops, so that it only reads the
+    # lease, at once, after the stop: milliseconds of the >= 4 s a stopped holder stays live.
+    early = Job(tmp_path, "job-b", root, "--bare", "--go", tmp_path / "go", "--ttl", ttl, label="early")
+    early.wait_event("ready")
+    stop_between_renewals(a, root)  # alive, but renews nothing: a hung job
     try:
         (tmp_path / "go").touch()
-        early = Job(tmp_path, "job-b", root, "--bare", "--go", tmp_path / "go", "--ttl", ttl, label="early")
         finish(early, 3)
-        assert early.event("refused") is not None  # alive, and not expired yet
-        assert time.time() < holder(root).expires
+        refused = early.event("refused")
+        assert refused is not None  # alive, and not expired yet
+        assert refused["time"] < holder(root).expires, refused
 
         while time.time() <= holder(root).expires + 0.2:
             time.sleep(0.1)
@@ -477,7 +519,8 @@ def test_a_lease_held_from_another_machine_is_waited_out_and_refused_only_if_it_
         now = time.time()
         held = dataclasses.replace(this_process(ttl), job_id="job-elsewhere", host="node-7", boot_id="another-boot", renewed=now, acquired=now)
         root.mkdir(parents=True, exist_ok=True)
-        (root / LEASE_NAME).write_bytes(held.to_json())
+        (root / "foreign.tmp").write_bytes(held.to_json())
+        os.replace(root / "foreign.tmp", root / LEASE_NAME)  # whole, as its holder would write it
 
     def enter(root: Path) -> None:
         model = torch.nn.Linear(2, 2)
@@ -491,11 +534,22 @@ def test_a_lease_held_from_another_machine_is_waited_out_and_refused_only_if_it_
     assert 1.0 < time.monotonic() - began < 15
     assert "job-elsewhere" not in (quiet / LEASE_NAME).read_text()
 
+    # The holder renews while we wait, for as long as we wait: enter reads a lease that
+    # expires within 3 s whenever it starts, waits that out, and finds it renewed.
     alive = tmp_path / "alive"
+    entered = threading.Event()
+
+    def renew() -> None:
+        while not entered.wait(0.25):
+            foreign(alive, ttl=3.0)
+
     foreign(alive, ttl=3.0)
-    renewer = threading.Timer(1.0, foreign, args=(alive, 60.0))  # the holder renews while we wait
+    renewer = threading.Thread(target=renew, daemon=True)
     renewer.start()
-    with pytest.raises(ckpt.LeaseHeld, match="job-elsewhere"):
-        enter(alive)
-    renewer.join()
+    try:
+        with pytest.raises(ckpt.LeaseHeld, match="job-elsewhere"):
+            enter(alive)
+    finally:
+        entered.set()
+        renewer.join()
     assert Store(str(alive)).exists(LEASE_NAME)
