@@ -31,7 +31,7 @@ from .commit import Group, persist
 from .coordinator import Coordinator
 from .data import data_position
 from .errors import CheckpointError, SaveFailed, dcp_causes
-from .events import History
+from .events import Event, History
 from .handoff import Handoff
 from .lease import Lease, LeaseKeeper, take_for_job
 from .manifest import Manifest
@@ -248,6 +248,12 @@ class Checkpointer:
 
     # -- the loop's four touch points ---------------------------------------------------------
     @property
+    def restart_event(self) -> Event | None:
+        """The restart event this start wrote (rank 0, after a restore), for the curious."""
+        self.history.flush()
+        return self.history.restart_event
+
+    @property
     def step(self) -> int:
         """Completed optimizer steps: where the loop resumes."""
         return self._step
@@ -287,8 +293,7 @@ class Checkpointer:
                 self.counters, self.last_commit = restored.counters, restored.manifest
         else:
             self._taken = start_fresh(self.store, self._ctrl)
-        #: The restart event this start wrote (rank 0, after a restore), for the curious.
-        self.restart_event = self.history.start(self._step, self.last_commit if self.restored_step is not None else None)
+        self.history.start(self._step, self.last_commit if self.restored_step is not None else None)
         self._saved_step = self._step
         self._restart_interval()
         self._preempt.start(sigterm=self.handle_sigterm)

@@ -77,16 +77,29 @@ def read_all(store: Store) -> tuple[list[RunRecord], list[Event]]:
     skipped: the history informs decisions, it never blocks a restore."""
     runs: list[RunRecord] = []
     events: list[Event] = []
-    for name in store.list_dir(EVENTS_DIR):
-        if not name.endswith(".json"):
-            continue
+    names = [n for n in store.list_dir(EVENTS_DIR) if n.endswith(".json")]
+
+    def read(name: str) -> bytes | None:
         try:
-            doc = json.loads(store.read_bytes(f"{EVENTS_DIR}/{name}"))
+            return store.read_bytes(f"{EVENTS_DIR}/{name}")
+        except CheckpointError:
+            return None
+
+    # An object store's in parallel (a job restarted a hundred times has two hundred objects
+    # here, and each read is a round trip); a local directory's in order.
+    threads = 1 if store.is_local else min(16, len(names))
+    with concurrent.futures.ThreadPoolExecutor(max(threads, 1), thread_name_prefix="ckpt-history") as pool:
+        blobs = list(pool.map(read, names)) if threads > 1 else [read(n) for n in names]
+    for blob in blobs:
+        try:
+            doc = json.loads(blob) if blob is not None else {}
+            if not doc:
+                continue
             cls = RunRecord if doc.get("kind") == "run" else Event
             known = {f.name for f in dataclasses.fields(cls)}  # newer writers may add fields
             obj = cls(**{k: v for k, v in doc.items() if k in known})
             (runs if cls is RunRecord else events).append(obj)  # type: ignore[arg-type]
-        except (CheckpointError, ValueError, TypeError):
+        except (ValueError, TypeError, AttributeError):
             continue
     runs.sort(key=lambda r: r.started)
     events.sort(key=lambda e: e.time)
@@ -113,35 +126,40 @@ class History:
         self.record = RunRecord(new_run_id(), world_size, now, now, 0, 0)
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ckpt-events") if enabled else None
         self._last_beat = 0.0
+        self.restart_event: Event | None = None  # this start's, once written (start)
 
-    def start(self, step: int, restored: Any = None) -> Event | None:
+    def start(self, step: int, restored: Any = None) -> None:
         """Record the run's start; with `restored` (the manifest restored), a restart event
-        naming what the previous run lost and why it ended."""
+        naming what the previous run lost and why it ended (`restart_event`), made and
+        written in the background: it reads the history, which the restore need not wait for."""
         if not self.enabled:
-            return None
+            return
         self.record.first_step = self.record.last_step = step
-        event = None
         if restored is not None:
-            try:
-                runs, _ = read_all(self.store)
-            except CheckpointError as e:
-                log.warning("could not read the job's history: %s", e)
-                runs = []
-            prev = previous_run(runs, self.record.run_id)
-            event = Event(
-                kind="restart",
-                time=time.time(),
-                run_id=self.record.run_id,
-                step=step,
-                world_size=self.record.world_size,
-                cause=(prev.ended or UNKNOWN_CAUSE) if prev else None,
-                steps_lost=max(0, prev.last_step - step) if prev else None,
-                world_size_before=prev.world_size if prev else restored.world_size,
-                restored_from=f"step-{restored.step:010d}",
-            )
-            self._submit(write_event, event)
+            began = time.time()
+            assert self._pool is not None
+            self._pool.submit(self._restart, step, restored, began).add_done_callback(_log_failure)
         self._submit(write_run, self.record)
-        return event
+
+    def _restart(self, step: int, restored: Any, began: float) -> None:
+        try:
+            runs, _ = read_all(self.store)
+        except CheckpointError as e:
+            log.warning("could not read the job's history: %s", e)
+            runs = []
+        prev = previous_run(runs, self.record.run_id)
+        self.restart_event = Event(
+            kind="restart",
+            time=began,
+            run_id=self.record.run_id,
+            step=step,
+            world_size=self.record.world_size,
+            cause=(prev.ended or UNKNOWN_CAUSE) if prev else None,
+            steps_lost=max(0, prev.last_step - step) if prev else None,
+            world_size_before=prev.world_size if prev else restored.world_size,
+            restored_from=f"step-{restored.step:010d}",
+        )
+        write_event(self.store, self.restart_event)
 
     def progress(self, step: int) -> None:
         """The loop completed `step` (main thread); written at most every HEARTBEAT_S."""

@@ -486,3 +486,35 @@ def test_secrets_never_appear_in_output_or_errors(s3_root, s3_endpoint, monkeypa
     for r in (good, url_ls, url_show):
         for secret in (ENV_SECRET, URL_SECRET, OPTION_SECRET):
             assert secret not in r.out + r.err
+
+
+def test_a_long_history_on_s3_is_read_whole_and_a_restart_names_the_run_before(s3_root, s3_options):
+    """Sixty runs and their failure events under events/ (read in parallel on an object
+    store): `ckpt events` lists them all in order, and a restart's event, written in the
+    background, names the newest earlier run and the steps it lost."""
+    from types import SimpleNamespace
+
+    from ckpt.events import Event, History, RunRecord, read_all, write_event, write_run
+    from ckpt.storage import Store
+
+    store = Store(s3_root, s3_options)
+    t0 = time.time() - 3600
+    for i in range(60):
+        write_run(store, RunRecord(f"run-{i:02d}", 2, t0 + i, t0 + i + 0.5, 10 * i, 10 * i + 7, "error: boom"))
+        write_event(store, Event("failure", t0 + i + 0.5, f"run-{i:02d}", 10 * i + 7, 2, cause="error: boom"))
+    runs, events = read_all(store)
+    assert [r.run_id for r in runs] == [f"run-{i:02d}" for i in range(60)]
+    assert [e.step for e in events] == [10 * i + 7 for i in range(60)]
+
+    history = History(store, 1, enabled=True)
+    history.start(593, SimpleNamespace(step=590, world_size=2))
+    history.flush()
+    ev = history.restart_event
+    assert ev is not None and (ev.cause, ev.steps_lost, ev.world_size_before) == ("error: boom", 4, 2)
+    history.end(593, "completed", failure=False)
+
+    flags = [f"--storage-option={k}={v}" for k, v in s3_options.items()]
+    (r,) = run_cli([["events", s3_root, "--json", *flags]], os.environ)
+    assert r.rc == 0, r.err
+    kinds = [e["kind"] for e in json.loads(r.out)["events"]]
+    assert kinds.count("failure") == 60 and kinds[-1] == "restart"
