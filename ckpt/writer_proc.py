@@ -135,6 +135,8 @@ class ProcessSink:
                 self._call(pickle.dumps(("prefix", fixed[0], head), protocol=5), self.timeout_s, f"writing {rel}")
                 self._prefix_sent, self._prefix_bytes = fixed[0], sum(map(piece_len, head))
             pieces = pieces[fixed[1] :]
+        else:
+            self._prefix_sent = None  # the writer drops its prefix (Prefixes.write)
         nbytes = sum(map(piece_len, pieces)) + (self._prefix_bytes if fixed is not None else 0)
         deadline = self.timeout_s + nbytes / _SLOWEST_BYTES_PER_S
         message = ("write", rel, pieces, live, rank, step, fixed and fixed[0])
@@ -142,6 +144,7 @@ class ProcessSink:
         if reply[0] == "ok":
             entry: FileEntry = reply[1]
             return entry
+        self._prefix_sent = None  # whatever went wrong, the next write sends the prefix again
         kind, message = reply[1], reply[2]
         raise (StorageError if kind == "StorageError" else SaveFailed)(message)
 

@@ -125,6 +125,10 @@ def test_the_writer_process_keeps_a_layouts_fixed_pieces_and_lets_go_of_dead_seg
             got = sink.write(f"fixed-{save}", pieces + [b"obj"], [seg_a], 0, save, fixed=(3, len(pieces)))
             assert got == want and (tmp_path / f"fixed-{save}").read_bytes() == (tmp_path / f"plain-{save}").read_bytes()
         assert sink._prefix_sent == 3
+        # a write of its own layout in between (the writer drops the prefix): sent again after
+        sink.write("between", [b"x" * 10], [seg_a], 0, 2)
+        got = sink.write("again", pieces + [b"obj"], [seg_a], 0, 3, fixed=(3, len(pieces)))
+        assert got == want and (tmp_path / "again").read_bytes() == (tmp_path / "plain-1").read_bytes()
         maps = Path(f"/proc/{sink.proc.pid}/maps").read_text()
         assert f"ckpt-arena-{os.getpid()}-{seg_a.id} " in maps
         # a new arena (the state was staged afresh): the old segment is unmapped in the writer
