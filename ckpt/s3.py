@@ -17,8 +17,10 @@ import concurrent.futures
 import contextlib
 import io
 import logging
+import os
 import random
 import re
+import threading
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, TypeVar
 
@@ -107,6 +109,27 @@ def backoff_s(cfg: Transfer, attempt: int) -> float:
     return _JITTER.uniform(0, min(cfg.max_backoff_s, cfg.backoff_s * 2 ** (attempt - 1)))
 
 
+# A process's S3 file systems, one per set of options. A new one makes a botocore client on
+# its first request, which costs 80-300 ms (moto on loopback; more across a network): paid
+# by every Store, twice, and so by every Checkpointer entered and every `ckpt` command.
+_FILE_SYSTEMS: dict[tuple[Any, ...], S3FileSystem] = {}
+_FILE_SYSTEMS_LOCK = threading.Lock()
+
+
+def file_system(cls: type[S3FileSystem], options: dict[str, Any], transfer: Transfer | None = None) -> S3FileSystem:
+    """The process's `cls(**options)` (with `transfer`, a RetriedFS's), made on first use.
+    Keyed by the process too: a forked child makes its own, on its own event loop."""
+    key = (os.getpid(), cls, repr(sorted(options.items())), repr(transfer))
+    with _FILE_SYSTEMS_LOCK:
+        fs = _FILE_SYSTEMS.get(key)
+        if fs is None:
+            fs = cls(**{**options, "skip_instance_cache": True})
+            if transfer is not None:
+                fs.transfer = transfer  # type: ignore[attr-defined]
+            _FILE_SYSTEMS[key] = fs
+    return fs
+
+
 class RetriedFS(S3FileSystem):
     """The root's S3 file system (listings, heads, small reads, deletes): each request tried
     as `transfer` says, with ckpt's own backoff, and nothing else retrying around it (s3fs's
@@ -164,8 +187,7 @@ class S3Transfers:
             "connect_timeout": config.timeout_s,
             "read_timeout": config.timeout_s,
         }
-        options["skip_instance_cache"] = True
-        self.fs = _OneTry(**options)
+        self.fs = file_system(_OneTry, options)
         self.config = config
 
     async def retry(self, what: str, request: Callable[[], Awaitable[T]]) -> T:

@@ -278,10 +278,9 @@ class Store:
                 cfg = transfer or Transfer()
                 once = {"mode": "standard", "total_max_attempts": 1}
                 options["config_kwargs"] = {"connect_timeout": cfg.timeout_s, "read_timeout": cfg.timeout_s, **(options.get("config_kwargs") or {}), "retries": once}
-                from .s3 import RetriedFS
+                from .s3 import RetriedFS, file_system
 
-                self.fs, path = RetriedFS(**options), RetriedFS._strip_protocol(root)
-                self.fs.transfer = cfg
+                self.fs, path = file_system(RetriedFS, options, cfg), RetriedFS._strip_protocol(root)
             else:
                 self.fs, path = fsspec.core.url_to_fs(root, **options)
         self.is_local = isinstance(self.fs, LocalFileSystem)

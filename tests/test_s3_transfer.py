@@ -295,3 +295,18 @@ def test_a_refusal_is_not_retried(request, s3_options, server, refusal):
 
     assert proxy.seen["put"] == 1
     assert "s3://no-such-bucket-for-ckpt/run/x" in str(err.value) and SECRET not in str(err.value)
+
+
+def test_the_stores_of_a_process_share_their_s3_clients_per_options(s3_root, s3_options):
+    """A new S3 client costs 80-300 ms on its first request: Stores with the same options
+    (each Checkpointer entered, each restore) reuse the process's; other options get their own."""
+    a, b = Store(s3_root, s3_options), Store(s3_root + "-other", s3_options)
+    assert a.fs is b.fs and a._s3.fs is b._s3.fs
+    c = Store(s3_root, s3_options, Transfer(attempts=2))
+    assert c.fs is not a.fs and (c.fs.transfer.attempts, a.fs.transfer.attempts) == (2, Transfer().attempts)
+    d = Store(s3_root, {**s3_options, "secret": "another"})
+    assert d.fs is not a.fs and d._s3.fs is not a._s3.fs
+    b.put_atomic("x", b"each its own root")  # the shared client reaches each Store's own root
+    assert Store(s3_root + "-other", s3_options).read_bytes("x") == b"each its own root"
+    with pytest.raises(NotFound):
+        a.read_bytes("x")
