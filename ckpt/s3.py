@@ -240,6 +240,39 @@ class S3Transfers:
 
         return self.run(self.retry, f"reading {where}", once)
 
+    def get_small(self, path: str, where: str, limit: int = 8 * MiB) -> bytes | None:
+        """The object `path` in one GET when it holds at most `limit` bytes (a manifest,
+        `.metadata`, an event: a reader's HEAD first would double the round trips); None when
+        it is larger (read it with `reader`). NotFound if there is no such object."""
+        bucket, key, _ = self.fs.split_path(path)
+
+        async def once() -> bytes | None | NotFound:
+            try:
+                resp = await self.fs._call_s3("get_object", Bucket=bucket, Key=key, Range=f"bytes=0-{limit - 1}")
+            except FileNotFoundError as e:
+                if _is_code(e, "NoSuchKey") or not isinstance(_botocore_error(e), ClientError):
+                    return NotFound(f"{where} does not exist")
+                raise  # no such bucket: never "no such object"
+            except OSError as e:
+                if _is_code(e, "InvalidRange", "416"):
+                    return b""  # an empty object has no byte 0
+                raise
+            try:
+                total = int(resp["ContentRange"].rsplit("/", 1)[1]) if resp.get("ContentRange") else resp["ContentLength"]
+                if total > limit:
+                    return None
+                data = await resp["Body"].read()
+            finally:
+                resp["Body"].close()
+            if len(data) != total:
+                raise _ShortRead(f"{len(data)} of {total} bytes")
+            return data
+
+        got = self.run(self.retry, f"reading {where}", once)
+        if isinstance(got, NotFound):
+            raise got
+        return got
+
     def run(self, coro: Callable[..., Awaitable[T]], *args: Any, **kwargs: Any) -> T:
         """Run a coroutine on fsspec's I/O loop and wait for it."""
         return sync(self.fs.loop, coro, *args, **kwargs)

@@ -387,7 +387,10 @@ class Store:
     def read_bytes(self, rel: str) -> bytes:
         with storage_errors(f"reading {self.display}/{rel}"):
             if self._s3 is not None:
-                with self.open_read(rel) as f:
+                data = self._s3.get_small(self.path(rel), f"{self.display}/{rel}")
+                if data is not None:
+                    return data
+                with self.open_read(rel) as f:  # a large file: parallel ranged GETs
                     return f.read()
             try:
                 return self.fs.cat_file(self.path(rel))

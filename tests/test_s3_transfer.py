@@ -310,3 +310,24 @@ def test_the_stores_of_a_process_share_their_s3_clients_per_options(s3_root, s3_
     assert Store(s3_root + "-other", s3_options).read_bytes("x") == b"each its own root"
     with pytest.raises(NotFound):
         a.read_bytes("x")
+
+
+def test_a_small_file_is_read_in_one_get_a_large_one_in_ranges_a_missing_one_is_not_found(proxy, s3_root, s3_options):
+    """Manifests, `.metadata` and events: one ranged GET each (no HEAD first), empty ones
+    too; a file past the first GET's 8 MiB goes to the parallel reader; none: NotFound."""
+    store = through(proxy, s3_root, s3_options)
+    small, big = payload(3000), payload(9 * MiB)
+    for name, data in (("small", small), ("empty", b""), ("big", big)):
+        store.put_atomic(name, data)
+    proxy.seen.clear()
+    assert store.read_bytes("small") == small and store.read_bytes("empty") == b""
+    assert dict(proxy.seen) == {"range": 2}
+    proxy.seen.clear()
+    assert store.read_bytes("big") == big
+    assert proxy.seen["head"] == 1 and proxy.seen["range"] >= 2
+    with pytest.raises(NotFound):
+        store.read_bytes("missing")
+    proxy.fail("range", "truncate")  # a body cut short is read again
+    proxy.failed.clear()
+    assert store.read_bytes("small") == small
+    assert proxy.failed["range"] == 1
