@@ -431,7 +431,7 @@ class Place:
         path, size = self._path(rel), self.fs.size(self._path(rel))
         ranges = [(a, min(a + t.read_size, size)) for a in range(0, size, t.read_size)]
         with concurrent.futures.ThreadPoolExecutor(t.readahead + 1) as pool:
-            return sum(len(b) for b in pool.map(lambda r: self.fs.cat_file(path, r[0], r[1]), ranges))
+            return sum(len(b) for b in pool.map(lambda r: self.fs.cat_file(path, start=r[0], end=r[1]), ranges))
 
     def size(self, rel: str) -> int:
         return os.path.getsize(self._path(rel)) if self.fs is None else self.fs.size(self._path(rel))
