@@ -79,7 +79,7 @@ class ThreadSink:
         if fixed is not None:
             self._prefixes.learn(fixed[0], pieces[: fixed[1]])
             pieces = pieces[fixed[1] :]
-        return self._prefixes.write(self.store, rel, fixed and fixed[0], pieces, {s.id: s.view for s in segments}, rank)
+        return self._prefixes.write(self.store, rel, fixed[0] if fixed is not None else None, pieces, {s.id: s.view for s in segments}, rank)
 
     def close(self) -> None:
         self._prefixes.drop()
@@ -139,7 +139,7 @@ class ProcessSink:
             self._prefix_sent = None  # the writer drops its prefix (Prefixes.write)
         nbytes = sum(map(piece_len, pieces)) + (self._prefix_bytes if fixed is not None else 0)
         deadline = self.timeout_s + nbytes / _SLOWEST_BYTES_PER_S
-        message = ("write", rel, pieces, live, rank, step, fixed and fixed[0])
+        message = ("write", rel, pieces, live, rank, step, fixed[0] if fixed is not None else None)
         reply = self._call(pickle.dumps(message, protocol=5), deadline, f"writing {rel}")
         if reply[0] == "ok":
             entry: FileEntry = reply[1]
