@@ -9,7 +9,6 @@ the manifests, plus `.metadata` (checksummed, never unpickled) for the restore c
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import functools
 import logging
@@ -327,10 +326,9 @@ def _inspect_all(store: Store, listings: list[StepListing], **how: object) -> li
     one after another take seconds)."""
     one = functools.partial(inspect, store, **how)  # type: ignore[arg-type]
     # Not for checksums: each reader of an object store holds its readahead (about 300 MB).
-    if store.is_local or len(listings) < 2 or how.get("deep") or how.get("metadata"):
+    if how.get("deep") or how.get("metadata"):
         return [one(lst) for lst in listings]
-    with concurrent.futures.ThreadPoolExecutor(min(16, len(listings)), thread_name_prefix="ckpt-scan") as pool:
-        return list(pool.map(one, listings))
+    return store.each(one, listings, "ckpt-scan")
 
 
 def commit_order(entries: list[Entry]) -> list[int]:

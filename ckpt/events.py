@@ -85,12 +85,8 @@ def read_all(store: Store) -> tuple[list[RunRecord], list[Event]]:
         except CheckpointError:
             return None
 
-    # An object store's in parallel (a job restarted a hundred times has two hundred objects
-    # here, and each read is a round trip); a local directory's in order.
-    threads = 1 if store.is_local else min(16, len(names))
-    with concurrent.futures.ThreadPoolExecutor(max(threads, 1), thread_name_prefix="ckpt-history") as pool:
-        blobs = list(pool.map(read, names)) if threads > 1 else [read(n) for n in names]
-    for blob in blobs:
+    # A job restarted a hundred times has two hundred objects here.
+    for blob in store.each(read, names, "ckpt-history"):
         try:
             doc = json.loads(blob) if blob is not None else {}
             if not doc:

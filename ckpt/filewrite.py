@@ -220,8 +220,8 @@ class Prefix:
     the other arena ranges before each write. Built where the file is written (the writer
     process), from the segments mapped there; `close` before any of them is unmapped."""
 
-    def __init__(self, pieces: list[Piece], segments: Mapping[int, memoryview]) -> None:
-        plan, fills, size = _lay_out_runs(pieces)
+    def __init__(self, runs: _Runs, segments: Mapping[int, memoryview]) -> None:
+        plan, fills, size = runs
         self.nbytes = size
         self._image = mmap.mmap(-1, max(size, 1))
         view = memoryview(self._image)
@@ -237,7 +237,8 @@ class Prefix:
     @classmethod
     def build(cls, pieces: list[Piece], segments: Mapping[int, memoryview]) -> Prefix | None:
         """The prefix of `pieces`; None if its image would exceed _PREFIX_IMAGE_MAX bytes."""
-        return cls(pieces, segments) if _lay_out_runs(pieces)[2] <= _PREFIX_IMAGE_MAX else None
+        runs = _lay_out_runs(pieces)
+        return cls(runs, segments) if runs[2] <= _PREFIX_IMAGE_MAX else None
 
     def gather(self) -> list[memoryview]:
         """The runs, with the arena's current bytes copied into the image."""
@@ -255,7 +256,10 @@ class Prefix:
         self._image.close()
 
 
-def _lay_out_runs(pieces: list[Piece]) -> tuple[list[tuple[int, int, int]], list[tuple[int, Piece]], int]:
+_Runs = tuple[list[tuple[int, int, int]], list[tuple[int, Piece]], int]
+
+
+def _lay_out_runs(pieces: list[Piece]) -> _Runs:
     """A prefix's runs, (segment or -1 for the image, offset, length) in file order; what goes
     where in the image, (offset, piece); the image's size. An arena range on a page, at a page
     of the file, is a run of its own (its whole pages; the rest of it goes to the image); all

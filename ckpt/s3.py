@@ -130,6 +130,9 @@ def file_system(cls: type[S3FileSystem], options: dict[str, Any], transfer: Tran
     return fs
 
 
+_MISSING = object()  # a GET found no such object
+
+
 class RetriedFS(S3FileSystem):
     """The root's S3 file system (listings, heads, small reads, deletes): each request tried
     as `transfer` says, with ckpt's own backoff, and nothing else retrying around it (s3fs's
@@ -221,57 +224,47 @@ class S3Transfers:
     def get_tagged(self, path: str, where: str) -> tuple[bytes, str] | None:
         """The object `path` and its ETag, read in one GET (so they belong together); None
         if there is no such object."""
-        bucket, key, _ = self.fs.split_path(path)
-
-        async def once() -> tuple[bytes, str] | None:
-            try:
-                resp = await self.fs._call_s3("get_object", Bucket=bucket, Key=key)
-            except FileNotFoundError as e:
-                if _is_code(e, "NoSuchKey") or not isinstance(_botocore_error(e), ClientError):
-                    return None
-                raise  # no such bucket: never "no such object"
-            try:
-                data = await resp["Body"].read()
-            finally:
-                resp["Body"].close()
-            if len(data) != resp.get("ContentLength", len(data)):
-                raise _ShortRead(f"{len(data)} of {resp['ContentLength']} bytes")
-            return data, resp["ETag"]
-
-        return self.run(self.retry, f"reading {where}", once)
+        got = self._get_whole(path, where, None)
+        return None if got is _MISSING else got  # type: ignore[return-value]
 
     def get_small(self, path: str, where: str, limit: int = 8 * MiB) -> bytes | None:
         """The object `path` in one GET when it holds at most `limit` bytes (a manifest,
         `.metadata`, an event: a reader's HEAD first would double the round trips); None when
         it is larger (read it with `reader`). NotFound if there is no such object."""
-        bucket, key, _ = self.fs.split_path(path)
+        got = self._get_whole(path, where, limit)
+        if got is _MISSING:
+            raise NotFound(f"{where} does not exist")
+        return None if got is None else got[0]  # type: ignore[index]
 
-        async def once() -> bytes | None | NotFound:
+    def _get_whole(self, path: str, where: str, limit: int | None) -> tuple[bytes, str] | object | None:
+        """One GET of the whole object and its ETag, retried (_MISSING: no such object); with
+        `limit`, a ranged GET of its first `limit` bytes, and None when the object is larger."""
+        bucket, key, _ = self.fs.split_path(path)
+        ranged = {"Range": f"bytes=0-{limit - 1}"} if limit is not None else {}
+
+        async def once() -> tuple[bytes, str] | object | None:
             try:
-                resp = await self.fs._call_s3("get_object", Bucket=bucket, Key=key, Range=f"bytes=0-{limit - 1}")
+                resp = await self.fs._call_s3("get_object", Bucket=bucket, Key=key, **ranged)
             except FileNotFoundError as e:
                 if _is_code(e, "NoSuchKey") or not isinstance(_botocore_error(e), ClientError):
-                    return NotFound(f"{where} does not exist")
+                    return _MISSING  # not an exception: fsspec's sync raises one that is returned
                 raise  # no such bucket: never "no such object"
             except OSError as e:
-                if _is_code(e, "InvalidRange", "416"):
-                    return b""  # an empty object has no byte 0
+                if ranged and _is_code(e, "InvalidRange", "416"):
+                    return b"", ""  # an empty object has no byte 0
                 raise
             try:
                 total = int(resp["ContentRange"].rsplit("/", 1)[1]) if resp.get("ContentRange") else resp["ContentLength"]
-                if total > limit:
+                if limit is not None and total > limit:
                     return None
                 data = await resp["Body"].read()
             finally:
                 resp["Body"].close()
             if len(data) != total:
                 raise _ShortRead(f"{len(data)} of {total} bytes")
-            return data
+            return data, resp["ETag"]
 
-        got = self.run(self.retry, f"reading {where}", once)
-        if isinstance(got, NotFound):
-            raise got
-        return got
+        return self.run(self.retry, f"reading {where}", once)
 
     def run(self, coro: Callable[..., Awaitable[T]], *args: Any, **kwargs: Any) -> T:
         """Run a coroutine on fsspec's I/O loop and wait for it."""
