@@ -83,14 +83,11 @@ class TrainingState:
     def deferrable(self) -> Callable[[tuple[Any, ...], torch.Tensor], bool]:
         """Which tensors of a captured state may be copied after the loop goes on: those that
         only `optimizer.step()` changes (parameters and optimizer state). Module buffers
-        (BatchNorm statistics change in forward), extras, RNG and the rest are copied at once."""
-        buffers = set()
+        (BatchNorm statistics change in forward), extras, RNG and the rest are copied at once.
+        Asked right after `capture`, whose walk of the modules found the buffers."""
         if deepspeed_state.is_engine(self.model):
             return lambda path, tensor: False  # gathered copies, not the live tensors: staged at once
-        if self.model is not None:
-            for b in self.model.buffers():
-                local = b._local_tensor if isinstance(b, DTensor) else b
-                buffers.add(local.untyped_storage().data_ptr())
+        buffers = self._dcp_state.buffers if self.model is not None else frozenset()
 
         def defer(path: tuple[Any, ...], tensor: torch.Tensor) -> bool:
             return path[0] in ("model", "optim") and tensor.untyped_storage().data_ptr() not in buffers
@@ -188,11 +185,12 @@ class _StateDictCache:
     def __init__(self) -> None:
         self._key: tuple[Any, ...] | None = None
         self._value: dict[str, Any] = {}
+        self.buffers: frozenset[int] = frozenset()  # storages of the modules' buffers, at the last get
 
     def get(self, model: torch.nn.Module, optimizers: list[torch.optim.Optimizer], reuse: bool) -> dict[str, Any]:
         modules = list(model.modules())  # walked once: 10,000 modules take milliseconds a walk
-        tensors = _tensors(modules)
-        checkable = _checkable(modules, tensors, optimizers)
+        tensors, self.buffers, plain = _walk(modules)
+        checkable = _checkable(plain, tensors, optimizers)
         key = _fingerprint(tensors, optimizers) if reuse and checkable else None
         if key is not None and key == self._key:
             if "optim" in self._value:
@@ -206,7 +204,7 @@ class _StateDictCache:
         else:
             value = {"model": get_model_state_dict(model)}
         # Taken after: FSDP2's hook may have swapped unsharded parameters for sharded ones.
-        self._key = _fingerprint(_tensors(list(model.modules())), optimizers) if checkable else None
+        self._key = _fingerprint(_walk(list(model.modules()))[0], optimizers) if checkable else None
         self._value = value
         return dict(value)
 
@@ -217,36 +215,50 @@ class _StateDictCache:
 _KNOWN_HOOKS = {"FSDPParamGroup._register_state_dict_hooks.<locals>.to_sharded_hook"}
 # What a module may override and still have the state dict its tensors make: none of these.
 _STATE_DICT_METHODS = ("state_dict", "_save_to_state_dict", "get_extra_state")
-_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter, torch.nn.Buffer)
+_PLAIN_TENSORS = frozenset((torch.Tensor, torch.nn.Parameter, torch.nn.Buffer))
 
 
-def _tensors(modules: list[torch.nn.Module]) -> list[torch.Tensor]:
-    """Every parameter and buffer of the modules, each once (shared ones too)."""
+def _walk(modules: list[torch.nn.Module]) -> tuple[list[torch.Tensor], frozenset[int], bool]:
+    """In one pass over the modules (10,000 of them at every save): every parameter and
+    buffer, each once (shared ones too); the storages of the buffers; and whether the
+    modules' state dicts are their tensors' (no hooks but FSDP2's, no overridden state-dict
+    methods: quantized or custom modules)."""
     seen: set[int] = set()
     out = []
+    buffers = set()
+    plain = True
     for m in modules:
         for t in itertools.chain(m._parameters.values(), m._buffers.values()):
             if t is not None and id(t) not in seen:
                 seen.add(id(t))
                 out.append(t)
-    return out
+        for b in m._buffers.values():
+            if b is not None:
+                buffers.add((b._local_tensor if isinstance(b, DTensor) else b).untyped_storage().data_ptr())
+        if m._state_dict_hooks or m._state_dict_pre_hooks:
+            hooks = itertools.chain(m._state_dict_hooks.values(), m._state_dict_pre_hooks.values())
+            plain = plain and all(getattr(h, "__qualname__", "") in _KNOWN_HOOKS for h in hooks)
+        kind = _PLAIN_MODULE_TYPES.get(type(m))
+        if kind is None:
+            kind = _PLAIN_MODULE_TYPES[type(m)] = all(
+                getattr(type(m), n) is getattr(torch.nn.Module, n) for n in _STATE_DICT_METHODS
+            )
+        plain = plain and kind
+    return out, frozenset(buffers), plain
 
 
-def _checkable(modules: list[torch.nn.Module], tensors: list[torch.Tensor], optimizers: list[torch.optim.Optimizer]) -> bool:
-    """Whether a state dict of the model (all its `modules`, their parameters and buffers
-    `tensors`) is fully determined by its tensors' storages: no hooks, no overridden
-    state-dict methods (quantized or custom modules), no tensor subclasses (float8, NF4:
-    their storage is not where their data lives)."""
-    for m in modules:
-        hooks = itertools.chain(m._state_dict_hooks.values(), m._state_dict_pre_hooks.values())
-        if any(getattr(h, "__qualname__", "") not in _KNOWN_HOOKS for h in hooks):
-            return False
-        if any(getattr(type(m), n) is not getattr(torch.nn.Module, n) for n in _STATE_DICT_METHODS):
-            return False
-    for t in tensors:
-        local = t._local_tensor if isinstance(t, DTensor) else t
-        if type(local) not in _PLAIN_TENSORS:
-            return False
+# Whether a module class leaves its state dict to its tensors (no overridden state-dict
+# method), by class.
+_PLAIN_MODULE_TYPES: dict[type, bool] = {}
+
+
+def _checkable(plain_modules: bool, tensors: list[torch.Tensor], optimizers: list[torch.optim.Optimizer]) -> bool:
+    """Whether a state dict of the model (modules found `plain_modules` by `_walk`, their
+    parameters and buffers `tensors`) is fully determined by its tensors' storages: and no
+    tensor subclasses (float8, NF4: their storage is not where their data lives), no
+    optimizer state-dict hooks."""
+    if not plain_modules or not set(map(type, _locals(tensors))) <= _PLAIN_TENSORS:
+        return False
     return not any(o._optimizer_state_dict_pre_hooks or o._optimizer_state_dict_post_hooks for o in optimizers)
 
 
@@ -254,34 +266,43 @@ def _fingerprint(tensors: list[torch.Tensor], optimizers: list[torch.optim.Optim
     """What a state dict of these objects is made of: which storage every parameter, buffer
     and optimizer state tensor lives in (and its shape), every other state value, and the
     parameters of every optimizer group. Equal fingerprints, equal state dicts. (Built a
-    column at a time: it runs in the loop's part of every save, over every tensor.)"""
-    parts: list[Any] = [_describe(tensors)]
+    column at a time, all tensors in one: it runs in the loop's part of every save, over
+    every tensor.)"""
+    parts: list[Any] = []
+    described = list(tensors)
     for opt in optimizers:
         for group in opt.param_groups:
             params = group["params"]
             states = [opt.state.get(p, _NO_STATE) for p in params]
             values = [v for st in states for v in st.values()]
+            is_tensor = [isinstance(v, torch.Tensor) for v in values]
             parts += [
-                [id(p) for p in params],
+                list(map(id, params)),
                 [tuple(st) for st in states],  # the keys, in order
-                [None if isinstance(v, torch.Tensor) else (type(v), v) for v in values],
-                _describe([v for v in values if isinstance(v, torch.Tensor)]),
+                [None if t else (type(v), v) for v, t in zip(values, is_tensor, strict=True)],
             ]
+            described += itertools.compress(values, is_tensor)
+    parts.append(len(tensors))  # where the model's tensors end in the columns
+    local = _locals(described)
+    parts += [
+        list(map(_DATA_PTR, local)),
+        list(map(_SHAPE, local)),
+        list(map(_STRIDE, local)),
+        list(map(_DTYPE, local)),
+        list(map(type, described)),
+    ]
     return tuple(parts)
 
 
 _NO_STATE: dict[str, Any] = {}
+# The tensor methods by themselves, mapped over 40,000 tensors without a lookup each.
+_DATA_PTR, _STRIDE = torch.Tensor.data_ptr, torch.Tensor.stride
+_SHAPE, _DTYPE = torch.Tensor.shape.__get__, torch.Tensor.dtype.__get__
 
 
-def _describe(tensors: list[torch.Tensor]) -> tuple[list[Any], ...]:
-    local = [t._local_tensor if isinstance(t, DTensor) else t for t in tensors]
-    return (
-        [t.data_ptr() for t in local],
-        [t.shape for t in local],
-        [t.stride() for t in local],
-        [t.dtype for t in local],
-        [type(t) for t in tensors],
-    )
+def _locals(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors, a DTensor as its local shard."""
+    return [t._local_tensor if isinstance(t, DTensor) else t for t in tensors]
 
 
 def _json(obj: Any, what: str) -> str:

@@ -213,12 +213,16 @@ _ATOMS = (str, int, float, bool, bytes, type(None))
 
 def _copy_value(obj: Any) -> Any:
     """A copy of a non-tensor value that no later change to `obj` can reach. Values that
-    cannot change are shared, and a list of them copied flat (an optimizer's param_groups
-    holds one name per parameter: deepcopy walks them one by one)."""
-    if type(obj) in _ATOMS:
+    cannot change are shared, and plain lists and dicts copied level by level (an
+    optimizer's param_groups holds one name per parameter: deepcopy walks them one by one,
+    keeping a memo of each)."""
+    kind = type(obj)
+    if kind in _ATOMS:
         return obj
-    if type(obj) is list and all(type(v) in _ATOMS for v in obj):
-        return list(obj)
+    if kind is list:
+        return list(obj) if all(type(v) in _ATOMS for v in obj) else [_copy_value(v) for v in obj]
+    if kind is dict and all(type(k) in _ATOMS for k in obj):
+        return {k: _copy_value(v) for k, v in obj.items()}
     return copy.deepcopy(obj)
 
 
@@ -275,7 +279,7 @@ def tensor_bytes(state: Any) -> int:
     if isinstance(state, dict):
         return sum(tensor_bytes(v) for v in state.values())
     if isinstance(state, (list, tuple)):
-        return sum(tensor_bytes(v) for v in state)
+        return sum(tensor_bytes(v) for v in state if type(v) not in _ATOMS)
     if isinstance(state, DTensor):
         state = state._local_tensor
     if isinstance(state, ShardedTensor):

@@ -90,3 +90,33 @@ def test_a_module_that_makes_its_own_state_dict_is_always_captured_anew():
     model[0].scale = 0.5  # changes the state dict, not a single tensor
     got = state.capture({"step": 0}, 0)
     assert torch.equal(got["model"]["0.weight"], model[0].weight.detach() * 0.5)
+
+
+def test_a_tensor_changed_in_place_in_shape_stride_or_dtype_is_captured_anew():
+    model, opt, sched, state = _setup()
+    _step(model, opt, sched)
+    _check(state, model, opt)
+    w = model[2].weight  # 4 x 16: a transpose keeps the storage, changes shape and strides
+    w.data = w.data.t()
+    _check(state, model, opt)
+    v = model[1].running_var  # the same storage read as another dtype of the same size
+    v.data = v.data.view(torch.int32)
+    assert _check(state, model, opt)["model"]["1.running_var"].dtype == torch.int32
+    opt.state[model[0].weight]["exp_avg"].resize_(2, 2)  # an optimizer state tensor, in place
+    _check(state, model, opt)
+    opt.state[model[0].weight]["note"] = 1  # a new non-tensor value, then a changed one
+    _check(state, model, opt)
+    opt.state[model[0].weight]["note"] = 2
+    assert _check(state, model, opt)["optim"]["state"]["0.weight"]["note"] == 2
+
+
+def test_only_parameters_and_optimizer_state_are_copied_after_the_loop_goes_on():
+    model, opt, sched, state = _setup()
+    _step(model, opt, sched)
+    got = state.capture({"step": 0}, 0)
+    defer = state.deferrable()
+    assert defer(("model", "0.weight"), got["model"]["0.weight"])
+    assert defer(("optim", "state", "0.weight", "exp_avg"), got["optim"]["state"]["0.weight"]["exp_avg"])
+    # BatchNorm's statistics change in forward: copied at once, before the loop goes on
+    assert not defer(("model", "1.running_mean"), got["model"]["1.running_mean"])
+    assert not defer(("extra", "x"), torch.ones(2))
