@@ -30,7 +30,7 @@ import os
 from collections.abc import Iterable, Mapping
 
 from .manifest import FileEntry
-from .storage import Hasher, Store, block_size, storage_errors
+from .storage import Hasher, Store, block_size, checksum, storage_errors
 
 #: A piece of a file: literal bytes, or (segment id, offset, length) of the staging arena.
 Piece = bytes | tuple[int, int, int]
@@ -257,6 +257,22 @@ class Prefix:
 
 
 _Runs = tuple[list[tuple[int, int, int]], list[tuple[int, Piece]], int]
+
+
+class Image:
+    """A whole file's bytes, written again and again (rank 0's `.metadata` at every save of
+    one layout), kept in page-aligned memory: on a local filesystem each write goes to the
+    disk with O_DIRECT, without a copy and without taking pages of the page cache. (4 MB of
+    fresh page cache a save cost the trainer's background thread ~10 ms of kernel CPU; the
+    data files never go through it.) Its entry has the one checksum of the whole file."""
+
+    def __init__(self, data: bytes) -> None:
+        self.entry = FileEntry(len(data), checksum(data), -1)
+        self._prefix = Prefix(_lay_out_runs([data]), {})
+
+    def write(self, store: Store, rel: str) -> FileEntry:
+        write_file(store, rel, [], {}, prefix=self._prefix)
+        return self.entry
 
 
 def _lay_out_runs(pieces: list[Piece]) -> _Runs:

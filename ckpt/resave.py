@@ -32,8 +32,9 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from ._faults import fault_point
 from ._gc import gc_paused
 from .arena import Arena
-from .dcp_write import FileLayout, Sink, Writer, write_file, write_metadata
-from .manifest import FileEntry
+from .dcp_write import FileLayout, Sink, Writer, write_file
+from .filewrite import Image
+from .manifest import METADATA_NAME, FileEntry
 from .stage import _MEMO_PATHS
 from .storage import Store
 
@@ -110,6 +111,7 @@ class Layout:
     objects: list[tuple[MetadataIndex, tuple[Any, ...]]]  # pickled after the tensors
     metadata: Metadata | None = None
     metadata_blob: bytes = b""
+    metadata_image: Image | None = dataclasses.field(default=None, repr=False)  # the blob, page-aligned
     key: int = dataclasses.field(default_factory=lambda: next(_keys))
 
     @gc_paused  # in the background, but a collection it set off would hold the trainer's GIL
@@ -142,7 +144,10 @@ class Layout:
         if moved or not self.metadata_blob:
             self.metadata.storage_data.update(moved)
             self.metadata_blob = pickle.dumps(self.metadata)
-        return write_metadata(store, step_dir, self.metadata_blob)
+            self.metadata_image = None
+        if self.metadata_image is None:
+            self.metadata_image = Image(self.metadata_blob)
+        return self.metadata_image.write(store, f"{step_dir}/{METADATA_NAME}")
 
 
 class Resaver:

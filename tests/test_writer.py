@@ -108,6 +108,24 @@ def test_a_layout_written_again_from_its_gathered_prefix_is_the_file_written_pie
     seg.close()  # nothing of the prefix holds the segment any more
 
 
+@pytest.mark.parametrize("where", FILESYSTEMS)
+def test_a_whole_file_image_writes_its_bytes_again_and_again_without_the_page_cache(tmp_path, where):
+    from ckpt.filewrite import Image
+    from ckpt.storage import checksum
+
+    root = tmp_path if where == "tmp_path" else Path(where)
+    data = os.urandom(3 * MB + 1234)  # not a whole number of pages: the tail is written buffered
+    image = Image(data)
+    store = Store(root / f"img-{os.getpid()}")
+    try:
+        for save in range(3):
+            entry = image.write(store, f"step-{save}/.metadata")
+            assert Path(store.path(f"step-{save}/.metadata")).read_bytes() == data
+            assert (entry.size, entry.checksum, entry.rank) == (len(data), checksum(data), -1)
+    finally:
+        store.fs.rm(store.root, recursive=True)
+
+
 def test_the_writer_process_keeps_a_layouts_fixed_pieces_and_lets_go_of_dead_segments(tmp_path):
     from ckpt.arena import Arena
     from ckpt.writer_proc import ProcessSink
