@@ -422,6 +422,11 @@ class Store:
             except FileNotFoundError as e:
                 raise NotFound(f"{self.display}/{rel} does not exist") from e
             with f:
+                if self.is_local and hasattr(os, "posix_fadvise"):
+                    # Read front to back in pieces: the kernel may read further ahead (reading
+                    # 1 GB cold in 256 KiB pieces took 345 ms with the hint, 385 without).
+                    with contextlib.suppress(OSError):
+                        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
                 yield f
 
     # -- writing ----------------------------------------------------------------------------
