@@ -253,10 +253,10 @@ _PLAIN_MODULE_TYPES: dict[type, bool] = {}
 
 
 def _checkable(plain_modules: bool, tensors: list[torch.Tensor], optimizers: list[torch.optim.Optimizer]) -> bool:
-    """Whether a state dict of the model (modules found `plain_modules` by `_walk`, their
-    parameters and buffers `tensors`) is fully determined by its tensors' storages: and no
-    tensor subclasses (float8, NF4: their storage is not where their data lives), no
-    optimizer state-dict hooks."""
+    """Whether a state dict of the model is fully determined by its tensors' storages: its
+    modules plain (`_walk` says), no tensor subclass among its parameters and buffers
+    `tensors` (float8, NF4: their storage is not where their data lives), no optimizer
+    state-dict hooks."""
     if not plain_modules or not set(map(type, _locals(tensors))) <= _PLAIN_TENSORS:
         return False
     return not any(o._optimizer_state_dict_pre_hooks or o._optimizer_state_dict_post_hooks for o in optimizers)
@@ -295,7 +295,7 @@ def _fingerprint(tensors: list[torch.Tensor], optimizers: list[torch.optim.Optim
 
 
 _NO_STATE: dict[str, Any] = {}
-# The tensor methods by themselves, mapped over 40,000 tensors without a lookup each.
+# The tensor methods by themselves, mapped over 10,000 tensors without a lookup each.
 _DATA_PTR, _STRIDE = torch.Tensor.data_ptr, torch.Tensor.stride
 _SHAPE, _DTYPE = torch.Tensor.shape.__get__, torch.Tensor.dtype.__get__
 

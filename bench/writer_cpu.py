@@ -1,0 +1,137 @@
+#!/usr/bin/env python
+"""What ckpt's background work costs in CPU per save, beyond the staging copy, with no training
+running beside it: the issue's "the writer should cost no more CPU than one more copy of the
+bytes", measured where nothing else competes for the cores.
+
+    .venv/bin/python bench/writer_cpu.py                 # 10,004 small tensors per rank, 2 ranks
+    .venv/bin/python bench/writer_cpu.py --size-mb 100   # the 100 MB state of bench/stall.py
+    .venv/bin/python bench/writer_cpu.py --ranks 1
+
+Each rank builds the model of `bench/stall.py` (FSDP2, AdamW), takes 3 warm-up saves, then
+`--saves` saves in a row (save, optimizer step, wait for the commit). Per save it reports the
+CPU of the rank's process and its children (the writer process) less the training thread's,
+the part of it spent in the staging copies (`Copies.run`), what is left (the writer: file
+writes, checksums, collectives, manifest, `.metadata`, retention), and that in units of the
+floor: one `copy_` of every tensor of the state into preallocated buffers, timed afterwards.
+
+In `bench/stall.py` the same background work runs while training steps run on the same two
+cores, and its CPU time there reads higher (two busy threads per core slow each other down).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
+
+import stall  # noqa: E402  (the model, the CPU counters and the staging-copy timer)
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--size-mb", type=float, default=None, help="state per rank, MB (default: the many-small state)")
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--saves", type=int, default=20)
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--dir", help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        worker(args)
+        return 0
+    work = Path(tempfile.mkdtemp(prefix="ckpt-writer-cpu-"))
+    try:
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.ranks),
+            "--master-port", str(stall.free_port()), __file__, *argv, "--worker", "--dir", str(work),
+        ]  # fmt: skip
+        code = subprocess.run(cmd, env=env, check=False).returncode
+        if code:
+            print(f"[writer_cpu] a rank failed (exit code {code})", file=sys.stderr)
+            return 1
+        for rank in range(args.ranks):
+            print(json.loads((work / f"rank{rank}.json").read_text())["line"])
+        return 0
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def worker(args: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    import ckpt
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    many_small = args.size_mb is None
+    shape = stall.model_shape(args.size_mb or 0, world, many_small)
+    model, _ = stall.make_model(shape, world, "cpu", shard_blocks=not many_small)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randint(0, 16, (2, 16))
+    model(x).float().mean().backward()
+    opt.step()
+    stall._time_staging_copies()
+
+    def background_cpu() -> tuple[float, float]:
+        """CPU of the process's threads but this one, and of its children (the writer process)."""
+        me = os.getpid()
+        return stall.proc_cpu(me, children_too=False) - time.thread_time(), sum(stall.proc_cpu(p) for p in stall.descendants(me))
+
+    root = Path(args.dir) / "ckpt"
+    with ckpt.Checkpointer(
+        str(root), model=model, optimizer=opt, interval=None, save_on_exit=False, handle_sigterm=False,
+        keep=ckpt.Keep(last=1000), restore="none",  # no retention while timed, as in bench/stall.py
+    ) as cp:  # fmt: skip
+        for _ in range(3):  # the first plans, spawns the writer, allocates the buffers
+            cp.save()
+            cp.step_done()
+            cp.wait()
+        dist.barrier()
+        cpu0, copies0 = background_cpu(), stall._STAGING_COPY_CPU[0]
+        for _ in range(args.saves):
+            cp.save()
+            opt.step()  # waits for the copies (the optimizer pre-hook)
+            cp.step_done()
+            cp.wait()
+        threads, children = ((b - a) / args.saves for a, b in zip(cpu0, background_cpu(), strict=True))
+        cpu, copies = threads + children, (stall._STAGING_COPY_CPU[0] - copies0) / args.saves
+        nbytes = cp.last_commit.costs.bytes
+    leaves = stall.tensor_leaves(dict(zip(("model", "optim"), get_state_dict(model, opt), strict=True)))
+    bufs = [torch.empty_like(t) for t in leaves]
+    floors = []
+    for _ in range(10):
+        t = time.perf_counter()
+        for dst, src in zip(bufs, leaves, strict=True):
+            dst.copy_(src)
+        floors.append(time.perf_counter() - t)
+    floor = statistics.median(floors)
+    line = (
+        f"rank {rank}: {len(leaves)} tensors, {nbytes / world / 1e6:.1f} MB written per rank per save; per save: "
+        f"background CPU {cpu * 1e3:.1f} ms, of which the staging copy {copies * 1e3:.1f} ms; "
+        f"the writer beyond it {(cpu - copies) * 1e3:.1f} ms = {(cpu - copies) / floor:.2f} copies "
+        f"(the trainer's other threads {(threads - copies) * 1e3:.1f} ms, the writer process {children * 1e3:.1f} ms) "
+        f"(the floor's copy: {floor * 1e3:.1f} ms)"
+    )
+    (Path(args.dir) / f"rank{rank}.json").write_text(json.dumps({"line": line}))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
