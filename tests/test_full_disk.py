@@ -175,3 +175,49 @@ def test_a_spool_that_runs_out_of_space_mid_write_fails_that_save_cleanly_and_th
     assert catalog.find(Store(str(root)), None).step == 3
     assert states(root)[3] == "committed"
     assert_bitwise_equal(restored_weights(root, 3), at_3, "step 3")
+
+
+def test_a_disk_that_fills_at_the_metadata_of_a_save_again_fails_it_and_keeps_the_last(tmp_path):
+    """A save of a layout saved before writes its data file, then rank 0 writes `.metadata`
+    from the bytes it keeps for it (O_DIRECT). The disk filling right there fails that save
+    as cleanly as anywhere else: no partial `.metadata`, the last checkpoint intact."""
+    with tmpfs(tmp_path / "disk", 24) as disk:
+        root = disk / "root"
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(500)])  # 4,000 tensors saved
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+
+        def train() -> None:
+            model(torch.randn(2, 4)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+
+        with ckpt.Checkpointer(str(root), model=model, optimizer=opt, interval=None,
+                               keep=ckpt.Keep(last=10), save_on_exit=False) as cp:  # fmt: skip
+            train()
+            cp.step_done()
+            cp.save(blocking=True)  # step 1: planned by DCP
+            kept = {f.name: f.read_bytes() for f in (root / step_dir_name(1)).iterdir()}
+            data = sum(len(v) for k, v in kept.items() if k.endswith(".distcp"))
+            assert len(kept[".metadata"]) > 512 * 1024
+            # Room for the data file again and a little more, not for .metadata (0.9 MB).
+            filler = fill(disk, data + 64 * 1024 + len(kept[".metadata"]) // 2)
+            train()
+            cp.step_done()
+            with pytest.raises(ckpt.SaveFailed, match=r"\.metadata.*No space left on device"):
+                cp.save(blocking=True)  # step 2: laid out as step 1 was
+            assert {s: v for s, v in states(root).items() if v != "incomplete"} == {1: "committed"}
+            assert not (root / step_dir_name(2) / ".metadata").exists()
+            assert {f.name: f.read_bytes() for f in (root / step_dir_name(1)).iterdir()} == kept
+
+            filler.unlink()  # space returns: the next save commits
+            train()
+            cp.step_done()
+            cp.save(blocking=True)
+            at_3 = weights(model)
+        assert states(root)[3] == "committed"
+        for p in model.parameters():
+            p.data.zero_()
+        with ckpt.Checkpointer(str(root), model=model, optimizer=opt, interval=None, save_on_exit=False) as cp:
+            assert cp.restored_step == 3
+        assert_bitwise_equal(weights(model), at_3, "step 3")
