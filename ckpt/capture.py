@@ -190,8 +190,9 @@ class _StateDictCache:
     def get(self, model: torch.nn.Module, optimizers: list[torch.optim.Optimizer], reuse: bool) -> dict[str, Any]:
         modules = list(model.modules())  # walked once: 10,000 modules take milliseconds a walk
         tensors, self.buffers, plain = _walk(modules)
-        checkable = _checkable(plain, tensors, optimizers)
-        key = _fingerprint(tensors, optimizers) if reuse and checkable else None
+        local = _locals(tensors)
+        checkable = _checkable(plain, local, optimizers)
+        key = _fingerprint(tensors, local, optimizers) if reuse and checkable else None
         if key is not None and key == self._key:
             if "optim" in self._value:
                 groups = itertools.chain.from_iterable(o.param_groups for o in optimizers)
@@ -204,7 +205,8 @@ class _StateDictCache:
         else:
             value = {"model": get_model_state_dict(model)}
         # Taken after: FSDP2's hook may have swapped unsharded parameters for sharded ones.
-        self._key = _fingerprint(_walk(list(model.modules()))[0], optimizers) if checkable else None
+        tensors = _walk(list(model.modules()))[0]
+        self._key = _fingerprint(tensors, _locals(tensors), optimizers) if checkable else None
         self._value = value
         return dict(value)
 
@@ -252,24 +254,25 @@ def _walk(modules: list[torch.nn.Module]) -> tuple[list[torch.Tensor], frozenset
 _PLAIN_MODULE_TYPES: dict[type, bool] = {}
 
 
-def _checkable(plain_modules: bool, tensors: list[torch.Tensor], optimizers: list[torch.optim.Optimizer]) -> bool:
+def _checkable(plain_modules: bool, local: list[torch.Tensor], optimizers: list[torch.optim.Optimizer]) -> bool:
     """Whether a state dict of the model is fully determined by its tensors' storages: its
     modules plain (`_walk` says), no tensor subclass among its parameters and buffers
-    `tensors` (float8, NF4: their storage is not where their data lives), no optimizer
-    state-dict hooks."""
-    if not plain_modules or not set(map(type, _locals(tensors))) <= _PLAIN_TENSORS:
+    (`local`: DTensors as their shards; float8, NF4: their storage is not where their data
+    lives), no optimizer state-dict hooks."""
+    if not plain_modules or not set(map(type, local)) <= _PLAIN_TENSORS:
         return False
     return not any(o._optimizer_state_dict_pre_hooks or o._optimizer_state_dict_post_hooks for o in optimizers)
 
 
-def _fingerprint(tensors: list[torch.Tensor], optimizers: list[torch.optim.Optimizer]) -> tuple[Any, ...]:
+def _fingerprint(tensors: list[torch.Tensor], local: list[torch.Tensor], optimizers: list[torch.optim.Optimizer]) -> tuple[Any, ...]:
     """What a state dict of these objects is made of: which storage every parameter, buffer
     and optimizer state tensor lives in (and its shape), every other state value, and the
-    parameters of every optimizer group. Equal fingerprints, equal state dicts. (Built a
+    parameters of every optimizer group (`local`: the tensors, DTensors as their shards).
+    Equal fingerprints, equal state dicts. (Built a
     column at a time, all tensors in one: it runs in the loop's part of every save, over
     every tensor.)"""
     parts: list[Any] = []
-    described = list(tensors)
+    described, local = list(tensors), list(local)
     for opt in optimizers:
         for group in opt.param_groups:
             params = group["params"]
@@ -281,9 +284,10 @@ def _fingerprint(tensors: list[torch.Tensor], optimizers: list[torch.optim.Optim
                 [tuple(st) for st in states],  # the keys, in order
                 [None if t else (type(v), v) for v, t in zip(values, is_tensor, strict=True)],
             ]
-            described += itertools.compress(values, is_tensor)
+            state_tensors = list(itertools.compress(values, is_tensor))
+            described += state_tensors
+            local += _locals(state_tensors)
     parts.append(len(tensors))  # where the model's tensors end in the columns
-    local = _locals(described)
     parts += [
         list(map(_DATA_PTR, local)),
         list(map(_SHAPE, local)),

@@ -38,9 +38,9 @@ from torch.futures import Future
 
 from ._faults import fault_point
 from .arena import PAGE, Arena
-from .filewrite import Fixed, Piece, piece_len
+from .filewrite import Fixed, Image, Piece, piece_len
 from .manifest import METADATA_NAME, FileEntry
-from .storage import Store, checksum
+from .storage import Store
 from .writer_proc import Segment
 
 DATA_SUFFIX = ".distcp"
@@ -78,7 +78,7 @@ class Writer(StorageWriter):
         self.tensor_part: tuple[list[Piece], int] | None = None
         self.bytes_items: list[WriteItem] = []
         self.metadata: Metadata | None = None  # rank 0, once finished, and its pickle:
-        self.metadata_blob = b""
+        self.metadata_image: Image | None = None
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         self.files = {}
@@ -145,8 +145,9 @@ class Writer(StorageWriter):
         # Nothing that names this save or its directory: the same layout pickles to the same
         # bytes save after save, and a copied checkpoint does not point back at its origin.
         metadata.storage_meta = self.storage_meta()
-        self.metadata, self.metadata_blob = metadata, pickle.dumps(metadata)
-        self.files[METADATA_NAME] = write_metadata(self.store, self.step_dir, self.metadata_blob)
+        self.metadata, self.metadata_image = metadata, Image(pickle.dumps(metadata))
+        # Rank 0: DCP's global `.metadata`, written once every rank's data file is durable.
+        self.files[METADATA_NAME] = self.metadata_image.write(self.store, f"{self.step_dir}/{METADATA_NAME}")
 
     def storage_meta(self) -> StorageMeta:
         return StorageMeta()
@@ -177,13 +178,6 @@ def write_file(sink: Sink, rel: str, layout: FileLayout, arenas: Sequence[Arena]
     if entry.size != layout.size:  # IMPORTANT: the offsets in .metadata must be the file's
         raise OSError(f"{rel}: {entry.size} bytes written, {layout.size} laid out")
     return entry
-
-
-def write_metadata(store: Store, step_dir: str, blob: bytes) -> FileEntry:
-    """Rank 0: DCP's global `.metadata`, written once every rank's data file is durable."""
-    with store.open_write(f"{step_dir}/{METADATA_NAME}") as f:
-        f.write(blob)
-    return FileEntry(len(blob), checksum(blob), -1)
 
 
 class FileLayout:

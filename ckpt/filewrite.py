@@ -228,19 +228,13 @@ class _DirectFile:
         self.base, self.fill = 0, rest
 
     def _writev(self, views: list[memoryview]) -> None:
-        while views:
-            try:
-                n = os.writev(self.fd, views)
-            except OSError as e:
-                if e.errno == errno.EINVAL and self.written == 0:
-                    raise _NoDirectIO from e  # the filesystem opened it, but refuses the write
-                raise
-            self.written += n
-            while views and n >= len(views[0]):  # drop what was written; a short write resumes
-                n -= len(views[0])
-                views = views[1:]
-            if views and n:
-                views = [views[0][n:], *views[1:]]
+        try:
+            _writev_batch(self.fd, list(views))
+        except OSError as e:
+            if e.errno == errno.EINVAL and self.written == 0:
+                raise _NoDirectIO from e  # the filesystem opened it, but refuses the write
+            raise
+        self.written += sum(map(len, views))
 
 
 class Prefix:
@@ -290,8 +284,8 @@ _Runs = tuple[list[tuple[int, int, int]], list[tuple[int, Piece]], int]
 
 
 class Image:
-    """A whole file's bytes, written again and again (rank 0's `.metadata` at every save of
-    one layout), kept in page-aligned memory: on a local filesystem each write goes to the
+    """A whole file's bytes, written again and again (rank 0's `.metadata`, at the save DCP
+    planned and at every save of its layout after), kept in page-aligned memory: on a local filesystem each write goes to the
     disk with O_DIRECT, without a copy and without taking pages of the page cache. (4 MB of
     fresh page cache a save cost the trainer's background thread ~10 ms of kernel CPU; the
     data files never go through it.) Its entry has the one checksum of the whole file."""

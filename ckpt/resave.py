@@ -110,8 +110,7 @@ class Layout:
     tensor_size: int
     objects: list[tuple[MetadataIndex, tuple[Any, ...]]]  # pickled after the tensors
     metadata: Metadata | None = None
-    metadata_blob: bytes = b""
-    metadata_image: Image | None = dataclasses.field(default=None, repr=False)  # the blob, page-aligned
+    metadata_image: Image | None = dataclasses.field(default=None, repr=False)  # its pickle, page-aligned
     key: int = dataclasses.field(default_factory=lambda: next(_keys))
 
     @gc_paused  # in the background, but a collection it set off would hold the trainer's GIL
@@ -141,12 +140,9 @@ class Layout:
         """Rank 0, after every rank's data file is durable."""
         assert self.metadata is not None
         moved = {i: info for p in placed for i, info in p.items() if self.metadata.storage_data.get(i) != info}
-        if moved or not self.metadata_blob:
+        if moved or self.metadata_image is None:
             self.metadata.storage_data.update(moved)
-            self.metadata_blob = pickle.dumps(self.metadata)
-            self.metadata_image = None
-        if self.metadata_image is None:
-            self.metadata_image = Image(self.metadata_blob)
+            self.metadata_image = Image(pickle.dumps(self.metadata))
         return self.metadata_image.write(store, f"{step_dir}/{METADATA_NAME}")
 
 
@@ -185,5 +181,5 @@ class Resaver:
             tensor_size=size,
             objects=objects,
             metadata=writer.metadata,
-            metadata_blob=writer.metadata_blob,
+            metadata_image=writer.metadata_image,
         )
