@@ -10,6 +10,7 @@ then falls back to an older checkpoint.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import functools
@@ -17,6 +18,7 @@ import io
 import itertools
 import os
 import pickle
+import threading
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -148,7 +150,8 @@ class _Reader(FileSystemReader):
         self.path = step_dir
         self.store = store
         self.manifest = manifest
-        self._scratch = _Scratch()  # reused across tensors and files
+        self._scratches: list[_Scratch] = []  # not in use by a file's thread; reused
+        self._lock = threading.Lock()
         self._streamed = 0  # bytes read by _stream_file
 
     @property
@@ -168,33 +171,79 @@ class _Reader(FileSystemReader):
         per_file: dict[str, list[ReadItem]] = {}
         for req in plan.items:
             per_file.setdefault(self.storage_data[req.storage_index].relative_path, []).append(req)
+        streamed: dict[str, dict[tuple[int, int], list[ReadItem]]] = {}
         for name, reqs in per_file.items():
-            if not self._stream_file(name, reqs, planner):
+            spans = self._stream_spans(reqs)
+            if spans is None:
                 # A layout not streamed here goes to DCP's own reader, whose file view
                 # (_VerifiedFiles) hands over a file only once it is verified whole.
                 super().read_data(dataclasses.replace(plan, items=reqs), planner).wait()
+            else:
+                streamed[name] = spans
+        # IMPORTANT: nothing is decoded (unpickled) before every file it came from was verified.
+        for step in self._stream_files(streamed, planner):
+            step()
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
 
-    def _stream_file(self, name: str, reqs: list[ReadItem], planner: LoadPlanner) -> bool:
-        """Read `reqs` from one file in a single pass; False (nothing read) if its items are
-        not laid out as one after another, untransformed."""
+    def _stream_spans(self, reqs: list[ReadItem]) -> dict[tuple[int, int], list[ReadItem]] | None:
+        """The requests of one file by the (offset, length) of the item each reads, or None
+        unless the file can be streamed: items one after another, untransformed."""
         spans: dict[tuple[int, int], list[ReadItem]] = {}
         for req in reqs:
             info: _StorageInfo = self.storage_data[req.storage_index]
             if info.transform_descriptors:
-                return False
+                return None
             spans.setdefault((info.offset, info.length), []).append(req)
-        order = sorted(spans)
-        if not _disjoint(order):
-            return False
+        if not _disjoint(list(spans)):
+            return None
         if any(len({r.type == LoadItemType.BYTE_IO for r in group}) > 1 for group in spans.values()):
-            return False
+            return None
+        return spans
+
+    def _stream_files(
+        self, files: dict[str, dict[tuple[int, int], list[ReadItem]]], planner: LoadPlanner
+    ) -> list[Callable[[], None]]:
+        """Stream each file, up to _FILES_AT_ONCE at a time; what is left to do once all were
+        verified. On the first failure the other files stop at their next item, and that
+        failure is raised once every file's thread has returned (none still fills a tensor)."""
+        if len(files) <= 1:
+            return [s for name, spans in files.items() for s in self._stream_file(name, spans, planner, threading.Event())]
+        stop = threading.Event()
+        first: list[BaseException] = []  # the failure that stopped the others
+        device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
+
+        def one(name: str, spans: dict[tuple[int, int], list[ReadItem]]) -> list[Callable[[], None]]:
+            if device is not None:  # a new thread's current device is 0: pinned buffers would open a context there
+                torch.cuda.set_device(device)
+            try:
+                return self._stream_file(name, spans, planner, stop)
+            except BaseException as e:
+                with self._lock:
+                    if not stop.is_set():
+                        first.append(e)
+                        stop.set()
+                raise
+
+        with concurrent.futures.ThreadPoolExecutor(min(len(files), _FILES_AT_ONCE), "ckpt-read") as pool:
+            futures = [pool.submit(one, name, spans) for name, spans in files.items()]
+        if first:
+            raise first[0]
+        return [s for f in futures for s in f.result()]
+
+    def _stream_file(
+        self, name: str, spans: dict[tuple[int, int], list[ReadItem]], planner: LoadPlanner, stop: threading.Event
+    ) -> list[Callable[[], None]]:
+        """Read one file's items in a single pass through its checksums; what is left to do
+        once it was verified (commit the tensors, decode the pickled values)."""
+        order = sorted(spans)
         after_verified: list[Callable[[], None]] = []
-        with VerifyingReader.open(self.store, self.path, name, self.manifest, items=order) as src:
+        with self._a_scratch() as scratch, VerifyingReader.open(self.store, self.path, name, self.manifest, items=order) as src:
             try:
                 for offset, length in order:
+                    if stop.is_set():
+                        raise _Stopped(f"{src.where}: stopped, another file of this restore failed")
                     group = spans[(offset, length)]
                     # Padding and items of other ranks are hashed like the rest, or the blocks
                     # wholly between two items are not read at all.
@@ -203,18 +252,28 @@ class _Reader(FileSystemReader):
                         blob = src.read(length)
                         after_verified += [functools.partial(planner.load_bytes, r, io.BytesIO(blob)) for r in group]
                     else:
-                        after_verified.append(self._read_tensor_item(src, length, group, planner))
+                        after_verified.append(self._read_tensor_item(src, scratch, length, group, planner))
                 # IMPORTANT: nothing of this file is decoded before this returned.
                 src.finish()
             finally:
-                self._scratch.drain()
-                self._streamed += src.read_bytes
-        for step in after_verified:
-            step()
-        return True
+                scratch.drain()
+                with self._lock:
+                    self._streamed += src.read_bytes
+        return after_verified
+
+    @contextlib.contextmanager
+    def _a_scratch(self) -> Iterator[_Scratch]:
+        """A scratch buffer for one file's thread, reused by the files read after it."""
+        with self._lock:
+            scratch = self._scratches.pop() if self._scratches else _Scratch()
+        try:
+            yield scratch
+        finally:
+            with self._lock:
+                self._scratches.append(scratch)
 
     def _read_tensor_item(
-        self, src: VerifyingReader, length: int, reqs: list[ReadItem], planner: LoadPlanner
+        self, src: VerifyingReader, scratch: _Scratch, length: int, reqs: list[ReadItem], planner: LoadPlanner
     ) -> Callable[[], None]:
         """Stream one torch.save blob into the targets of `reqs`; returns what is left to do
         once the file is verified."""
@@ -231,7 +290,7 @@ class _Reader(FileSystemReader):
             if tuple(target.size()) != tuple(req.lengths):
                 raise RuntimeError(f"req {req.storage_index} mismatch sizes {target.size()} vs {tuple(req.lengths)}")
         for i in sorted(range(len(reqs)), key=lambda i: spans[i]):
-            self._fill(src, start, layout, reqs[i], targets[i])
+            self._fill(src, scratch, start, layout, reqs[i], targets[i])
         src.skip(start + layout.data_end - src.pos)
         if not layout.descriptor_ok(src.peek(layout.descriptor)):
             raise InvalidCheckpoint(
@@ -241,7 +300,10 @@ class _Reader(FileSystemReader):
         src.skip(start + length - src.pos)
         return functools.partial(_commit, planner, reqs, targets)
 
-    def _fill(self, src: VerifyingReader, start: int, layout: tensor_blob.TensorLayout, req: ReadItem, target: torch.Tensor) -> None:
+    @staticmethod
+    def _fill(
+        src: VerifyingReader, scratch: _Scratch, start: int, layout: tensor_blob.TensorLayout, req: ReadItem, target: torch.Tensor
+    ) -> None:
         """Read the part `req` asks for of the tensor whose blob starts at byte `start` into
         `target`: straight into its memory when both are one contiguous range, else through
         a scratch buffer, whole saved rows at a time, narrowed and copied (which also
@@ -264,9 +326,9 @@ class _Reader(FileSystemReader):
         size, strides, itemsize = layout.size, layout.strides, dtype.itemsize
         if not size:  # a 0-d tensor
             src.skip(start + first - src.pos)
-            self._scratch.copy(src, itemsize, dtype, (), target)
+            scratch.copy(src, itemsize, dtype, (), target)
             return
-        chunk = self._scratch.chunk(target.device)
+        chunk = scratch.chunk(target.device)
         # The outermost dimension whose steps fit the buffer; the dimensions before it are
         # walked index by index.
         d = next(d for d, st in enumerate(strides) if st * itemsize <= chunk)
@@ -278,7 +340,7 @@ class _Reader(FileSystemReader):
             for at in range(offsets[d], offsets[d] + lengths[d], step):
                 n = min(step, offsets[d] + lengths[d] - at)
                 src.skip(base + at * row - src.pos)
-                self._scratch.copy(
+                scratch.copy(
                     src, n * row, dtype, (n, *size[d + 1 :]), dest.narrow(0, at - offsets[d], n),
                     offsets=(0, *offsets[d + 1 :]), lengths=(n, *lengths[d + 1 :]),
                 )  # fmt: skip
@@ -345,6 +407,16 @@ class _Scratch:
 # take well under 1 KiB (the storage starts at byte 704 for a 2-d tensor).
 _HEAD = 4 << 10
 _HEAD_MAX = 64 << 10
+
+
+# Data files one rank reads at once, each on its own thread (reads and hashing release the GIL):
+# a rank that needs a few items of another rank's file (values every rank holds, saved once)
+# or several whole files (a restore on fewer ranks) reads them while its own file streams.
+_FILES_AT_ONCE = 4
+
+
+class _Stopped(Exception):
+    """A file's thread stopped early because another file of the same restore failed."""
 
 
 def _disjoint(ranges: list[tuple[int, int]]) -> bool:

@@ -61,3 +61,28 @@ def test_fsdp_x_tp_2d_mesh_checkpoint_loads_into_another_mesh(tmp_path):
     _assert_same_state(saved, loaded)
     loaded_dp = _job(2, tmp_path, "load", "tp2d", "dp-loaded.pt", mesh="2x1")
     _assert_same_state(saved, loaded_dp)
+
+
+def test_files_read_at_once_fail_on_the_corrupt_one_and_restore_once_it_is_mended(tmp_path):
+    """A rank restoring on fewer ranks reads several files at once, one thread each: a flipped
+    bit in any of them fails the restore with that file's checksum mismatch (never the other
+    threads' early stop), loads nothing that would be kept, and the same files restore bit
+    for bit once mended."""
+    saved = _job(2, tmp_path, "save", "fsdp2", "saved.pt")
+    [step] = (tmp_path / "root").glob("step-*")
+    for bad in ["__1_0.distcp", "__0_0.distcp"]:
+        path = step / bad
+        data = bytearray(path.read_bytes())
+        at = len(data) // 2
+        data[at] ^= 0x10
+        path.write_bytes(bytes(data))
+        logs = tmp_path / f"logs-{bad}"
+        logs.mkdir()
+        args = ["--phase", "load", "--mode", "fsdp2", "--root", str(tmp_path / "root"), "--out", str(tmp_path / "x.pt")]
+        assert run(1, WORKER, *args, log_dir=logs, timeout=240) == [1]
+        log = (logs / "rank0.log").read_text()
+        assert f"{bad}: checksum mismatch" in log, log[-3000:]
+        assert "stopped, another file" not in log, log[-3000:]
+        data[at] ^= 0x10
+        path.write_bytes(bytes(data))
+    _assert_same_state(saved, _job(1, tmp_path, "load", "fsdp2", "loaded.pt"))
