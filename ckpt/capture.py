@@ -121,10 +121,15 @@ class TrainingState:
         return sd
 
     # -- restore ----------------------------------------------------------------------------
-    def template(self, rank: int, world: int, saved_world: int) -> dict[str, Any]:
-        """A state dict of the current objects to load into, limited to what the checkpoint,
-        saved by `saved_world` ranks, holds for this rank of `world`."""
-        sd = self.capture({}, rank, reuse=False)  # DCP loads into it: never the cached dicts
+    def template(self, rank: int) -> dict[str, Any]:
+        """A state dict of the current objects to load into; `fit_template` limits it to what
+        a checkpoint holds for this rank, once its manifest is known."""
+        return self.capture({}, rank, reuse=False)  # DCP loads into it: never the cached dicts
+
+    def fit_template(self, sd: dict[str, Any], rank: int, world: int, saved_world: int) -> dict[str, Any]:
+        """`sd` (a `template`) limited to what the checkpoint, saved by `saved_world` ranks,
+        holds for this rank of `world`."""
+        sd = dict(sd)
         sd["counters"] = ""
         if "data" in sd:
             sd["data"] = ""

@@ -184,6 +184,13 @@ def _try_restore(
     ends with all ranks knowing its outcome, so no rank enters a collective alone."""
     rel = step_dir_name(step)
     rank = ctrl.rank
+    # Every rank builds its template before the manifest goes round: else the others wait on
+    # rank 0's read of it, and rank 0 then on their templates.
+    base: dict[str, Any] | Exception
+    try:
+        base = state.template(rank)
+    except (CheckpointError, ValueError, TypeError, KeyError) as e:
+        base = e
     doc: bytes | str = b""
     if rank == 0:  # one read of the manifest, the same for every rank
         try:
@@ -203,7 +210,9 @@ def _try_restore(
         if manifest.step != step:  # IMPORTANT: another step's manifest lists that step's files
             raise InvalidCheckpoint(f"{store.display}/{rel}: manifest is for step {manifest.step}")
         catalog.check_ranks(manifest, f"{store.display}/{rel}")
-        sd = state.template(rank, ctrl.world, manifest.world_size)
+        if isinstance(base, Exception):
+            raise base
+        sd = state.fit_template(base, rank, ctrl.world, manifest.world_size)
     except (CheckpointError, ValueError, TypeError, KeyError) as e:
         prep = (1, f"{type(e).__name__}: {e}")
     if ctrl.max([prep[0]])[0]:
