@@ -321,6 +321,33 @@ def scan(store: Store, *, metadata: bool = False, deep: bool = False, key: Signi
     return _inspect_all(store, [lst for _, lst in sorted(store.scan().items())], metadata=metadata, deep=deep, key=key)
 
 
+class Scans:
+    """`scan` again and again (a job's retention, after every save), reading only what changed:
+    a step directory committed at the last scan whose listing is the same (every file's name
+    and size, the manifest's write time) is not inspected again. Keeping a thousand
+    checkpoints then costs one listing per save, not a thousand manifest reads."""
+
+    def __init__(self) -> None:
+        self._committed: dict[int, tuple[StepListing, Entry]] = {}
+
+    def scan(self, store: Store) -> list[Entry]:
+        """What `scan(store)` returns."""
+        listings = [lst for _, lst in sorted(store.scan().items())]
+        fresh = [lst for lst in listings if not self._unchanged(lst)]
+        inspected = dict(zip((lst.step for lst in fresh), _inspect_all(store, fresh), strict=True))
+        entries = [inspected[lst.step] if lst.step in inspected else self._committed[lst.step][1] for lst in listings]
+        self._committed = {
+            lst.step: (lst, e)
+            for lst, e in zip(listings, entries, strict=True)
+            if e.state == COMMITTED and lst.manifest_mtime is not None  # no write time: no way to tell a rewrite
+        }
+        return entries
+
+    def _unchanged(self, listing: StepListing) -> bool:
+        last = self._committed.get(listing.step)
+        return last is not None and (last[0].files, last[0].manifest_mtime) == (listing.files, listing.manifest_mtime)
+
+
 def _inspect_all(store: Store, listings: list[StepListing], **how: object) -> list[Entry]:
     """`inspect` each, in order; an object store's several at a time (a thousand round trips
     one after another take seconds)."""

@@ -189,6 +189,7 @@ class Checkpointer:
         self.interval = interval
         self._coordinator: Coordinator | None = None  # for Auto, made on enter (needs the world size)
         self.keep = keep
+        self._scans = catalog.Scans()  # retention's, after every save
         self.restore_mode = restore
         self.save_on_exit = save_on_exit
         self.on_error = on_error
@@ -679,7 +680,7 @@ class Checkpointer:
             log.warning("retention skipped: the root is not this job's any more")  # nor its checkpoints
             return
         try:
-            entries = catalog.scan(self.store)
+            entries = self._scans.scan(self.store)
             committed = catalog.commit_order(entries)
             others = [e.step for e in entries if e.state != catalog.COMMITTED]
             protect = {just_committed} | ({self.restored_step} if self.restored_step is not None else set())

@@ -153,6 +153,63 @@ def test_run_with_keep_every_steps_keeps_the_multiples(tmp_path):
         assert cp.restored_step == 10
 
 
+def _manifest_reads(monkeypatch) -> list[str]:
+    """The step directories whose manifest is read through a Store from now on."""
+    reads: list[str] = []
+    real = Store.read_bytes
+
+    def counting(self, rel):
+        if rel.endswith("/manifest.json"):
+            reads.append(rel.split("/")[0])
+        return real(self, rel)
+
+    monkeypatch.setattr(Store, "read_bytes", counting)
+    return reads
+
+
+def test_retention_reads_each_kept_manifest_once_not_at_every_save(tmp_path, monkeypatch):
+    reads = _manifest_reads(monkeypatch)
+    run(tmp_path / "root", 40, ckpt.Keep(last=100))  # 8 saves, all kept
+    assert step_dirs(tmp_path / "root") == [step_dir_name(s) for s in range(5, 41, 5)]
+    # Each save's retention lists the root and reads only the manifest it has not seen.
+    assert sorted(reads) == [step_dir_name(s) for s in range(5, 41, 5)], reads
+
+
+def test_scans_read_again_only_what_changed_and_see_a_manifest_rewritten_or_a_step_gone(tmp_path, monkeypatch):
+    root = tmp_path / "root"
+    run(root, 20, ckpt.Keep(last=100))  # steps 5, 10, 15, 20
+    store = Store(str(root))
+    reads = _manifest_reads(monkeypatch)
+    scans = catalog.Scans()
+
+    def states() -> dict[int, str]:
+        got = {e.step: e.state for e in scans.scan(store)}
+        assert got == {e.step: e.state for e in catalog.scan(store)}  # always what a full scan says
+        return got
+
+    assert states() == {5: "committed", 10: "committed", 15: "committed", 20: "committed"}
+    reads.clear()
+    assert states() == {5: "committed", 10: "committed", 15: "committed", 20: "committed"}
+    assert reads == [step_dir_name(s) for s in (5, 10, 15, 20)]  # the full scans' reads alone
+
+    # A manifest rewritten with the same size (a step number changed) and one cut short.
+    m10, m15 = root / step_dir_name(10) / "manifest.json", root / step_dir_name(15) / "manifest.json"
+    m10.write_text(m10.read_text().replace('"step": 10', '"step": 11'))
+    m15.write_bytes(m15.read_bytes()[:-7])
+    (root / step_dir_name(30)).mkdir()  # a save being written
+    (root / step_dir_name(30) / "__0_0.distcp").write_bytes(b"half")
+    import shutil
+
+    shutil.rmtree(root / step_dir_name(5))
+    reads.clear()
+    assert states() == {10: "corrupt", 15: "corrupt", 20: "committed", 30: "incomplete"}
+    assert sorted(reads[:2]) == [step_dir_name(10), step_dir_name(15)]  # the Scans' reads come first
+    # What is not committed is read at every scan; only the committed one is kept.
+    reads.clear()
+    assert states() == {10: "corrupt", 15: "corrupt", 20: "committed", 30: "incomplete"}
+    assert sorted(reads[:2]) == [step_dir_name(10), step_dir_name(15)]
+
+
 def _train_with_slow_store(tmp_path, monkeypatch, if_busy: str):
     import time
 
