@@ -60,9 +60,15 @@ def shape_of(obj: Any, known: dict[int, Any] | None = None, path: tuple[Any, ...
         return tuple((k, shape_of(v, known, (*path, k))) for k, v in obj.items())
     if isinstance(obj, (torch.Tensor, ShardedTensor)):
         return id(obj)
-    if isinstance(obj, tuple) or (isinstance(obj, list) and any(isinstance(v, _NESTED) for v in obj)):
+    if isinstance(obj, tuple) or (isinstance(obj, list) and _any_nested(obj)):
         return (type(obj), tuple(shape_of(v, known, (*path, i)) for i, v in enumerate(obj)))
     return type(obj)
+
+
+def _any_nested(values: list[Any]) -> bool:
+    """Whether a list holds anything but plain values: by the set of its types, in C (an
+    optimizer's param_groups list one name per parameter; 0.1 ms for 10,000 of them, not 1.6)."""
+    return any(issubclass(t, _NESTED) for t in set(map(type, values)))
 
 
 def _memoized_shapes(staged: Any) -> dict[int, Any]:
@@ -171,11 +177,14 @@ class Resaver:
                 return
             objects.append((item.index, real))
         pieces, size = writer.tensor_part
+        # The shape holds the memoized subtrees' shapes as the very objects `fits` looks up:
+        # comparing them is then an identity check, not a walk of 10,000 entries (2 ms).
+        known = _memoized_shapes(staged)
         self.layout = Layout(
             generation=self.generation,
             staged=staged,
-            shape=shape_of(staged),
-            known=_memoized_shapes(staged),
+            shape=shape_of(staged, known),
+            known=known,
             name=writer.data_name,
             tensor_pieces=pieces,
             tensor_size=size,

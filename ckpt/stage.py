@@ -208,7 +208,7 @@ class Copies:
         self.pairs, self.sync, self.cuda, self._ready = [], False, False, None
 
 
-_ATOMS = (str, int, float, bool, bytes, type(None))
+_ATOMS = frozenset({str, int, float, bool, bytes, type(None)})
 
 
 def _copy_value(obj: Any) -> Any:
@@ -220,7 +220,7 @@ def _copy_value(obj: Any) -> Any:
     if kind in _ATOMS:
         return obj
     if kind is list:
-        return list(obj) if all(type(v) in _ATOMS for v in obj) else [_copy_value(v) for v in obj]
+        return list(obj) if _ATOMS.issuperset(map(type, obj)) else [_copy_value(v) for v in obj]
     if kind is dict and all(type(k) in _ATOMS for k in obj):
         return {k: _copy_value(v) for k, v in obj.items()}
     return copy.deepcopy(obj)

@@ -45,6 +45,8 @@ def _persist(root: Path, step: int, staged: dict, stager: Stager, resaver: Resav
 def _empty(like):
     if isinstance(like, dict):
         return {k: _empty(v) for k, v in like.items()}
+    if isinstance(like, list) and any(isinstance(v, (dict, list, torch.Tensor)) for v in like):
+        return [_empty(v) for v in like]  # DCP flattens it; a list of plain values is one item
     return torch.empty_like(like) if isinstance(like, torch.Tensor) else None
 
 
@@ -74,20 +76,24 @@ def test_a_resaved_file_is_byte_for_byte_the_file_dcp_plans(tmp_path):
         assert_bitwise_equal(_load(a, live), live, f"step {step}")
 
 
-@pytest.mark.parametrize("change", ["new key", "new shape", "new dtype", "None to tensor"])
+@pytest.mark.parametrize("change", ["new key", "new shape", "new dtype", "None to tensor", "list gains a tensor", "list gains a dict"])
 def test_a_state_that_changes_shape_is_planned_afresh_and_loads(tmp_path, change):
     stager, resaver = Stager(), Resaver()
     live = _state(1, "x")
-    live["opt"] = None
+    live["opt"], live["names"] = None, ["a", 1, 2.0, None]
     _persist(tmp_path, 1, stager.stage(live), stager, resaver)
     live = _state(2, "x")
-    live["opt"] = None
+    live["opt"], live["names"] = None, ["a", 1, 2.0, None]
     if change == "new key":
         live["model"]["extra"] = torch.arange(5)
     elif change == "new shape":
         live["model"]["b"] = torch.randn(8).half()
     elif change == "new dtype":
         live["model"]["b"] = live["model"]["b"].float()
+    elif change == "list gains a tensor":  # a list of plain values is one pickled item; with a tensor, one item each
+        live["names"] = ["a", 1, 2.0, torch.ones(3)]
+    elif change == "list gains a dict":
+        live["names"] = ["a", 1, 2.0, {"k": torch.ones(2)}]
     else:
         live["opt"] = torch.ones(3)
     _persist(tmp_path, 2, stager.stage(live), stager, resaver)
