@@ -150,6 +150,7 @@ class _Reader(FileSystemReader):
         self.path = step_dir
         self.store = store
         self.manifest = manifest
+        self._at_once = _FILES_AT_ONCE if getattr(store, "is_local", False) else _FILES_AT_ONCE_REMOTE
         self._scratches: list[_Scratch] = []  # not in use by a file's thread; reused
         self._lock = threading.Lock()
         self._streamed = 0  # bytes read by _stream_file
@@ -205,7 +206,7 @@ class _Reader(FileSystemReader):
     def _stream_files(
         self, files: dict[str, dict[tuple[int, int], list[ReadItem]]], planner: LoadPlanner
     ) -> list[Callable[[], None]]:
-        """Stream each file, up to _FILES_AT_ONCE at a time; what is left to do once all were
+        """Stream each file, several at a time (`_at_once`); what is left to do once all were
         verified. On the first failure the other files stop at their next item, and that
         failure is raised once every file's thread has returned (none still fills a tensor)."""
         if len(files) <= 1:
@@ -226,7 +227,7 @@ class _Reader(FileSystemReader):
                         stop.set()
                 raise
 
-        with concurrent.futures.ThreadPoolExecutor(min(len(files), _FILES_AT_ONCE), "ckpt-read") as pool:
+        with concurrent.futures.ThreadPoolExecutor(min(len(files), self._at_once), "ckpt-read") as pool:
             futures = [pool.submit(one, name, spans) for name, spans in files.items()]
         if first:
             raise first[0]
@@ -412,7 +413,9 @@ _HEAD_MAX = 64 << 10
 # Data files one rank reads at once, each on its own thread (reads and hashing release the GIL):
 # a rank that needs a few items of another rank's file (values every rank holds, saved once)
 # or several whole files (a restore on fewer ranks) reads them while its own file streams.
+# From an object store two: each reader there keeps its readahead (`Transfer`) in memory.
 _FILES_AT_ONCE = 4
+_FILES_AT_ONCE_REMOTE = 2
 
 
 class _Stopped(Exception):

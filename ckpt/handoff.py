@@ -241,6 +241,7 @@ class Tiered:
         self.store, self.local, self.names = store, local, names
         self.display = store.display
         self.bytes = {"spool": 0, "store": 0}
+        self._lock = threading.Lock()
 
     def _from(self, rel: str) -> str:
         return "spool" if rel.rsplit("/", 1)[-1] in self.names else "store"
@@ -249,10 +250,10 @@ class Tiered:
         if self._from(rel) == "spool":
             with contextlib.suppress(NotFound):
                 data = self.local.read_bytes(rel)
-                self.bytes["spool"] += len(data)
+                self._count("spool", len(data))
                 return data
         data = self.store.read_bytes(rel)
-        self.bytes["store"] += len(data)
+        self._count("store", len(data))
         return data
 
     @contextlib.contextmanager
@@ -261,12 +262,16 @@ class Tiered:
         if self._from(rel) == "spool":
             with contextlib.suppress(FileNotFoundError):  # pruned by the agent meanwhile: the root has it
                 local = open(self.local.path(rel), "rb")
-        if local is not None:
-            with local:
-                yield _Counting(local, self.bytes, "spool")  # type: ignore[misc]
-            return
-        with self.store.open_read(rel, ranges) as f:
-            yield _Counting(f, self.bytes, "store")  # type: ignore[misc]
+        with local if local is not None else self.store.open_read(rel, ranges) as f:
+            counting = _Counting(f)
+            try:
+                yield counting  # type: ignore[misc]
+            finally:
+                self._count("spool" if local is not None else "store", counting.n)
+
+    def _count(self, source: str, n: int) -> None:
+        with self._lock:  # a restore reads several files at once, one thread each
+            self.bytes[source] += n
 
     @property
     def source(self) -> str:
@@ -275,10 +280,10 @@ class Tiered:
 
 
 class _Counting(io.RawIOBase):
-    """A file that adds the bytes read through it to a tally."""
+    """A file that counts the bytes read through it (`n`)."""
 
-    def __init__(self, f: Any, tally: dict[str, int], key: str) -> None:
-        self._f, self._tally, self._key = f, tally, key
+    def __init__(self, f: Any) -> None:
+        self._f, self.n = f, 0
 
     def readable(self) -> bool:
         return True
@@ -294,12 +299,12 @@ class _Counting(io.RawIOBase):
 
     def read(self, n: int = -1) -> bytes:
         data = self._f.read(n)
-        self._tally[self._key] += len(data)
+        self.n += len(data)
         return data
 
     def readinto(self, b: Any) -> int:
         n = self._f.readinto(b)
-        self._tally[self._key] += n or 0
+        self.n += n or 0
         return n
 
 

@@ -211,7 +211,8 @@ def storage_errors(what: str) -> Iterator[None]:
 class Transfer:
     """How files move to and from an S3 root (other roots ignore it). Memory per open file:
     a writer copies at most `(concurrency + 1) * part_size` bytes (only what it may not keep
-    a reference to, see `Store.open_write`); a reader holds `(readahead + 1) * read_size`."""
+    a reference to, see `Store.open_write`); a reader holds `(readahead + 1) * read_size`,
+    and a rank's restore reads up to two files at once."""
 
     part_size: int = 64 * MiB
     """Bytes per part of a multipart upload. S3 wants at least 5 MiB and at most 10,000
