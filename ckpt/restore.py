@@ -28,7 +28,6 @@ from .errors import (
     InvalidCheckpoint,
     RestoreFailed,
     StorageError,
-    dcp_causes,
     dcp_failures,
 )
 from .manifest import MANIFEST_NAME, Manifest
@@ -261,7 +260,9 @@ def _outcome(load: Callable[[], Any]) -> tuple[int, str, Any]:
         return 2, str(e), None
     except CheckpointException as e:
         causes = dcp_failures(e)
-        text = dcp_causes(e)
+        # Each rank loads alone (no_dist): DCP calls every one of them rank 0, so its own
+        # "rank N:" would mislead; the caller names the rank.
+        text = "; ".join(str(c) for c in causes)
         if any(isinstance(c, StorageError) for c in causes):
             return 2, text, None
         if "Missing key in checkpoint" in text:

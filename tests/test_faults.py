@@ -204,6 +204,9 @@ def test_corrupt_data_file_makes_both_ranks_fall_back_together(tmp_path, referen
     log = resume_job(root, tmp_path / "out", log_dir, "--every", "1000", "--no-save-on-exit")
     assert f"could not restore {sd(20)}" in log
     assert f"{root}/{sd(20)}/__1_0.distcp: checksum mismatch" in log
+    # Each rank's reason once, under its own rank (each loads alone: DCP calls it rank 0).
+    assert f"rank 1: {root}/{sd(20)}/__1_0.distcp: checksum mismatch" in log
+    assert "rank 1: rank 0:" not in log and "rank 0: rank 0:" not in log
     assert f"restoring from {root}/{sd(20)}" in log  # it was tried first ...
     assert_matches_reference(tmp_path / "out", reference / "out", restored_step=15)  # ... then 15
     rank1_log = (log_dir / "rank1.log").read_text()
