@@ -127,9 +127,8 @@ class TrainingState:
         return self.capture({}, rank, reuse=False)  # DCP loads into it: never the cached dicts
 
     def fit_template(self, sd: dict[str, Any], rank: int, world: int, saved_world: int) -> dict[str, Any]:
-        """`sd` (a `template`) limited to what the checkpoint, saved by `saved_world` ranks,
-        holds for this rank of `world`."""
-        sd = dict(sd)
+        """`sd` (a `template`, changed in place) limited to what the checkpoint, saved by
+        `saved_world` ranks, holds for this rank of `world`."""
         sd["counters"] = ""
         if "data" in sd:
             sd["data"] = ""

@@ -175,6 +175,11 @@ def _restore_plan(store: Store, mode: str | int, key: SigningKey | None, tried: 
     return [e.step for e in good[:1]], taken, []
 
 
+# What preparing a restore may raise (a manifest that does not parse or match, a state that
+# cannot be captured): that step is passed over, not the restore failed.
+_PREPARE_ERRORS = (CheckpointError, ValueError, TypeError, KeyError)
+
+
 def _try_restore(
     store: Store, ctrl: Group, state: TrainingState, step: int, handoff: Handoff | None, key: SigningKey | None
 ) -> tuple[int, str, Restored | None]:
@@ -188,7 +193,7 @@ def _try_restore(
     base: dict[str, Any] | Exception
     try:
         base = state.template(rank)
-    except (CheckpointError, ValueError, TypeError, KeyError) as e:
+    except _PREPARE_ERRORS as e:
         base = e
     doc: bytes | str = b""
     if rank == 0:  # one read of the manifest, the same for every rank
@@ -212,7 +217,7 @@ def _try_restore(
         if isinstance(base, Exception):
             raise base
         sd = state.fit_template(base, rank, ctrl.world, manifest.world_size)
-    except (CheckpointError, ValueError, TypeError, KeyError) as e:
+    except _PREPARE_ERRORS as e:
         prep = (1, f"{type(e).__name__}: {e}")
     if ctrl.max([prep[0]])[0]:
         return (*prep, None) if prep[0] else (1, "another rank could not prepare the restore", None)
