@@ -34,13 +34,25 @@ from torch.distributed.checkpoint.filesystem import (
     FileSystemBase,
     _StorageInfo,
 )
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorStorageMetadata,
+)
 from torch.distributed.checkpoint.planner import (
     LoadItemType,
     LoadPlan,
     LoadPlanner,
     ReadItem,
 )
+from torch.distributed.checkpoint.planner_helpers import (
+    _create_chunk_list,
+    _create_read_items,
+    create_read_items_for_chunk_list,
+)
+from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
 from . import tensor_blob
@@ -470,6 +482,43 @@ class SafeLoadPlanner(DefaultLoadPlanner):
     """DCP's load planner, but pickled values load with `weights_only=True`: checksum-verified
     bytes may still have been written by someone else, so no code runs from them."""
 
+    def create_local_plan(self) -> LoadPlan:
+        """DCP's default local plan (`create_default_local_load_plan`: a read item per piece
+        of every value, strict unless `allow_partial_load`), with each distinct tensor layout's
+        arithmetic done once: the parameters and the optimizer's moments of a model's layers
+        share a few layouts, and DCP works out each of them again for every tensor (DTensor's
+        shard geometry, then the overlaps with the saved chunks), a third of a 100 MB restore's
+        fixed cost. Unlike DCP it does not probe for keys flattened as torch 2.3 did: ckpt
+        needs torch 2.6 or later, so no checkpoint of its own has them."""
+        if self.metadata is None:
+            raise AssertionError("create_local_plan before set_up_planner")
+        stored = self.metadata.state_dict_metadata
+        chunks: dict[tuple[Any, ...], list[ChunkStorageMetadata]] = {}
+        reads: dict[tuple[Any, ...], list[ReadItem]] = {}
+        items: list[ReadItem] = []
+        for fqn, obj in self.state_dict.items():
+            md = stored.get(fqn)
+            if md is None:
+                if self.allow_partial_load:
+                    continue
+                raise RuntimeError(f"Missing key in checkpoint state_dict: {fqn}.")
+            if not (isinstance(md, TensorStorageMetadata) and isinstance(obj, torch.Tensor)):
+                items += _create_read_items(fqn, md, obj)  # bytes, or a mismatch DCP words
+                continue
+            if md.size != obj.size():
+                raise ValueError(f"Size mismatch between saved {md.size} and current: {obj.size()} for {fqn}")
+            if isinstance(obj, DTensor) and obj.device_mesh.get_coordinate() is None:
+                continue  # this rank holds none of it
+            mine = _chunks_once(obj, chunks)
+            key = (tuple((c.offsets, c.sizes) for c in md.chunks), tuple((c.offsets, c.sizes) for c in mine))
+            done = reads.get(key)
+            if done is None:
+                reads[key] = done = create_read_items_for_chunk_list(fqn, md, mine)
+                items += done
+            else:
+                items += [_renamed(item, fqn) for item in done]
+        return LoadPlan(items)
+
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         obj = torch.load(value, weights_only=True)
         fqn = read_item.dest_index.fqn
@@ -479,3 +528,30 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             self.state_dict[fqn] = obj
 
 
+
+
+def _chunks_once(t: torch.Tensor, memo: dict[tuple[Any, ...], list[ChunkStorageMetadata]]) -> list[ChunkStorageMetadata]:
+    """DCP's local chunks of `t` (`_create_chunk_list`), worked out once per layout in `memo`:
+    a DTensor's depend on its global shape, mesh and placements, a plain tensor's on its
+    shape. Other kinds (a ShardedTensor, a DTensor over a tensor subclass) are asked each time."""
+    if isinstance(t, DTensor):
+        if hasattr(t._local_tensor, "__create_chunk_list__"):
+            return _create_chunk_list(t)
+        key: tuple[Any, ...] = (t.shape, id(t.device_mesh), tuple(t.placements))  # meshes outlive the plan
+    elif hasattr(t, "__create_chunk_list__") or type(t) not in (torch.Tensor, torch.nn.Parameter):
+        return _create_chunk_list(t)
+    else:
+        key = (t.shape,)
+    found = memo.get(key)
+    if found is None:
+        memo[key] = found = _create_chunk_list(t)
+    return found
+
+
+def _renamed(item: ReadItem, fqn: str) -> ReadItem:
+    """A read item planned for another value of the same layout, for the value `fqn`."""
+    return dataclasses.replace(
+        item,
+        dest_index=MetadataIndex(fqn, item.dest_index.offset, item.dest_index.index),
+        storage_index=MetadataIndex(fqn, item.storage_index.offset, item.storage_index.index),
+    )

@@ -3,7 +3,8 @@
     --phase save: train a few steps, checkpoint, and write the full (unsharded) model and
                   optimizer state to <out> (rank 0) as the reference.
     --phase load: restore into a fresh model of this world size and wrapping, and write the
-                  full state that came back to <out> (rank 0), plus the restored step.
+                  full state that came back to <out> (rank 0), plus the restored step, and
+                  whether ckpt's load plan was DCP's own on every rank.
 
 Wrappings: fsdp2 and ddp (from toy_model), and tp2d: tensor parallel (colwise, rowwise) on the
 inner dimension of a 2-D mesh (dp x tp), FSDP2 on dp; `--mesh DPxTP` gives its shape.
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -32,15 +34,39 @@ def build_tp2d(dp: int, tp: int) -> torch.nn.Module:
     )
 
     torch.manual_seed(1234)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 16))
+    # Two 32x32 weights, one split by rows and one by columns: tensors of one shape whose
+    # shards differ (a load plan worked out once per layout must tell them apart).
+    layers = [torch.nn.Linear(16, 32), torch.nn.Linear(32, 32), torch.nn.Linear(32, 32), torch.nn.Linear(32, 16)]
+    model = torch.nn.Sequential(*[m for layer in layers for m in (layer, torch.nn.ReLU())][:-1])
     mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
-    parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    plan = {"0": ColwiseParallel(), "2": RowwiseParallel(), "4": ColwiseParallel(), "6": RowwiseParallel()}
+    parallelize_module(model, mesh["tp"], plan)
     return fully_shard(model, mesh=mesh["dp"])
 
 
 def full_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict:
     msd, osd = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     return {"model": msd, "optim": osd.get("state", {})}
+
+
+def plan_is_dcps(model: torch.nn.Module, opt: torch.optim.Optimizer, root: str) -> bool:
+    """On every rank: ckpt's local load plan for this rank's state and the newest checkpoint
+    under `root` (worked out once per tensor layout) is item for item DCP's own."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.default_planner import create_default_local_load_plan
+
+    from ckpt.dcp_io import SafeLoadPlanner
+
+    step = max(Path(root).glob("step-*"))
+    md = FileSystemReader(str(step)).read_metadata()
+    msd, osd = get_state_dict(model, opt)
+    planner = SafeLoadPlanner()
+    planner.set_up_planner({"model": msd, "optim": osd}, md)
+    ours = planner.create_local_plan().items
+    same = bool(ours) and ours == create_default_local_load_plan(planner.state_dict, md, True).items
+    flag = torch.tensor([int(same)])
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
 
 
 def main() -> None:
@@ -75,6 +101,8 @@ def main() -> None:
         state = full_state(model, opt)
         state["step"] = cp.step
         state["restored_step"] = cp.restored_step
+        if args.phase == "load":
+            state["plan_is_dcps"] = plan_is_dcps(model, opt, args.root)
     if rank == 0:
         torch.save(state, args.out)
     dist.destroy_process_group()

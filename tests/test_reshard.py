@@ -23,6 +23,7 @@ def _job(nprocs: int, tmp_path, phase: str, mode: str, out: str, mesh: str = "")
 
 def _assert_same_state(saved: dict, loaded: dict) -> None:
     assert loaded["restored_step"] == saved["step"]
+    assert loaded["plan_is_dcps"], "ckpt's load plan differs from DCP's on some rank"
     assert saved["model"].keys() == loaded["model"].keys()
     for k, v in saved["model"].items():
         assert torch.equal(v, loaded["model"][k]), k
