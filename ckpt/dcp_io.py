@@ -519,6 +519,15 @@ class SafeLoadPlanner(DefaultLoadPlanner):
                 items += [_renamed(item, fqn) for item in done]
         return LoadPlan(items)
 
+    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
+        """DCP's lookup, but a DTensor's shard is its local tensor as it is, not through
+        `to_local()`, an autograd function that costs more than reading a small tensor: the
+        same memory, which the reader detaches anyway."""
+        obj = self.state_dict.get(index.fqn)
+        if type(obj) is DTensor and type(obj._local_tensor) is torch.Tensor and not any(p.is_partial() for p in obj.placements):
+            return obj._local_tensor
+        return super().lookup_tensor(index)
+
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         obj = torch.load(value, weights_only=True)
         fqn = read_item.dest_index.fqn

@@ -14,6 +14,7 @@ then uses torch.load. Zip CRC fields are never read: a writer may emit the blob 
 
 from __future__ import annotations
 
+import functools
 import math
 import pickletools
 import struct
@@ -79,7 +80,7 @@ class TensorLayout:
     def data_end(self) -> int:
         return self.data_start + self.storage_bytes
 
-    @property
+    @functools.cached_property  # a layout serves every tensor of its shape and dtype
     def strides(self) -> tuple[int, ...]:
         """Element strides of the saved tensor (C-contiguous)."""
         out, stride = [], 1
