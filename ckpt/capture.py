@@ -63,6 +63,7 @@ class TrainingState:
     data: Any = None  # global position: the same on every rank, valid on any world size
     loader: Any = None  # per-rank loader state: valid only on the same world size
     _dcp_state: _StateDictCache = field(default_factory=lambda: _StateDictCache())
+    _template_model: dict[str, Any] = field(default_factory=dict)  # the model's values in the last template
 
     @classmethod
     def of(
@@ -124,7 +125,9 @@ class TrainingState:
     def template(self, rank: int) -> dict[str, Any]:
         """A state dict of the current objects to load into; `fit_template` limits it to what
         a checkpoint holds for this rank, once its manifest is known."""
-        return self.capture({}, rank, reuse=False)  # DCP loads into it: never the cached dicts
+        sd = self.capture({}, rank, reuse=False)  # DCP loads into it: never the cached dicts
+        self._template_model = dict(sd.get("model", {}))
+        return sd
 
     def fit_template(self, sd: dict[str, Any], rank: int, world: int, saved_world: int) -> dict[str, Any]:
         """`sd` (a `template`, changed in place) limited to what the checkpoint, saved by
@@ -147,13 +150,15 @@ class TrainingState:
         if deepspeed_state.is_engine(self.model):
             deepspeed_state.apply(self.model, sd)
         elif "optim" in sd:
+            # The model's half skipped when loading it would copy each tensor onto itself.
+            in_place = _loaded_in_place(self.model, sd["model"], self._template_model)
             set_state_dict(
                 self.model,
                 self.optimizers,
-                model_state_dict=sd["model"],
+                model_state_dict={} if in_place else sd["model"],
                 optim_state_dict=sd["optim"],
             )
-        elif "model" in sd:
+        elif "model" in sd and not _loaded_in_place(self.model, sd["model"], self._template_model):
             set_model_state_dict(self.model, sd["model"])
         for i, sched in enumerate(self.schedulers):
             sched.load_state_dict(sd["scheduler"][str(i)])
@@ -300,6 +305,52 @@ def _fingerprint(tensors: list[torch.Tensor], local: list[torch.Tensor], optimiz
         list(map(type, described)),
     ]
     return tuple(parts)
+
+
+def _loaded_in_place(model: torch.nn.Module, loaded: dict[str, Any], template: dict[str, Any]) -> bool:
+    """Whether loading the model's restored state dict `loaded` would only copy each tensor
+    onto itself, so that it can be skipped (its Python costs more than the read of a 100 MB
+    restore's model, and seconds with 10,000 tensors): DCP loaded every value into the very
+    tensors of the `template` (none replaced); each of those is exactly the memory of a
+    parameter or buffer; and no module does more on load than copy (no overridden loading
+    method, no load hooks but FSDP2's, which have nothing to do when no parameter was
+    replaced) nor makes its state dict other than of its tensors (`_walk`)."""
+    if not template or loaded.keys() != template.keys() or any(loaded[k] is not t for k, t in template.items()):
+        return False
+    modules = list(model.modules())
+    tensors, _, plain = _walk(modules)
+    local = _locals(tensors)
+    if not (plain and _checkable(plain, local, []) and all(map(_plain_loading, modules))):
+        return False
+    live = set(zip(map(_DATA_PTR, local), map(_SHAPE, local), map(_STRIDE, local), map(_DTYPE, local), strict=True))
+    mine = _locals(list(template.values()))
+    if not set(map(type, mine)) <= _PLAIN_TENSORS:
+        return False
+    return set(zip(map(_DATA_PTR, mine), map(_SHAPE, mine), map(_STRIDE, mine), map(_DTYPE, mine), strict=True)) <= live
+
+
+def _plain_loading(m: torch.nn.Module) -> bool:
+    """Whether loading a state dict into `m` only copies its tensors: no overridden loading
+    method, no load hooks but FSDP2's (matched by name: renamed, they fail safe)."""
+    kind = _PLAIN_LOADING_TYPES.get(type(m))
+    if kind is None:
+        kind = _PLAIN_LOADING_TYPES[type(m)] = all(
+            getattr(type(m), n) is getattr(torch.nn.Module, n) for n in _LOAD_METHODS
+        )
+    if not kind:
+        return False
+    hooks = itertools.chain(m._load_state_dict_pre_hooks.values(), m._load_state_dict_post_hooks.values())
+    return all(getattr(getattr(h, "hook", h), "__qualname__", "") in _KNOWN_LOAD_HOOKS for h in hooks)
+
+
+# FSDP2's load hooks: before, reshard (a no-op on a sharded model); after, re-register and
+# re-pad a parameter that was replaced (none is when every value was loaded in place).
+_KNOWN_LOAD_HOOKS = {
+    "FSDPParamGroup._register_state_dict_hooks.<locals>.to_sharded_hook",
+    "FSDPParam.__init__.<locals>.<lambda>",
+}
+_LOAD_METHODS = ("load_state_dict", "_load_from_state_dict", "set_extra_state")
+_PLAIN_LOADING_TYPES: dict[type, bool] = {}
 
 
 _NO_STATE: dict[str, Any] = {}

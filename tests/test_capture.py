@@ -120,3 +120,79 @@ def test_only_parameters_and_optimizer_state_are_copied_after_the_loop_goes_on()
     # BatchNorm's statistics change in forward: copied at once, before the loop goes on
     assert not defer(("model", "1.running_mean"), got["model"]["1.running_mean"])
     assert not defer(("extra", "x"), torch.ones(2))
+
+
+# -- restore: the model's half of set_state_dict is skipped only when it would copy each
+# tensor onto itself ----------------------------------------------------------------------
+
+
+class _CountingLoad(torch.nn.Linear):
+    """A module whose loading does more than copy (here: counts)."""
+
+    loads = 0
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        type(self).loads += 1
+        super()._load_from_state_dict(*args, **kwargs)
+
+
+def _restore_through_checkpointer(tmp_path, model, monkeypatch) -> list[bool]:
+    """Save `model` (trained a step), train it on, restore it in place with a new
+    Checkpointer; the restored values must be the saved ones. Returns, per set_state_dict
+    call of the restore, whether it was given the model's values."""
+    import ckpt
+    import ckpt.capture
+
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+
+    def train() -> None:
+        model(torch.randn(4, 8)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    train()
+    with ckpt.Checkpointer(str(tmp_path), model=model, optimizer=opt, interval=None, save_on_exit=False) as cp:
+        cp.step_done()
+        cp.save(blocking=True)
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    saved_opt = {k: v.clone() for st in opt.state.values() for k, v in st.items()}
+    train()
+    assert any(not torch.equal(v, model.state_dict()[k]) for k, v in saved.items())
+    calls: list[bool] = []
+    real = ckpt.capture.set_state_dict
+
+    def spy(model, optimizers, *, model_state_dict, optim_state_dict):
+        calls.append(bool(model_state_dict))
+        return real(model, optimizers, model_state_dict=model_state_dict, optim_state_dict=optim_state_dict)
+
+    monkeypatch.setattr(ckpt.capture, "set_state_dict", spy)
+    with ckpt.Checkpointer(str(tmp_path), model=model, optimizer=opt, interval=None, save_on_exit=False) as cp:
+        assert cp.restored_step == 1
+    assert_bitwise_equal(model.state_dict(), saved, "model")
+    assert_bitwise_equal({k: v for st in opt.state.values() for k, v in st.items()}, saved_opt, "optimizer")
+    return calls
+
+
+def test_a_restore_loaded_into_the_live_tensors_does_not_load_the_model_again(tmp_path, monkeypatch):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    assert _restore_through_checkpointer(tmp_path, model, monkeypatch) == [False]
+
+
+def test_a_model_that_does_more_on_load_than_copy_is_loaded_through_it(tmp_path, monkeypatch):
+    """An overridden `_load_from_state_dict` (ours, or BatchNorm's), or a load hook, must run
+    on restore: the model's values go through `load_state_dict`."""
+    torch.manual_seed(0)
+    _CountingLoad.loads = 0
+    counting = torch.nn.Sequential(_CountingLoad(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    assert _restore_through_checkpointer(tmp_path / "override", counting, monkeypatch) == [True]
+    assert _CountingLoad.loads == 1
+
+    hooked = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    seen = []
+    hooked[2].register_load_state_dict_post_hook(lambda module, keys: seen.append(module))
+    assert _restore_through_checkpointer(tmp_path / "hook", hooked, monkeypatch) == [True]
+    assert seen == [hooked[2]]
+
+    bn = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 4))
+    assert _restore_through_checkpointer(tmp_path / "batchnorm", bn, monkeypatch) == [True]
