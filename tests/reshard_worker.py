@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from toy_model import build
 
 import ckpt
+import ckpt.capture
 
 
 def build_tp2d(dp: int, tp: int) -> torch.nn.Module:
@@ -90,6 +91,16 @@ def main() -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     torch.manual_seed(7)  # the same data on every rank: data parallel ranks see equal batches
 
+    # Whether the restore loaded the model's values again after DCP (it need not when DCP
+    # loaded them into the model's own tensors: ckpt.capture._loaded_in_place).
+    loaded_again: list[bool] = []
+    real = ckpt.capture.set_state_dict
+
+    def spy(model, optimizers, *, model_state_dict, optim_state_dict):  # noqa: ANN001, ANN202
+        loaded_again.append(bool(model_state_dict))
+        return real(model, optimizers, model_state_dict=model_state_dict, optim_state_dict=optim_state_dict)
+
+    ckpt.capture.set_state_dict = spy
     with ckpt.Checkpointer(args.root, model=model, optimizer=opt, interval=None, save_on_exit=False) as cp:
         if args.phase == "save":
             for _ in range(args.steps):
@@ -103,6 +114,7 @@ def main() -> None:
         state["restored_step"] = cp.restored_step
         if args.phase == "load":
             state["plan_is_dcps"] = plan_is_dcps(model, opt, args.root)
+            state["model_loaded_again"] = loaded_again
     if rank == 0:
         torch.save(state, args.out)
     dist.destroy_process_group()

@@ -42,6 +42,9 @@ def test_fsdp2_checkpoint_restores_bitwise_on_another_world_size(tmp_path, save_
     saved = _job(save_ranks, tmp_path, "save", "fsdp2", "saved.pt")
     loaded = _job(load_ranks, tmp_path, "load", "fsdp2", "loaded.pt")
     _assert_same_state(saved, loaded)
+    # DCP loaded every value into the sharded parameters themselves, and FSDP2's load hooks
+    # have nothing to do then: the model is not loaded a second time (rank 0's view).
+    assert loaded["model_loaded_again"] == [False]
 
 
 def test_ddp_checkpoint_loads_under_fsdp2_and_back(tmp_path):
