@@ -160,6 +160,7 @@ class TrainingState:
             )
         elif "model" in sd and not _loaded_in_place(self.model, sd["model"], self._template_model):
             set_model_state_dict(self.model, sd["model"])
+        self._template_model = {}  # views of the parameters: they must not outlive a replaced one
         for i, sched in enumerate(self.schedulers):
             sched.load_state_dict(sd["scheduler"][str(i)])
         if self.scaler is not None:

@@ -537,8 +537,6 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             self.state_dict[fqn] = obj
 
 
-
-
 def _chunks_once(t: torch.Tensor, memo: dict[tuple[Any, ...], list[ChunkStorageMetadata]]) -> list[ChunkStorageMetadata]:
     """DCP's local chunks of `t` (`_create_chunk_list`), worked out once per layout in `memo`:
     a DTensor's depend on its global shape, mesh and placements, a plain tensor's on its
