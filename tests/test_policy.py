@@ -264,13 +264,17 @@ def test_over_the_host_memory_budget_a_save_streams_from_the_live_state_and_says
         assert torch.equal(v, want[k])
 
 
-def _train_auto(root, auto, steps: int, sleep_s: float = 0.02):
+def _train_auto(root, auto, steps: int, sleep_s: float = 0.02, enough=None):
+    """Train up to `steps` steps under the interval policy `auto`; stop sooner once
+    `enough()` says so."""
     import time
 
     model = torch.nn.Linear(8, 8)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with ckpt.Checkpointer(root, model=model, optimizer=opt, interval=auto, keep=ckpt.Keep(last=1000), handle_sigterm=False, save_on_exit=False) as cp:
         for _ in range(steps):
+            if enough is not None and enough():
+                break
             time.sleep(sleep_s)
             model(torch.randn(2, 8)).sum().backward()
             opt.step()
@@ -282,8 +286,13 @@ def _train_auto(root, auto, steps: int, sleep_s: float = 0.02):
 
 def test_auto_interval_saves_when_it_pays_and_records_why(tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="ckpt")
-    # A node failing every 20 s: saves are cheap, so the optimum is about every step.
-    cp = _train_auto(tmp_path, ckpt.Auto(node_mtbf_s=20.0, first_after_s=0.1), steps=100)
+    # A node failing every 20 s: saves are cheap, so the optimum is about every step. One
+    # save that a busy machine slows to 0.2 s puts the next 3 s away (sqrt(2 * 0.2 * 20)):
+    # train until three were committed, for up to 40 s.
+    def three() -> bool:
+        return len(list(tmp_path.glob("step-*/manifest.json"))) >= 3
+
+    cp = _train_auto(tmp_path, ckpt.Auto(node_mtbf_s=20.0, first_after_s=0.1), steps=2000, enough=three)
     manifests = [ckpt.Manifest.from_json(p.read_bytes()) for p in sorted(tmp_path.glob("step-*/manifest.json"))]
     assert len(manifests) >= 3
     assert manifests[0].schedule == {"policy": "auto", "seconds": 0.1}  # before any measurement
