@@ -42,6 +42,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_listening(port: int, node: subprocess.Popen, timeout_s: float = 120.0) -> bool:
+    """Wait until something listens on loopback `port` (node A's rendezvous store); False if
+    `node` exited first or the time ran out. Read from /proc, so the store sees no stray
+    connection."""
+    hex_port = f":{port:04X} "
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and node.poll() is None:
+        for table in ("/proc/net/tcp6", "/proc/net/tcp"):
+            try:
+                lines = Path(table).read_text().splitlines()[1:]
+            except OSError:
+                continue
+            if any(hex_port in ln.split(None, 2)[1] + " " and ln.split()[3] == "0A" for ln in lines):
+                return True
+        time.sleep(0.05)
+    return False
+
+
 def torchrun(launcher: list[str], root: Path, logs: Path, steps: int, every: int, sleep: float, out) -> subprocess.Popen:
     cmd = [
         sys.executable, "-m", "torch.distributed.run", *launcher, str(TRAIN), "--root", str(root),
@@ -147,7 +165,13 @@ def main() -> int:
     ]  # fmt: skip
     out_a, out_b = open(work / "node-a.log", "wb"), open(work / "node-b.log", "wb")
     node_a = torchrun(elastic, root, logs, args.steps, args.every, 0.02, out_a)
-    time.sleep(0.3)  # node A hosts the rendezvous
+    # IMPORTANT: node A must host the rendezvous store (the first agent to bind its port does),
+    # or losing node B takes the store with it. Starting B 0.3 s after A was a race on a busy
+    # machine, where importing torch alone takes longer.
+    if not wait_listening(port, node_a):
+        print("node A's rendezvous store did not start; see", work)
+        kill_node(node_a.pid)
+        return 1
     node_b = torchrun(elastic, root, logs, args.steps, args.every, 0.02, out_b)
     try:
         while committed_world(root, args.kill_after) != 2:
