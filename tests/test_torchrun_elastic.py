@@ -13,6 +13,9 @@ import time
 from launch import REPO, free_port
 from test_elastic import WORKER, global_batches, job
 
+sys.path.insert(0, str(REPO / "examples"))
+from demo import wait_listening  # noqa: E402  (the demo launches its nodes the same way)
+
 
 def torchrun_node(port: int, root, logs, out) -> subprocess.Popen:
     cmd = [
@@ -62,7 +65,9 @@ def test_torchrun_elastic_node_loss_resumes_on_the_survivor_with_the_same_data_o
     port = free_port()
     a_out, b_out = open(tmp_path / "node-a.log", "wb"), open(tmp_path / "node-b.log", "wb")
     node_a = torchrun_node(port, root, logs, a_out)
-    time.sleep(0.3)  # node A hosts the rendezvous; B joins well within the last call
+    # IMPORTANT: node A hosts the rendezvous store, or losing B takes the store with it: B
+    # starts once A's store listens (a fixed 0.3 s was a race on a busy machine).
+    assert wait_listening(port, node_a), (tmp_path / "node-a.log").read_text()
     node_b = torchrun_node(port, root, logs, b_out)
     try:
         deadline = time.monotonic() + 120
