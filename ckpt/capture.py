@@ -321,7 +321,7 @@ def _loaded_in_place(model: torch.nn.Module, loaded: dict[str, Any], template: d
     modules = list(model.modules())
     tensors, _, plain = _walk(modules)
     local = _locals(tensors)
-    if not (plain and _checkable(plain, local, []) and all(map(_plain_loading, modules))):
+    if not (_checkable(plain, local, []) and all(map(_plain_loading, modules))):
         return False
     live = set(zip(map(_DATA_PTR, local), map(_SHAPE, local), map(_STRIDE, local), map(_DTYPE, local), strict=True))
     mine = _locals(list(template.values()))
