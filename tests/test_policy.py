@@ -210,6 +210,66 @@ def test_scans_read_again_only_what_changed_and_see_a_manifest_rewritten_or_a_st
     assert sorted(reads[:2]) == [step_dir_name(10), step_dir_name(15)]
 
 
+def test_a_local_root_is_listed_as_any_other_store_lists_it(tmp_path):
+    """The local scan walks the step directories with os.scandir, not fsspec's walk: it must
+    list what the generic walk lists of the same tree (here a copy in fsspec's memory store)."""
+    import fsspec
+
+    root = tmp_path / "root"
+    run(root, 10, ckpt.Keep(last=100))  # committed steps 5 and 10
+    (root / step_dir_name(30) / "nested" / "deeper").mkdir(parents=True)  # a save being written
+    (root / step_dir_name(30) / "nested" / "deeper" / "part").write_bytes(b"12345")
+    (root / step_dir_name(30) / "__0_0.distcp").write_bytes(b"half")
+    (root / step_dir_name(40)).mkdir()  # an empty one
+    (root / "lease.json").write_text("{}")  # not a step: neither listed nor walked
+    (root / "not-a-step").mkdir()
+    (root / "not-a-step" / "x").write_bytes(b"x")
+
+    mem = fsspec.filesystem("memory")
+    for path in sorted(root.rglob("*")):
+        rel = path.relative_to(root).as_posix()
+        if path.is_dir():
+            mem.makedirs(f"/copy/{rel}", exist_ok=True)
+        else:
+            mem.pipe_file(f"/copy/{rel}", path.read_bytes())
+    local, generic = Store(str(root)).scan(), Store("memory://copy").scan()
+    assert sorted(local) == sorted(generic) == [5, 10, 30, 40]
+    for step, listing in local.items():
+        assert listing.files == generic[step].files, step
+    assert local[30].files == {"__0_0.distcp": 4, "nested/deeper/part": 5}
+    assert local[40].files == {}
+    for step in (5, 10):  # the manifest's write time, which the Scans compare
+        assert local[step].manifest_mtime == (root / step_dir_name(step) / "manifest.json").stat().st_mtime
+    assert local[30].manifest_mtime is None
+
+
+def test_a_local_root_that_is_not_there_lists_empty_and_an_unreadable_one_is_an_error(tmp_path):
+    assert Store(str(tmp_path / "nowhere")).scan() == {}
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(ckpt.CheckpointError, match="listing"):  # NotADirectoryError: never "empty"
+        Store(str(tmp_path / "afile")).scan()
+
+
+def test_a_step_directory_deleted_while_the_root_is_listed_is_left_out(tmp_path, monkeypatch):
+    import shutil
+
+    from ckpt import storage
+
+    for step in (1, 2):
+        (tmp_path / step_dir_name(step) / "sub").mkdir(parents=True)
+        (tmp_path / step_dir_name(step) / "f").write_bytes(b"ab")
+    real = storage.os.scandir
+
+    def deleting(path):  # another process's retention deletes step 2 as it is reached
+        if str(path).endswith(step_dir_name(2)) or str(path).endswith(f"{step_dir_name(1)}/sub"):
+            shutil.rmtree(path)
+        return real(path)
+
+    monkeypatch.setattr(storage.os, "scandir", deleting)
+    listed = Store(str(tmp_path)).scan()
+    assert sorted(listed) == [1] and listed[1].files == {"f": 2}  # step 1 lost only its empty subdirectory
+
+
 def _train_with_slow_store(tmp_path, monkeypatch, if_busy: str):
     import time
 
