@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import launch
+import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -74,6 +75,38 @@ def test_a_resaved_file_is_byte_for_byte_the_file_dcp_plans(tmp_path):
         for name in ("__0_0.distcp", ".metadata"):
             assert (a / name).read_bytes() == (b / name).read_bytes(), (step, name)
         assert_bitwise_equal(_load(a, live), live, f"step {step}")
+
+
+def test_an_unchanged_object_is_not_pickled_again_and_a_changed_one_is(tmp_path, monkeypatch):
+    import ckpt.resave
+
+    saved: list = []
+    real = torch.save
+
+    def counting(obj, f, *a, **k):
+        saved.append(obj)
+        return real(obj, f, *a, **k)
+
+    monkeypatch.setattr(ckpt.resave.torch, "save", counting)
+    stager, resaver = Stager(), Resaver()
+    groups = {"lr": 0.1, "betas": (0.9, 0.999), "names": ["w", "b"], "opt": {"eps": 1e-8}}
+    live = {**_state(1, "same"), "groups": groups, "numpy": np.float64(2.0)}
+    _persist(tmp_path, 1, stager.stage(live), stager, resaver)  # planned by DCP
+    for step, lr in [(2, 0.1), (3, 0.1), (4, 0.05), (5, -0.0), (6, 0.0)]:
+        groups["lr"], saved[:] = lr, []
+        live = {**_state(step, "same"), "groups": groups, "numpy": np.float64(2.0)}
+        _persist(tmp_path, step, stager.stage(live), stager, resaver)
+        assert resaver.generation == 1
+        if step > 2:  # (the first resave pickles every object)
+            # Pickled again: what changed since the last save (the step, the state's lr and
+            # count, the history, the group's lr from 3 on) and what is not of plain types (a
+            # numpy scalar); never the note, the betas, the names, the eps.
+            changed = [step, step, 0.1 / step, list(range(step % 5)), np.float64(2.0)] + ([lr] if step > 3 else [])
+            assert sorted(map(repr, saved)) == sorted(map(repr, changed)), saved
+        _persist(tmp_path / "fresh", step, stager.stage(live), stager, Resaver())
+        for name in ("__0_0.distcp", ".metadata"):  # the bytes a fresh plan writes
+            assert (tmp_path / f"step-{step:010d}" / name).read_bytes() == (tmp_path / "fresh" / f"step-{step:010d}" / name).read_bytes()
+        assert_bitwise_equal(_load(tmp_path / f"step-{step:010d}", live), live, f"step {step}")
 
 
 @pytest.mark.parametrize("change", ["new key", "new shape", "new dtype", "None to tensor", "list gains a tensor", "list gains a dict"])
