@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import secrets
 import sys
 import time
 import uuid
@@ -125,7 +126,9 @@ def persist(
     more: called before the step directory is claimed and again just before the commit."""
     rel = step_dir_name(step)
     began = time.time() - (time.perf_counter() - started)
-    refusal, save_id = None, uuid.uuid4().hex[:16]
+    refusal, save_id = None, f"{secrets.randbits(63):016x}" if group.rank == 0 else "0"
+    # Every rank takes the same path: DCP's planned save if any rank's state changed shape.
+    layout = resaver.layout if resaver.can_resave(staged) else None
     if group.rank == 0:
         try:
             if guard is not None:
@@ -134,12 +137,15 @@ def persist(
             if refusal is None and handoff is not None:
                 claim(store, rel, save_id)  # an agent holding an older save of this step leaves it be
         except CheckpointError as e:  # told to every rank below, not left to hang them
-            refusal = f"{type(e).__name__}: {e}" if isinstance(e, LeaseHeld) else str(e)
-    refusal, save_id = group.broadcast((refusal, save_id))
-    if refusal:
-        raise SaveFailed(f"save of step {step} to {store.display} failed: {refusal}")
+            refusal = f"{type(e).__name__}: {e}" if isinstance(e, LeaseHeld) or not str(e) else str(e)
+    # One all-reduce tells every rank: whether any must plan afresh, whether rank 0 refused
+    # (why follows only then), and rank 0's save id (the others add zeros).
+    replan, refused, sid = group.max([int(layout is None), int(refusal is not None), int(save_id, 16)])
+    if refused:
+        raise SaveFailed(f"save of step {step} to {store.display} failed: {group.broadcast(refusal)}")
+    save_id = f"{sid:016x}"
     target = handoff.target(need) if handoff is not None else store
-    mine, layout = _write_data(target, group, rel, step, staged, sinks(target), arenas, resaver)
+    mine, layout = _write_data(target, group, rel, step, staged, sinks(target), arenas, resaver, None if replan else layout)
     everyone = group.gather(mine) or []
     if group.rank != 0:
         fault_point("before_manifest", group.rank, step)
@@ -214,14 +220,11 @@ def _write_data(
     sink: Sink,
     arenas: list[Arena],
     resaver: Resaver,
+    layout: Layout | None,
 ) -> tuple[Any, Layout | None]:
-    """Every rank's data file, durable; rank 0's `.metadata` too when DCP plans the save.
-    Returns what to tell rank 0 ((step, layout generation, files, placed objects), or why
-    this rank failed) and the layout reused, if one was."""
-    # Every rank takes the same path: DCP's planned save if any rank's state changed shape.
-    layout = resaver.layout if resaver.can_resave(staged) else None
-    if group.max([int(layout is None)])[0]:
-        layout = None
+    """Every rank's data file, durable; rank 0's `.metadata` too when DCP plans the save
+    (`layout` None: on every rank alike). Returns what to tell rank 0 ((step, layout
+    generation, files, placed objects), or why this rank failed) and the layout reused."""
     if layout is None:
         writer = Writer(store, rel, step, sink, arenas)  # local roots: directories are made as files are written
         # The state's layout does not change between saves: rank 0's global planning is paid once.

@@ -38,7 +38,7 @@ def main() -> None:
     extra = Extra(mesh)
     gens = []
     with ckpt.Checkpointer(root, model=model, optimizer=opt, extra={"x": extra}, interval=None, restore="none",
-                           on_error="log", keep=ckpt.Keep(last=100), handle_sigterm=False) as cp:
+                           on_error="log", keep=ckpt.Keep(last=100), handle_sigterm=False, save_on_exit=False) as cp:
         for step in range(1, 7):
             model(torch.ones(2, 16)).sum().backward()
             opt.step()
@@ -55,6 +55,15 @@ def main() -> None:
             gens.append(cp._resaver.generation)
             if rank == 0:
                 torch.save(want, out / f"want{step}.pt")
+        # Step 7: another job committed that step meanwhile. Rank 0 refuses to write there,
+        # and every rank's save fails with its reason (on_error="log": logged, not raised).
+        cp.step_done()
+        if rank == 0:
+            (Path(root) / "step-0000000007").mkdir()
+            (Path(root) / "step-0000000007" / "manifest.json").write_text("{}")
+        dist.barrier()
+        cp.save(blocking=True)
+        (out / f"last{rank}.txt").write_text(str(cp.last_commit.step))
     (out / f"generations{rank}.txt").write_text(" ".join(map(str, gens)))
     dist.destroy_process_group()
 

@@ -136,14 +136,20 @@ def test_a_state_that_changes_shape_is_planned_afresh_and_loads(tmp_path, change
 
 def test_two_ranks_resave_replan_when_one_rank_changes_and_fail_together(tmp_path):
     """Rank 1's writer dies in a resave (step 3): the save fails on both ranks and commits
-    nothing; rank 1 alone gains a tensor at step 5: both ranks plan step 5 afresh."""
+    nothing; rank 1 alone gains a tensor at step 5: both ranks plan step 5 afresh; rank 0
+    refuses step 7 (committed by another job): the save fails on both ranks."""
     root = tmp_path / "root"
     codes = launch.run(2, HERE / "resave_worker.py", str(root), str(tmp_path), env={"CKPT_FAULT": "writer_process:1:3"},
                        log_dir=tmp_path, timeout=240)
     logs = "".join((tmp_path / f"rank{r}.log").read_text() for r in range(2))
     assert codes == [0, 0], logs
     committed = sorted(int(p.parent.name[5:]) for p in root.glob("step-*/manifest.json"))
-    assert committed == [1, 2, 4, 5, 6], logs
+    assert committed == [1, 2, 4, 5, 6, 7], logs  # 7: another job's, as the worker made it
+    # Step 7: rank 0 refused to write over it; both ranks' saves failed with its reason.
+    assert [p.name for p in (root / "step-0000000007").iterdir()] == ["manifest.json"]
+    for r in range(2):
+        assert (tmp_path / f"last{r}.txt").read_text() == "6"
+        assert "step-0000000007 is already committed; not overwriting it" in (tmp_path / f"rank{r}.log").read_text(), r
     for r in range(2):
         gens = (tmp_path / f"generations{r}.txt").read_text().split()
         # planned at 1; resaved at 2; 3 failed (forgets its layout); planned at 4 and 5 (shape); resaved at 6
