@@ -10,9 +10,11 @@ bytes", measured where nothing else competes for the cores.
 Each rank builds the model of `bench/stall.py` (FSDP2, AdamW), takes 3 warm-up saves, then
 `--saves` saves in a row (save, optimizer step, wait for the commit). Per save it reports the
 CPU of the rank's process and its children (the writer process) less the training thread's,
-the part of it spent in the staging copies (`Copies.run`), what is left (the writer: file
-writes, checksums, collectives, manifest, `.metadata`, retention), and that in units of the
-floor: one `copy_` of every tensor of the state into preallocated buffers, timed afterwards.
+the part of it spent in the staging copies (`Copies.run`), the part the same threads spend in
+the same loop without saves (the control, run afterwards: gloo's threads serving the
+optimizer step's DTensors, 8-10 ms a step with 10,004 of them), what is left (the writer:
+file writes, checksums, collectives, manifest, `.metadata`, retention), and that in units of
+the floor: one `copy_` of every tensor of the state into preallocated buffers, timed afterwards.
 
 In `bench/stall.py` the same background work runs while training steps run on the same two
 cores, and its CPU time there reads higher (two busy threads per core slow each other down).
@@ -113,6 +115,14 @@ def worker(args: argparse.Namespace) -> None:
         threads, children = ((b - a) / args.saves for a, b in zip(cpu0, background_cpu(), strict=True))
         cpu, copies = threads + children, (stall._STAGING_COPY_CPU[0] - copies0) / args.saves
         nbytes = cp.last_commit.costs.bytes
+        # The control: the same loop without the saves. What the process's other threads spend
+        # then (gloo's, serving the optimizer step's DTensors; ckpt's idle lease and event
+        # threads) is not the saves' and is taken off.
+        dist.barrier()
+        idle0 = background_cpu()
+        for _ in range(args.saves):
+            opt.step()
+        idle = sum(b - a for a, b in zip(idle0, background_cpu(), strict=True)) / args.saves
     leaves = stall.tensor_leaves(dict(zip(("model", "optim"), get_state_dict(model, opt), strict=True)))
     bufs = [torch.empty_like(t) for t in leaves]
     floors = []
@@ -122,12 +132,13 @@ def worker(args: argparse.Namespace) -> None:
             dst.copy_(src)
         floors.append(time.perf_counter() - t)
     floor = statistics.median(floors)
+    beyond = cpu - copies - idle
     line = (
         f"rank {rank}: {len(leaves)} tensors, {nbytes / world / 1e6:.1f} MB written per rank per save; per save: "
-        f"background CPU {cpu * 1e3:.1f} ms, of which the staging copy {copies * 1e3:.1f} ms; "
-        f"the writer beyond it {(cpu - copies) * 1e3:.1f} ms = {(cpu - copies) / floor:.2f} copies "
-        f"(the trainer's other threads {(threads - copies) * 1e3:.1f} ms, the writer process {children * 1e3:.1f} ms) "
-        f"(the floor's copy: {floor * 1e3:.1f} ms)"
+        f"background CPU {cpu * 1e3:.1f} ms, of which the staging copy {copies * 1e3:.1f} ms and "
+        f"{idle * 1e3:.1f} ms spent as much without saves; the writer beyond them {beyond * 1e3:.1f} ms "
+        f"= {beyond / floor:.2f} copies (the trainer's other threads {(threads - copies - idle) * 1e3:.1f} ms, "
+        f"the writer process {children * 1e3:.1f} ms) (the floor's copy: {floor * 1e3:.1f} ms)"
     )
     (Path(args.dir) / f"rank{rank}.json").write_text(json.dumps({"line": line}))
     dist.destroy_process_group()
