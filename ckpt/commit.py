@@ -126,7 +126,8 @@ def persist(
     more: called before the step directory is claimed and again just before the commit."""
     rel = step_dir_name(step)
     began = time.time() - (time.perf_counter() - started)
-    refusal, save_id = None, f"{secrets.randbits(63):016x}" if group.rank == 0 else "0"
+    refusal, sid = None, secrets.randbits(63) if group.rank == 0 else 0
+    save_id = f"{sid:016x}"
     # Every rank takes the same path: DCP's planned save if any rank's state changed shape.
     layout = resaver.layout if resaver.can_resave(staged) else None
     if group.rank == 0:
@@ -140,7 +141,7 @@ def persist(
             refusal = f"{type(e).__name__}: {e}" if isinstance(e, LeaseHeld) or not str(e) else str(e)
     # One all-reduce tells every rank: whether any must plan afresh, whether rank 0 refused
     # (why follows only then), and rank 0's save id (the others add zeros).
-    replan, refused, sid = group.max([int(layout is None), int(refusal is not None), int(save_id, 16)])
+    replan, refused, sid = group.max([int(layout is None), int(refusal is not None), sid])
     if refused:
         raise SaveFailed(f"save of step {step} to {store.display} failed: {group.broadcast(refusal)}")
     save_id = f"{sid:016x}"

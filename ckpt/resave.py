@@ -35,7 +35,7 @@ from .arena import Arena
 from .dcp_write import FileLayout, Sink, Writer, write_file
 from .filewrite import Image
 from .manifest import METADATA_NAME, FileEntry
-from .stage import _MEMO_PATHS
+from .stage import _ATOMS, _MEMO_PATHS
 from .storage import Store
 
 # Where a rank's pickled objects landed in its file this save, sent to rank 0 for `.metadata`
@@ -97,22 +97,21 @@ def _real_path(root: Any, path: tuple[Any, ...]) -> tuple[Any, ...] | None:
     return tuple(real)
 
 
-_PLAIN = frozenset({int, float, complex, str, bytes, bool, type(None)})
 _SAVED_MAX = 1 << 20  # a larger pickle is not kept from save to save
 
 
 def _plain(obj: Any, depth: int = 0) -> bool:
-    """Made of Python's own scalars, lists, tuples and dicts alone (their exact types), whose
-    pickle is all there is to them."""
+    """Made of the stager's atoms (Python's own immutable scalars), lists, tuples and dicts
+    alone (their exact types), whose pickle is all there is to them."""
     t = type(obj)
-    if t in _PLAIN:
+    if t in _ATOMS:
         return True
     if depth > 32:
         return False
     if t is list or t is tuple:
-        return _PLAIN.issuperset(map(type, obj)) or all(_plain(v, depth + 1) for v in obj)
+        return _ATOMS.issuperset(map(type, obj)) or all(_plain(v, depth + 1) for v in obj)
     if t is dict:
-        return _PLAIN.issuperset(map(type, obj)) and all(_plain(v, depth + 1) for v in obj.values())
+        return _ATOMS.issuperset(map(type, obj)) and all(_plain(v, depth + 1) for v in obj.values())
     return False
 
 
