@@ -166,6 +166,8 @@ class VerifyingReader:
 
     def skip(self, n: int) -> None:
         """Consume `n` bytes (hashed like any other, unless whole blocks can be left unread)."""
+        if not n:
+            return
         ahead = min(n, len(self._ahead))
         self._ahead = self._ahead[ahead:]
         self.pos += ahead

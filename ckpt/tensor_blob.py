@@ -104,6 +104,23 @@ class TensorLayout:
         last = sum((o + n - 1) * st for o, n, st in zip(offsets, lengths, self.strides, strict=True))
         return self.tensor_start + first * itemsize, self.tensor_start + (last + 1) * itemsize
 
+    def part(self, offsets: Any, lengths: Any) -> tuple[int, int, bool] | None:
+        """`span` and `is_contiguous_in_blob` of the sub-tensor DCP's `storage_offsets`/`lengths`
+        name, or None if they name none (`fits`). Worked out once per (offsets, lengths): a
+        restore asks it for every tensor of this shape and dtype, mostly the whole tensor."""
+        key = (tuple(offsets), tuple(lengths))
+        found = self._parts.get(key, _UNKNOWN)
+        if found is _UNKNOWN:
+            fits = self.fits(offsets, lengths)
+            found = (*self.span(offsets, lengths), self.is_contiguous_in_blob(offsets, lengths)) if fits else None
+            if len(self._parts) < _PARTS_MAX:
+                self._parts[key] = found
+        return found
+
+    @functools.cached_property
+    def _parts(self) -> dict[tuple[tuple[int, ...], tuple[int, ...]], tuple[int, int, bool] | None]:
+        return {}
+
     def is_contiguous_in_blob(self, offsets: Any, lengths: Any) -> bool:
         """Whether the sub-tensor's bytes are one range (the whole tensor, any slice of its
         first dimension, ...): every dimension after the last partial one is whole, every
@@ -139,6 +156,8 @@ def locate(head: bytes | memoryview) -> TensorLayout | None:
     return layout
 
 
+_UNKNOWN: Any = object()
+_PARTS_MAX = 256  # the parts of one layout remembered: a few in practice, one per shard geometry
 _SEEN: dict[bytes, TensorLayout] = {}
 _SEEN_STARTS: dict[int, None] = {}  # the prefix lengths in _SEEN (an ordered set)
 _SEEN_MAX = 4096
