@@ -88,19 +88,28 @@ def main() -> None:
         model = build_tp2d(dp, tp)
     else:
         model = build(args.mode if world > 1 or args.mode != "ddp" else "plain", world)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    # The restore must bring back the saved hyperparameters over the new job's own.
+    lr, wd = (1e-2, 0.1) if args.phase == "save" else (5e-3, 0.0)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=wd)
     torch.manual_seed(7)  # the same data on every rank: data parallel ranks see equal batches
 
     # Whether the restore loaded the model's values again after DCP (it need not when DCP
-    # loaded them into the model's own tensors: ckpt.capture._loaded_in_place).
-    loaded_again: list[bool] = []
-    real = ckpt.capture.set_state_dict
+    # loaded them into the model's own tensors: ckpt.capture._loaded_in_place), and whether
+    # only the optimizer's hyperparameters were set after (its state loaded in place:
+    # ckpt.capture._optim_loaded_in_place): "optimizer in place".
+    loaded_again: list[bool | str] = []
+    real, real_groups = ckpt.capture.set_state_dict, ckpt.capture._load_hyperparameters
 
     def spy(model, optimizers, *, model_state_dict, optim_state_dict):  # noqa: ANN001, ANN202
         loaded_again.append(bool(model_state_dict))
         return real(model, optimizers, model_state_dict=model_state_dict, optim_state_dict=optim_state_dict)
 
+    def spy_groups(optimizers, groups):  # noqa: ANN001, ANN202
+        loaded_again.append("optimizer in place")
+        return real_groups(optimizers, groups)
+
     ckpt.capture.set_state_dict = spy
+    ckpt.capture._load_hyperparameters = spy_groups
     with ckpt.Checkpointer(args.root, model=model, optimizer=opt, interval=None, save_on_exit=False) as cp:
         if args.phase == "save":
             for _ in range(args.steps):
@@ -111,6 +120,7 @@ def main() -> None:
             cp.save(blocking=True)
         state = full_state(model, opt)
         state["step"] = cp.step
+        state["groups"] = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
         state["restored_step"] = cp.restored_step
         if args.phase == "load":
             state["plan_is_dcps"] = plan_is_dcps(model, opt, args.root)

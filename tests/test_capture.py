@@ -136,14 +136,16 @@ class _CountingLoad(torch.nn.Linear):
         super()._load_from_state_dict(*args, **kwargs)
 
 
-def _restore_through_checkpointer(tmp_path, model, monkeypatch) -> list[bool]:
-    """Save `model` (trained a step), train it on, restore it in place with a new
-    Checkpointer; the restored values must be the saved ones. Returns, per set_state_dict
-    call of the restore, whether it was given the model's values."""
+def _restore_through_checkpointer(tmp_path, model, monkeypatch, opt=None) -> list[bool | str]:
+    """Save `model` (trained a step), train it on and change its learning rate, restore it
+    in place with a new Checkpointer; the restored values, optimizer state and optimizer
+    hyperparameters must be the saved ones. Returns, per set_state_dict call of the
+    restore, whether it was given the model's values, and "optimizer in place" where only
+    the optimizer's hyperparameters were set (its state was loaded in place)."""
     import ckpt
     import ckpt.capture
 
-    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    opt = opt or torch.optim.AdamW(model.parameters(), lr=0.1)
 
     def train() -> None:
         model(torch.randn(4, 8)).sum().backward()
@@ -155,28 +157,76 @@ def _restore_through_checkpointer(tmp_path, model, monkeypatch) -> list[bool]:
         cp.step_done()
         cp.save(blocking=True)
     saved = {k: v.clone() for k, v in model.state_dict().items()}
-    saved_opt = {k: v.clone() for st in opt.state.values() for k, v in st.items()}
+    saved_opt = {(i, k): v.clone() for i, st in enumerate(opt.state.values()) for k, v in st.items()}
+    saved_groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
     train()
+    opt.param_groups[0]["lr"] = 0.05
+    if "betas" in opt.param_groups[0]:
+        opt.param_groups[0]["betas"] = (0.5, 0.5)
     assert any(not torch.equal(v, model.state_dict()[k]) for k, v in saved.items())
-    calls: list[bool] = []
-    real = ckpt.capture.set_state_dict
+    calls: list[bool | str] = []
+    real, real_groups = ckpt.capture.set_state_dict, ckpt.capture._load_hyperparameters
 
     def spy(model, optimizers, *, model_state_dict, optim_state_dict):
         calls.append(bool(model_state_dict))
         return real(model, optimizers, model_state_dict=model_state_dict, optim_state_dict=optim_state_dict)
 
+    def spy_groups(optimizers, groups):
+        calls.append("optimizer in place")
+        return real_groups(optimizers, groups)
+
     monkeypatch.setattr(ckpt.capture, "set_state_dict", spy)
+    monkeypatch.setattr(ckpt.capture, "_load_hyperparameters", spy_groups)
     with ckpt.Checkpointer(str(tmp_path), model=model, optimizer=opt, interval=None, save_on_exit=False) as cp:
         assert cp.restored_step == 1
     assert_bitwise_equal(model.state_dict(), saved, "model")
-    assert_bitwise_equal({k: v for st in opt.state.values() for k, v in st.items()}, saved_opt, "optimizer")
+    assert_bitwise_equal({(i, k): v for i, st in enumerate(opt.state.values()) for k, v in st.items()}, saved_opt, "optimizer")
+    assert [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups] == saved_groups
+    assert opt.param_groups[0]["params"] == list(model.parameters())
     return calls
 
 
 def test_a_restore_loaded_into_the_live_tensors_does_not_load_the_model_again(tmp_path, monkeypatch):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
-    assert _restore_through_checkpointer(tmp_path, model, monkeypatch) == [False]
+    assert _restore_through_checkpointer(tmp_path, model, monkeypatch) == ["optimizer in place"]
+
+
+class _CountingOptimizer(torch.optim.AdamW):
+    """An optimizer whose loading does more than DCP's in-place copy (here: counts)."""
+
+    loads = 0
+
+    def load_state_dict(self, state_dict):
+        type(self).loads += 1
+        super().load_state_dict(state_dict)
+
+
+def test_an_optimizer_that_does_more_on_load_than_copy_is_loaded_through_it(tmp_path, monkeypatch):
+    """The optimizer's half of set_state_dict is skipped only when it would copy each state
+    tensor onto itself and set the groups' values: an overridden `load_state_dict`, a load
+    hook, or a state value that is no tensor (loaded as a value, not in place) goes through
+    the optimizer's own loading."""
+
+    def model():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+
+    m = model()
+    _CountingOptimizer.loads = 0
+    calls = _restore_through_checkpointer(tmp_path / "override", m, monkeypatch, _CountingOptimizer(m.parameters(), lr=0.1))
+    assert calls == [False] and _CountingOptimizer.loads == 1
+
+    m = model()
+    opt = torch.optim.AdamW(m.parameters(), lr=0.1)
+    seen = []
+    opt.register_load_state_dict_post_hook(lambda o: seen.append(o))
+    assert _restore_through_checkpointer(tmp_path / "hook", m, monkeypatch, opt) == [False]
+    assert seen == [opt]
+
+    m = model()  # SGD with momentum 0 keeps a momentum_buffer of None: a value, not a tensor
+    sgd = torch.optim.SGD(m.parameters(), lr=0.1)
+    assert _restore_through_checkpointer(tmp_path / "sgd", m, monkeypatch, sgd) == [False]
 
 
 def test_a_model_that_does_more_on_load_than_copy_is_loaded_through_it(tmp_path, monkeypatch):
