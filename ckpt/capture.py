@@ -65,7 +65,7 @@ class TrainingState:
     _dcp_state: _StateDictCache = field(default_factory=lambda: _StateDictCache())
     _template_model: dict[str, Any] = field(default_factory=dict)  # the model's values in the last template
     # The optimizers' in the last template: each state entry's values, and each group's params.
-    _template_optim: tuple[dict[str, dict[str, Any]], list[list[Any]]] = ({}, [])
+    _template_optim: tuple[dict[str, dict[str, Any]], list[list[Any]]] = field(default_factory=lambda: ({}, []))
 
     @classmethod
     def of(
@@ -129,11 +129,12 @@ class TrainingState:
         a checkpoint holds for this rank, once its manifest is known."""
         sd = self.capture({}, rank, reuse=False)  # DCP loads into it: never the cached dicts
         self._template_model = dict(sd.get("model", {}))
-        osd = sd.get("optim", {})
-        self._template_optim = (
-            {fqn: dict(values) for fqn, values in osd.get("state", {}).items() if isinstance(values, dict)},
-            [list(g.get("params", ())) for g in osd.get("param_groups", ()) if isinstance(g, dict)],
-        )
+        if "optim" in sd and not deepspeed_state.is_engine(self.model):  # DCP's optimizer state dict
+            osd = sd["optim"]
+            self._template_optim = (
+                {fqn: dict(values) for fqn, values in osd["state"].items()},
+                [list(g["params"]) for g in osd["param_groups"]],
+            )
         return sd
 
     def fit_template(self, sd: dict[str, Any], rank: int, world: int, saved_world: int) -> dict[str, Any]:

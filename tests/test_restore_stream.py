@@ -308,6 +308,12 @@ def test_layout_byte_ranges_of_sub_tensors():
     assert not lay.is_contiguous_in_blob([0, 1, 0], [2, 2, 2])
     assert not lay.is_contiguous_in_blob([0, 0, 1], [4, 3, 1])
     assert lay.fits([3, 0, 0], [1, 3, 2]) and not lay.fits([3, 0, 0], [2, 3, 2]) and not lay.fits([0, 0], [4, 3])
+    # part: both at once, remembered per (offsets, lengths) whatever sequence type they come in
+    for offsets, lengths in [([1, 0, 0], [2, 3, 2]), ([0, 1, 0], [2, 2, 2]), ([0, 0, 0], [4, 3, 2]), ([2, 1, 0], [1, 0, 2])]:
+        want = (*lay.span(offsets, lengths), lay.is_contiguous_in_blob(offsets, lengths))
+        assert lay.part(offsets, lengths) == want
+        assert lay.part(torch.Size(offsets), tuple(lengths)) == want
+    assert lay.part([3, 0, 0], [2, 3, 2]) is None and lay.part([0, 0], [4, 3]) is None
 
 
 # -- corruption: caught though streamed, and nothing unpickled before ------------------------
