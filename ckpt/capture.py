@@ -380,7 +380,8 @@ def _optim_loaded_in_place(
     def where(ts: list[torch.Tensor]) -> set[tuple[Any, ...]]:
         return set(zip(map(_DATA_PTR, ts), map(_SHAPE, ts), map(_STRIDE, ts), map(_DTYPE, ts), strict=True))
 
-    if len(where(live)) != len(live) or where(mine) != where(live):
+    live_at = where(live)
+    if len(live_at) != len(live) or where(mine) != live_at:
         return False
     groups = loaded.get("param_groups")
     live_groups = [g for o in optimizers for g in o.param_groups]
