@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import pickle
 import secrets
 import sys
 import time
@@ -62,19 +63,60 @@ class Group:
         pg = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
         return cls(pg, dist.get_rank(), dist.get_world_size())
 
+    # Bytes each rank sends in `gather_short`'s one collective; learnt, on every rank alike,
+    # from the longest object that did not fit (`fit`). 0: always `gather`.
+    gather_bytes: int = 4 << 10
+
     def broadcast(self, obj: Any) -> Any:
+        """Rank 0's `obj` on every rank. One collective when its pickle is short (up to
+        `_SHORT` bytes: a refusal, a restore's plan, a manifest of a dozen ranks), two else;
+        torch's `broadcast_object_list` always takes two (the length, then the bytes)."""
         if self.pg is None:
             return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=0, group=self.pg)
-        return box[0]
+        data = pickle.dumps(obj) if self.rank == 0 else b""
+        head = _framed(data, _SHORT)
+        dist.broadcast(head, src=0, group=self.pg)
+        n = _length(head)
+        rest = b""
+        if n > _SHORT - 8:  # the rest, in a second collective
+            tail = torch.frombuffer(bytearray(data[_SHORT - 8 :]), dtype=torch.uint8) if self.rank == 0 else None
+            tail = tail if tail is not None else torch.empty(n - (_SHORT - 8), dtype=torch.uint8)
+            dist.broadcast(tail, src=0, group=self.pg)
+            rest = tail.numpy().tobytes() if self.rank else b""
+        if self.rank == 0:
+            return obj
+        return pickle.loads(head.numpy()[8 : 8 + min(n, _SHORT - 8)].tobytes() + rest)
 
     def gather(self, obj: Any) -> list[Any] | None:
+        """Every rank's `obj`, on rank 0 (the others get None); two collectives."""
         if self.pg is None:
             return [obj]
         out: list[Any] | None = [None] * self.world if self.rank == 0 else None
         dist.gather_object(obj, out, dst=0, group=self.pg)
         return out
+
+    def gather_short(self, obj: Any) -> list[Any] | None:
+        """`gather` in one collective: every rank sends `gather_bytes` bytes. Rank 0 gets, for
+        a rank whose pickle did not fit, `TooLong(its length)` instead: it then tells every
+        rank (as the outcome it broadcasts anyway), and all call `fit` and `gather`."""
+        if self.pg is None or not self.gather_bytes:
+            return self.gather(obj)
+        cap = self.gather_bytes
+        mine = _framed(pickle.dumps(obj), cap)
+        out = [torch.empty(cap, dtype=torch.uint8) for _ in range(self.world)] if self.rank == 0 else None
+        dist.gather(mine, out, dst=0, group=self.pg)
+        if out is None:
+            return None
+        got = []
+        for t in out:
+            n = _length(t)
+            got.append(pickle.loads(t.numpy()[8 : 8 + n].tobytes()) if n <= cap - 8 else TooLong(n))
+        return got
+
+    def fit(self, n: int) -> None:
+        """Make `gather_short` fit an object whose pickle is `n` bytes (all ranks, alike)."""
+        need = 1 << (n + 8 - 1).bit_length()
+        self.gather_bytes = need if need <= _GATHER_MAX else 0
 
     def max(self, values: list[int]) -> list[int]:
         """Element-wise maximum over ranks: "did any rank say yes"."""
@@ -83,6 +125,30 @@ class Group:
         t = torch.tensor(values, dtype=torch.int64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.pg)
         return t.tolist()
+
+
+@dataclass(frozen=True)
+class TooLong:
+    """In `Group.gather_short`'s answer: a rank's object, `n` bytes pickled, did not fit."""
+
+    n: int
+
+
+_SHORT = 16 << 10  # bytes of a broadcast's first collective
+_GATHER_MAX = 1 << 20  # longer objects take `gather` from then on
+
+
+def _framed(data: bytes, size: int) -> torch.Tensor:
+    """`size` bytes: the length of `data` (8 bytes, little-endian), then as much of it as fits."""
+    buf = bytearray(size)
+    buf[:8] = len(data).to_bytes(8, "little")
+    part = data[: size - 8]
+    buf[8 : 8 + len(part)] = part
+    return torch.frombuffer(buf, dtype=torch.uint8)
+
+
+def _length(framed: torch.Tensor) -> int:
+    return int.from_bytes(framed.numpy()[:8].tobytes(), "little")
 
 
 def claim_step_dir(store: Store, step: int) -> str | None:
@@ -147,46 +213,22 @@ def persist(
     save_id = f"{sid:016x}"
     target = handoff.target(need) if handoff is not None else store
     mine, layout = _write_data(target, group, rel, step, staged, sinks(target), arenas, resaver, None if replan else layout)
-    everyone = group.gather(mine) or []
+    everyone = group.gather_short(mine) or []
     if group.rank != 0:
         fault_point("before_manifest", group.rank, step)
-    outcome: Manifest | str | None = None
-    if group.rank == 0:
-        try:
-            failed = [m for m in everyone if isinstance(m, str)]
-            if failed:
-                raise SaveFailed("; ".join(failed))
-            steps = {m[0] for m in everyone}
-            if steps != {step}:  # IMPORTANT: never commit files that another step's save wrote
-                raise SaveFailed(f"ranks disagree on the step being saved: {sorted(steps)}")
-            if len({m[1] for m in everyone}) != 1:  # IMPORTANT: one layout, or .metadata lies
-                raise SaveFailed("ranks laid out their files from different saves; the next save is planned afresh")
-            files: dict[str, FileEntry] = {k: v for m in everyone for k, v in m[2].items()}
-            if layout is not None:
-                files[METADATA_NAME] = layout.write_metadata(target, rel, [m[3] for m in everyone])
-            fault_point("before_manifest", 0, step)
-            manifest = Manifest(
-                step=step,
-                world_size=group.world,
-                created=time.time(),
-                files=files,
-                costs=SaveCosts(blocking_s, time.perf_counter() - started, sum(f.size for f in files.values())),
-                counters=counters,
-                versions=versions(),
-                user=user,
-                schedule=dict(schedule or {}),
-            )
-            if key is not None:
-                manifest = key.sign(manifest)  # only the signature travels: never the key
-            if handoff is None:
-                if guard is not None:
-                    guard()  # another job may have taken the root while the files were written
-                # IMPORTANT: the commit. Written last, after every rank's files are durable.
-                store.put_atomic(f"{rel}/{MANIFEST_NAME}", manifest.to_json())
-            outcome = manifest
-        except Exception as e:  # reported to every rank below, not left to hang them
-            outcome = f"commit of {rel} failed: {type(e).__name__}: {e}"
-    outcome = group.broadcast(outcome)
+
+    def commit(everyone: list[Any]) -> Manifest | str:  # rank 0's
+        return _commit(
+            store, target, group, rel, step, everyone, layout, counters=counters, user=user, schedule=schedule,
+            blocking_s=blocking_s, started=started, handoff=handoff, key=key, guard=guard,
+        )  # fmt: skip
+
+    long = [m.n for m in everyone if isinstance(m, TooLong)]
+    outcome = group.broadcast((TooLong(max(long)) if long else commit(everyone)) if group.rank == 0 else None)
+    if isinstance(outcome, TooLong):  # a rank's files did not fit gather_short: all send them again
+        group.fit(outcome.n)
+        everyone = group.gather(mine) or []  # IMPORTANT: on every rank
+        outcome = group.broadcast(commit(everyone) if group.rank == 0 else None)
     if not isinstance(outcome, Manifest):
         resaver.layout = None  # the next save is planned afresh, on every rank
         raise SaveFailed(str(outcome))
@@ -194,6 +236,62 @@ def persist(
         _hand_off(handoff, target, group, rel, save_id, outcome, mine, began)
     fault_point("after_manifest", group.rank, step)
     return outcome
+
+
+def _commit(
+    store: Store,
+    target: Store,
+    group: Group,
+    rel: str,
+    step: int,
+    everyone: list[Any],
+    layout: Layout | None,
+    *,
+    counters: dict[str, Any],
+    user: dict[str, Any],
+    schedule: dict[str, Any] | None,
+    blocking_s: float,
+    started: float,
+    handoff: Handoff | None,
+    key: SigningKey | None,
+    guard: Callable[[], None] | None,
+) -> Manifest | str:
+    """Rank 0: check what every rank wrote (`everyone`), write `.metadata` and the manifest
+    (the commit; with `handoff`, only draft it). The manifest, or why the save failed."""
+    try:
+        failed = [m for m in everyone if isinstance(m, str)]
+        if failed:
+            raise SaveFailed("; ".join(failed))
+        steps = {m[0] for m in everyone}
+        if steps != {step}:  # IMPORTANT: never commit files that another step's save wrote
+            raise SaveFailed(f"ranks disagree on the step being saved: {sorted(steps)}")
+        if len({m[1] for m in everyone}) != 1:  # IMPORTANT: one layout, or .metadata lies
+            raise SaveFailed("ranks laid out their files from different saves; the next save is planned afresh")
+        files: dict[str, FileEntry] = {k: v for m in everyone for k, v in m[2].items()}
+        if layout is not None:
+            files[METADATA_NAME] = layout.write_metadata(target, rel, [m[3] for m in everyone])
+        fault_point("before_manifest", 0, step)
+        manifest = Manifest(
+            step=step,
+            world_size=group.world,
+            created=time.time(),
+            files=files,
+            costs=SaveCosts(blocking_s, time.perf_counter() - started, sum(f.size for f in files.values())),
+            counters=counters,
+            versions=versions(),
+            user=user,
+            schedule=dict(schedule or {}),
+        )
+        if key is not None:
+            manifest = key.sign(manifest)  # only the signature travels: never the key
+        if handoff is None:
+            if guard is not None:
+                guard()  # another job may have taken the root while the files were written
+            # IMPORTANT: the commit. Written last, after every rank's files are durable.
+            store.put_atomic(f"{rel}/{MANIFEST_NAME}", manifest.to_json())
+        return manifest
+    except Exception as e:  # reported to every rank, not left to hang them
+        return f"commit of {rel} failed: {type(e).__name__}: {e}"
 
 
 def _hand_off(handoff: Handoff, target: Store, group: Group, rel: str, save_id: str, manifest: Manifest, mine: Any, began: float) -> None:
