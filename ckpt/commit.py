@@ -52,6 +52,9 @@ class Group:
     rank: int
     world: int
     plan_key: str = dataclasses.field(default_factory=lambda: f"ckpt-{uuid.uuid4().hex}")
+    # Bytes each rank sends in `gather_short`'s one collective; learnt, on every rank alike,
+    # from the longest object that did not fit (`fit`). 0: always `gather`.
+    gather_bytes: int = 4 << 10
 
     @classmethod
     def new(cls, timeout_s: float) -> Group:
@@ -62,10 +65,6 @@ class Group:
 
         pg = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
         return cls(pg, dist.get_rank(), dist.get_world_size())
-
-    # Bytes each rank sends in `gather_short`'s one collective; learnt, on every rank alike,
-    # from the longest object that did not fit (`fit`). 0: always `gather`.
-    gather_bytes: int = 4 << 10
 
     def broadcast(self, obj: Any) -> Any:
         """Rank 0's `obj` on every rank. One collective when its pickle is short (up to
