@@ -334,11 +334,11 @@ def _loaded_in_place(model: torch.nn.Module, loaded: dict[str, Any], template: d
     local = _locals(tensors)
     if not (_checkable(plain, local, []) and all(map(_plain_loading, modules))):
         return False
-    live = set(zip(map(_DATA_PTR, local), map(_SHAPE, local), map(_STRIDE, local), map(_DTYPE, local), strict=True))
+    live = _where(local)
     mine = _locals(list(template.values()))
     if not set(map(type, mine)) <= _PLAIN_TENSORS:
         return False
-    return set(zip(map(_DATA_PTR, mine), map(_SHAPE, mine), map(_STRIDE, mine), map(_DTYPE, mine), strict=True)) <= live
+    return _where(mine) <= live
 
 
 def _optim_loaded_in_place(
@@ -376,12 +376,8 @@ def _optim_loaded_in_place(
     mine, live = _locals(mine), _locals(live)
     if not set(map(type, mine)) | set(map(type, live)) <= _PLAIN_TENSORS:
         return False
-
-    def where(ts: list[torch.Tensor]) -> set[tuple[Any, ...]]:
-        return set(zip(map(_DATA_PTR, ts), map(_SHAPE, ts), map(_STRIDE, ts), map(_DTYPE, ts), strict=True))
-
-    live_at = where(live)
-    if len(live_at) != len(live) or where(mine) != live_at:
+    live_at = _where(live)
+    if len(live_at) != len(live) or _where(mine) != live_at:
         return False
     groups = loaded.get("param_groups")
     live_groups = [g for o in optimizers for g in o.param_groups]
@@ -401,6 +397,11 @@ def _load_hyperparameters(optimizers: list[torch.optim.Optimizer], groups: list[
     live_groups = [g for o in optimizers for g in o.param_groups]
     for live, saved in zip(live_groups, groups, strict=True):
         live.update((k, v) for k, v in saved.items() if k != "params")
+
+
+def _where(tensors: list[torch.Tensor]) -> set[tuple[Any, ...]]:
+    """The memory each (plain) tensor is: its storage address, shape, strides and dtype."""
+    return set(zip(map(_DATA_PTR, tensors), map(_SHAPE, tensors), map(_STRIDE, tensors), map(_DTYPE, tensors), strict=True))
 
 
 def _plain_loading(m: torch.nn.Module) -> bool:
