@@ -30,6 +30,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -45,6 +46,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--size-mb", type=float, default=None, help="state per rank, MB (default: the many-small state)")
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--saves", type=int, default=20)
+    p.add_argument("--threads", action="store_true", help="also the CPU of each thread of a rank, per save")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--dir", help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -96,6 +98,16 @@ def worker(args: argparse.Namespace) -> None:
         me = os.getpid()
         return stall.proc_cpu(me, children_too=False) - time.thread_time(), sum(stall.proc_cpu(p) for p in stall.descendants(me))
 
+    def per_thread() -> dict[str, float]:
+        """CPU seconds of each thread of this process, by its Python name (or native id)."""
+        names = {t.native_id: t.name for t in threading.enumerate()}
+        out = {}
+        for tid in os.listdir("/proc/self/task"):
+            on = stall.thread_sched(int(tid))[0]
+            if on == on:
+                out[names.get(int(tid), f"native-{tid}")] = on
+        return out
+
     root = Path(args.dir) / "ckpt"
     with ckpt.Checkpointer(
         str(root), model=model, optimizer=opt, interval=None, save_on_exit=False, handle_sigterm=False,
@@ -106,13 +118,14 @@ def worker(args: argparse.Namespace) -> None:
             cp.step_done()
             cp.wait()
         dist.barrier()
-        cpu0, copies0 = background_cpu(), stall._STAGING_COPY_CPU[0]
+        cpu0, copies0, threads0 = background_cpu(), stall._STAGING_COPY_CPU[0], per_thread()
         for _ in range(args.saves):
             cp.save()
             opt.step()  # waits for the copies (the optimizer pre-hook)
             cp.step_done()
             cp.wait()
         threads, children = ((b - a) / args.saves for a, b in zip(cpu0, background_cpu(), strict=True))
+        by_thread = {n: (t - threads0.get(n, 0.0)) / args.saves for n, t in per_thread().items()}
         cpu, copies = threads + children, (stall._STAGING_COPY_CPU[0] - copies0) / args.saves
         nbytes = cp.last_commit.costs.bytes
         # The control: the same loop without the saves. What the process's other threads spend
@@ -140,6 +153,9 @@ def worker(args: argparse.Namespace) -> None:
         f"= {beyond / floor:.2f} copies (the trainer's other threads {(threads - copies - idle) * 1e3:.1f} ms, "
         f"the writer process {children * 1e3:.1f} ms) (the floor's copy: {floor * 1e3:.1f} ms)"
     )
+    if args.threads:
+        busy = sorted(((v, n) for n, v in by_thread.items() if v >= 0.0002), reverse=True)
+        line += "\n  per save, by thread: " + ", ".join(f"{n} {v * 1e3:.1f} ms" for v, n in busy)
     (Path(args.dir) / f"rank{rank}.json").write_text(json.dumps({"line": line}))
     dist.destroy_process_group()
 
