@@ -105,7 +105,8 @@ def worker(args: argparse.Namespace) -> None:
         for tid in os.listdir("/proc/self/task"):
             on = stall.thread_sched(int(tid))[0]
             if on == on:
-                out[names.get(int(tid), f"native-{tid}")] = on
+                comm = Path(f"/proc/self/task/{tid}/comm").read_text().strip()
+                out[names.get(int(tid), f"{comm}-{tid}")] = on
         return out
 
     root = Path(args.dir) / "ckpt"
