@@ -73,7 +73,8 @@ class Manifest:
     def to_json(self) -> bytes:
         """The manifest as JSON: one line per field, and the files one per line. Built by hand
         and encoded by json's C encoder, line by line (`dataclasses.asdict` deep-copies every
-        value, and `indent=` falls back to the pure-Python encoder: ~4 ms a save together)."""
+        value, and `indent=` falls back to the pure-Python encoder: 0.39 against 0.13 ms for
+        two ranks' manifest here)."""
         lines = []
         for k, v in self.to_doc().items():
             if k == "files":
@@ -105,7 +106,7 @@ class Manifest:
     def signed_content(self) -> bytes:
         """What a signature covers: every field but the signature (each file's size and
         checksum too), as canonical JSON, the same for a manifest parsed back from its JSON."""
-        doc = json.loads(self.to_json())
+        doc = json.loads(self.to_json())  # as a reader sees it (keys as strings, tuples as lists)
         doc.pop("signature", None)
         return json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
 
