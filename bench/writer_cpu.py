@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import statistics
@@ -99,12 +100,13 @@ def worker(args: argparse.Namespace) -> None:
         return stall.proc_cpu(me, children_too=False) - time.thread_time(), sum(stall.proc_cpu(p) for p in stall.descendants(me))
 
     def per_thread() -> dict[str, float]:
-        """CPU seconds of each thread of this process, by its Python name (or native id)."""
+        """CPU seconds of each thread of this process, by its Python name (else the kernel's
+        name for it and its id); threads that ended meanwhile are left out."""
         names = {t.native_id: t.name for t in threading.enumerate()}
         out = {}
         for tid in os.listdir("/proc/self/task"):
             on = stall.thread_sched(int(tid))[0]
-            if on == on:
+            if not math.isnan(on):
                 comm = Path(f"/proc/self/task/{tid}/comm").read_text().strip()
                 out[names.get(int(tid), f"{comm}-{tid}")] = on
         return out
