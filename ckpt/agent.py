@@ -42,10 +42,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from . import __version__
 from ._faults import fault_point
 from .agent_config import Config, JsonFormatter
+from .checksum import Hasher
 from .errors import CheckpointError, InvalidCheckpoint
 from .manifest import FileEntry, Manifest
 from .metrics import failure_kind
 from .preempt import mtime_of
+from .redact import redact
 from .spool import (
     COMMITTED,
     DURABLE,
@@ -66,7 +68,7 @@ from .spool import (
     superseded,
     write_json,
 )
-from .storage import Hasher, Store, Transfer, redact
+from .storage import Store, Transfer
 
 log = logging.getLogger("ckpt.agent")
 

@@ -15,6 +15,7 @@ much longer stretches that, since nobody can call a collective alone.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 # The step time is a moving average: a save, an evaluation or a slow batch moves it a little.
@@ -54,6 +55,17 @@ class Agreement:
 
     def meets(self, step: int) -> bool:
         return step >= self.next_step
+
+    def at_step(
+        self, step: int, rank: int, group_max: Callable[[list[int]], list[int]], mine: Agreed, since_save_s: float, interval_s: float | None
+    ) -> Agreed | None:
+        """What every rank acts on at `step` of a run on several ranks, from what this one
+        knows (`mine`: its signal and its failed save; `save` unused) and the group's max;
+        None between meetings (nothing is acted on: it waits for the next one)."""
+        if not self.meets(step):
+            return None
+        proposal = self.propose(since_save_s, interval_s) if rank == 0 else [0, 0, 0]
+        return self.meet(step, group_max([int(mine.preempt), int(mine.failed), *proposal]))
 
     def propose(self, since_save_s: float, interval_s: float | None) -> list[int]:
         """Rank 0's part of a meeting: [save now, steps to the next meeting, whether it saves].

@@ -13,15 +13,17 @@ import contextlib
 import functools
 import logging
 import math
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, BinaryIO
 
+from .checksum import Hasher, checksum
 from .errors import InvalidCheckpoint, NotFound
 from .manifest import MANIFEST_NAME, METADATA_NAME, FileEntry, Manifest
-from .storage import Hasher, StepListing, Store, checksum, step_dir_name
+from .storage import StepListing, Store, step_dir_name
 
 if TYPE_CHECKING:
+    from .policy import Keep
     from .signing import SigningKey
 
 log = logging.getLogger(__name__)
@@ -364,6 +366,14 @@ def commit_order(entries: list[Entry]) -> list[int]:
     """Committed steps, oldest commit first (by the manifest's commit time, then step)."""
     done = [e for e in entries if e.state == COMMITTED and e.manifest is not None]
     return [e.step for e in sorted(done, key=lambda e: (e.manifest.created, e.step))]  # type: ignore[union-attr]
+
+
+def retired(entries: list[Entry], keep: Keep, *, in_flight: Collection[int] = (), protect: Collection[int] = ()) -> tuple[list[int], list[int]]:
+    """Of a scan's `entries`: the committed steps (oldest commit first) and the steps `keep`
+    lets go of, never one `in_flight` (handed off, not committed yet) or in `protect`."""
+    committed = commit_order(entries)
+    others = [e.step for e in entries if e.state != COMMITTED]
+    return committed, keep.to_delete(committed, others, in_flight=in_flight, protect=protect)
 
 
 def restore_candidates(

@@ -25,13 +25,13 @@ from torch.distributed.checkpoint.api import CheckpointException
 from . import catalog
 from ._faults import fault_point
 from ._gc import gc_paused
-from .agreement import Agreement
+from .agreement import Agreed, Agreement
 from .capture import TrainingState
 from .commit import Group, persist
 from .coordinator import Coordinator
 from .data import data_position
 from .errors import CheckpointError, SaveFailed, dcp_causes
-from .events import Event, History
+from .events import Event, History, error_gist
 from .handoff import Handoff
 from .lease import Lease, LeaseKeeper, take_for_job
 from .manifest import Manifest
@@ -42,8 +42,8 @@ from .resave import Resaver
 from .restore import restore, start_fresh
 from .signing import SigningKey
 from .stage import Copies, Stager, default_host_budget
-from .storage import Store, Transfer, redact, step_dir_name
-from .writer_proc import ProcessSink, ThreadSink
+from .storage import Store, Transfer, step_dir_name
+from .writer_proc import Sinks, ThreadSink
 
 log = logging.getLogger(__name__)
 
@@ -218,7 +218,6 @@ class Checkpointer:
         self._resaver = Resaver()
         self.overlap = overlap
         self.host_memory_budget = host_memory_budget if host_memory_budget is not None else default_host_budget()
-        self._warned_budget = False
         self._staged = threading.Event()  # set: no staging copy is pending
         self._staged.set()
         self._hooks: list[Any] = []
@@ -226,7 +225,7 @@ class Checkpointer:
         self.staging_wait_s = 0.0
         self.history = History(self.store, 1, enabled=False)  # the real one starts on enter
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
-        self._sinks: dict[str, ProcessSink | ThreadSink] = {}  # by the store's URL
+        self._sinks = Sinks(self.store, storage_options, timeout_s)
         self._inflight: concurrent.futures.Future[Manifest] | None = None
         self._preempt = Preemption(preempt_file)
         self._spool = spool
@@ -323,15 +322,12 @@ class Checkpointer:
         if self._ctrl.world > 1:
             # Every rank must save at the same step: rank 0's clock and any rank's signal or
             # failure are shared at meetings on steps known to all (ckpt.agreement).
-            if self._agree.meets(self._step):
-                mine = [int(preempt), int(failed), 0, 0, 0]
-                if self._ctrl.rank == 0:
-                    mine[2:] = self._agree.propose(now - self._last_save_time, self._interval_s())
-                agreed = self._agree.meet(self._step, self._ctrl.max(mine))
+            mine = Agreed(preempt, failed, False)
+            agreed = self._agree.at_step(self._step, self._ctrl.rank, self._ctrl.max, mine, now - self._last_save_time, self._interval_s())
+            if agreed is not None:
                 self.metrics.meetings.inc()
-                preempt, failed, by_time = agreed.preempt, agreed.failed, agreed.save
-            else:
-                preempt = failed = False  # acted on at the next meeting
+            # Between meetings nothing is acted on: it waits for the next one.
+            preempt, failed, by_time = (agreed.preempt, agreed.failed, agreed.save) if agreed else (False, False, False)
         else:
             interval_s = self._interval_s()
             by_time = interval_s is not None and now - self._last_save_time >= interval_s
@@ -361,7 +357,7 @@ class Checkpointer:
         """The node agent, if one serves this rank's spool. If any rank has one, all ranks
         commit its way (the last rank durable commits); ranks without write to the root."""
         handoff = Handoff.find(self._spool, self.store, self._io.rank, self._storage_options)
-        if self._ctrl.max([int(handoff is not None)])[0] and handoff is None:
+        if self._ctrl.any(handoff is not None) and handoff is None:
             handoff = Handoff(self.store, None, self._io.rank)
         if handoff is not None and handoff.spool is not None:
             self._preempt.watch(handoff.spool.notice_file)
@@ -397,7 +393,7 @@ class Checkpointer:
         """Is the previous save still writing on any rank? Asked of all ranks together, since
         each rank's background thread finishes at its own time."""
         busy = self._inflight is not None and not self._inflight.done()
-        return bool(self._ctrl.max([int(busy)])[0])
+        return self._ctrl.any(busy)
 
     def save(self, blocking: bool = False) -> None:
         """Checkpoint the current step now. Returns once the state is staged in host memory
@@ -446,22 +442,10 @@ class Checkpointer:
         copies that overlap the next forward and backward). No staging copy (None) when the
         state is over the host memory budget: the save streams from the live state."""
         state = self.state.capture(counters, self._io.rank)
-        need = self._stager.bytes_for(state)
-        # All ranks must agree to stream: a collective-free save mixes with no other.
-        stream = need > self.host_memory_budget and need > self._stager.bytes_staged
-        if self._ctrl.world > 1:
-            stream = bool(self._ctrl.max([int(stream)])[0])
-        if stream:
-            # Over budget: no host copy. The write streams from the live tensors item by item,
-            # and the loop waits for it (nothing may change them meanwhile).
-            if not self._warned_budget:
-                log.warning(
-                    "staging %.2f GB would exceed the host memory budget of %.2f GB: saving "
-                    "without a host copy, streaming from the live state; the loop waits for the write",
-                    need / 1e9,
-                    self.host_memory_budget / 1e9,
-                )
-                self._warned_budget = True
+        # IMPORTANT: all ranks agree to stream: a collective-free save mixes with no other.
+        if self._stager.over_budget(state, self.host_memory_budget, self._ctrl.any):
+            # No host copy: the write streams from the live tensors item by item, and the
+            # loop waits for it (nothing may change them meanwhile).
             return state, None
         staged, copies = self._stager.prepare(state, defer=self.state.deferrable() if self.overlap else _now)
         if self.overlap:
@@ -505,7 +489,7 @@ class Checkpointer:
         if exc_type is None or (exc_type is SystemExit and self._preempt.why):
             how, failure = (f"preempted ({self._preempt.why})" if self._preempt.why else "exited"), False
         else:
-            how, failure = f"error: {exc_type.__name__}: {_first_line(exc)}", True
+            how, failure = f"error: {exc_type.__name__}: {error_gist(exc)}", True
         clean = False  # left without an error, the last save included: the root is free
         try:
             if exc_type is None and self.save_on_exit:
@@ -529,9 +513,7 @@ class Checkpointer:
             self._preempt.stop()
             if self._pool is not None:
                 self._pool.shutdown(wait=True)
-            for sink in self._sinks.values():
-                sink.close()
-            self._sinks.clear()
+            self._sinks.close()
             # The groups are not destroyed here: a peer may still be reading the last message
             # of a collective, and gloo aborts that peer if the socket closes under it.
             # `dist.destroy_process_group()` frees them with the rest, as long as nothing else
@@ -555,7 +537,7 @@ class Checkpointer:
                 self.wait()
             except Exception as e:  # IMPORTANT: every rank reaches the max below, whatever failed
                 error = e
-            if not self._ctrl.max([int(self._failed_step == self._step)])[0]:
+            if not self._ctrl.any(self._failed_step == self._step):
                 if error is not None:
                     raise error
                 return
@@ -605,7 +587,7 @@ class Checkpointer:
                 self._io,
                 step,
                 staged,
-                sinks=ThreadSink if copies is None else self._writer,
+                sinks=ThreadSink if copies is None else functools.partial(self._sinks.open, shareable=self._stager.arena.shareable),
                 arenas=arenas,
                 resaver=self._resaver,
                 counters=counters,
@@ -656,37 +638,15 @@ class Checkpointer:
             return {"policy": "every", "steps": self.interval.steps, "seconds": self.interval.seconds}
         return {"policy": "auto" if isinstance(self.interval, Auto) else "none"}
 
-    def _writer(self, store: Store) -> ProcessSink | ThreadSink:
-        """The writer process for `store` (the root, or the node spool), started on the first
-        save there and again if it died."""
-        sink = self._sinks.get(store.url)
-        if isinstance(sink, ProcessSink) and not sink.alive:
-            sink.close()
-            sink = None
-        if sink is None:
-            mode = os.environ.get("CKPT_WRITER", "process")
-            if mode == "process" and self._stager.arena.shareable:
-                try:
-                    sink = ProcessSink(store, self._storage_options if store is self.store else None, self.timeout_s)
-                except Exception as e:  # unpicklable storage options, no fork, a store the child cannot open
-                    log.warning("cannot start the writer process (%s): writing in a thread of the trainer", redact(str(e)))
-            if sink is None:
-                sink = ThreadSink(store)
-            self._sinks[store.url] = sink
-        return sink
-
     def _apply_retention(self, just_committed: int) -> None:
         if self._lease is not None and self._lease.lost is not None:
             log.warning("retention skipped: the root is not this job's any more")  # nor its checkpoints
             return
         try:
-            entries = self._scans.scan(self.store)
-            committed = catalog.commit_order(entries)
-            others = [e.step for e in entries if e.state != catalog.COMMITTED]
             protect = {just_committed} | ({self.restored_step} if self.restored_step is not None else set())
             # Handed off to the node agent, not committed yet: never debris to delete.
             in_flight = self._handoff.pending if self._handoff is not None else ()
-            for step in self.keep.to_delete(committed, others, in_flight=in_flight, protect=protect):
+            for step in catalog.retired(self._scans.scan(self.store), self.keep, in_flight=in_flight, protect=protect)[1]:
                 log.info("retention: deleting %s", step_dir_name(step))
                 self.store.remove_step(step)
         except CheckpointError as e:  # retention is housekeeping: never fail a save for it
@@ -703,15 +663,6 @@ class Checkpointer:
             log.error("preempted at step %d without a checkpoint of it; exiting with status 1", self._step)
             raise SystemExit(1)
         raise SystemExit(self.preempt_exit_code)
-
-
-def _first_line(exc: BaseException) -> str:
-    """The gist of an error for the job's history: its first line, without a C++ source
-    location prefix (gloo's "[/path/pair.cc:537] "), without credentials, at most 200 chars."""
-    text = redact(str(exc)).strip().splitlines()[0] if str(exc).strip() else ""
-    if text.startswith("[") and "] " in text:
-        text = text.split("] ", 1)[1]
-    return text[:200]
 
 
 def _now(path: Any, tensor: Any) -> bool:

@@ -19,7 +19,8 @@ from . import catalog, cli_tools
 from .errors import CheckpointError, InvalidCheckpoint
 from .manifest import METADATA_NAME
 from .policy import Keep
-from .storage import Store, Transfer, redact, step_dir_name
+from .redact import redact
+from .storage import Store, Transfer, step_dir_name
 
 EXIT_OK, EXIT_INVALID, EXIT_USAGE = 0, 1, 2
 # An admin command on an unreachable store says so in seconds, not after a trainer's patience.
@@ -445,10 +446,7 @@ def cmd_rm(store: Store, args: argparse.Namespace) -> int:
 def cmd_gc(store: Store, args: argparse.Namespace) -> int:
     _require_root(store)
     keep = Keep(last=args.keep_last, every_steps=args.keep_every)
-    entries = catalog.scan(store)
-    committed = catalog.commit_order(entries)
-    others = [e.step for e in entries if e.state != catalog.COMMITTED]
-    doomed = keep.to_delete(committed, others)
+    committed, doomed = catalog.retired(catalog.scan(store), keep)
     for step in doomed:
         if not args.dry_run:
             store.remove_step(step)

@@ -117,6 +117,10 @@ class Group:
         need = 1 << (n + 8 - 1).bit_length()
         self.gather_bytes = need if need <= _GATHER_MAX else 0
 
+    def any(self, flag: bool) -> bool:
+        """Did any rank say yes (a collective: all ranks call it)."""
+        return bool(self.max([int(flag)])[0])
+
     def max(self, values: list[int]) -> list[int]:
         """Element-wise maximum over ranks: "did any rank say yes"."""
         if self.pg is None:
@@ -305,7 +309,7 @@ def _hand_off(handoff: Handoff, target: Store, group: Group, rel: str, save_id: 
         why = f"rank {group.rank}: {type(e).__name__}: {e}"
         log.warning("handing off %s failed: %s", rel, why)
     fault_point("after_handoff", group.rank, manifest.step)
-    if group.max([int(bool(why))])[0]:
+    if group.any(bool(why)):
         handoff.cancel(save_id)  # it can never commit: nobody waits for it
         raise SaveFailed(f"hand-off of {rel} failed: {why or 'on another rank'}")
 

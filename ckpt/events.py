@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from .errors import CheckpointError
+from .redact import redact
 from .storage import EVENTS_DIR, Store
 
 log = logging.getLogger(__name__)
@@ -201,3 +202,12 @@ class History:
 def _log_failure(fut: concurrent.futures.Future[None]) -> None:
     if fut.exception() is not None:
         log.warning("could not write to the job's history: %s", fut.exception())
+
+
+def error_gist(exc: BaseException) -> str:
+    """The gist of an error for the job's history: its first line, without a C++ source
+    location prefix (gloo's "[/path/pair.cc:537] "), without credentials, at most 200 chars."""
+    text = redact(str(exc)).strip().splitlines()[0] if str(exc).strip() else ""
+    if text.startswith("[") and "] " in text:
+        text = text.split("] ", 1)[1]
+    return text[:200]

@@ -29,8 +29,9 @@ import mmap
 import os
 from collections.abc import Iterable, Mapping
 
+from .checksum import Hasher, block_size, checksum
 from .manifest import FileEntry
-from .storage import Hasher, Store, block_size, checksum, storage_errors
+from .storage import Store, storage_errors
 
 #: A piece of a file: literal bytes, or (segment id, offset, length) of the staging arena.
 Piece = bytes | tuple[int, int, int]

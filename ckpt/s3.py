@@ -32,7 +32,8 @@ from s3fs import S3FileSystem
 from s3fs.core import S3_RETRYABLE_ERRORS
 
 from .errors import NotFound, StorageError
-from .storage import MiB, Transfer, redact
+from .redact import redact
+from .storage import MiB, Transfer
 
 logger = logging.getLogger(__name__)
 # IMPORTANT: the jitter's own generator: drawing from `random`'s global one would move the

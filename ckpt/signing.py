@@ -17,7 +17,7 @@ import hmac
 import os
 
 from .manifest import Manifest
-from .storage import remember_secrets
+from .redact import remember_secrets
 
 ALG = "hmac-sha256"
 KEY_FILE_ENV = "CKPT_SIGNING_KEY_FILE"

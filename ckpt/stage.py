@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import logging
 import os
 from collections.abc import Callable
 from typing import Any
@@ -24,6 +25,8 @@ from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.tensor import DTensor
 
 from .arena import Arena
+
+log = logging.getLogger(__name__)
 
 Path = tuple[Any, ...]
 # Subtrees that capture hands back as the very same dict while nothing in them was replaced
@@ -42,10 +45,27 @@ class Stager:
         self.pinned_arena = Arena(pin=True)
         self._memo: dict[Path, _Memo] = {}
         self._now: list[Pair] | None = None
+        self._warned_budget = False
 
     @property
     def arenas(self) -> list[Arena]:
         return [self.arena, self.pinned_arena]
+
+    def over_budget(self, state: Any, budget: int, agree: Callable[[bool], bool]) -> bool:
+        """Whether a save of `state` must stream from the live state: staging it would take
+        more than `budget` bytes of host memory (beyond what is staged already, on any rank
+        as `agree` says: a collective). Said once."""
+        need = self.bytes_for(state)
+        stream = agree(need > budget and need > self.bytes_staged)
+        if stream and not self._warned_budget:
+            log.warning(
+                "staging %.2f GB would exceed the host memory budget of %.2f GB: saving "
+                "without a host copy, streaming from the live state; the loop waits for the write",
+                need / 1e9,
+                budget / 1e9,
+            )
+            self._warned_budget = True
+        return stream
 
     def stage(self, state: Any) -> Any:
         """A copy of `state` whose tensors live in (reused) host memory, made now."""

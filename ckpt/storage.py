@@ -1,6 +1,6 @@
 """The root: where checkpoints live, reached through fsspec (local paths, s3://, gs://, ...).
 
-It owns the layout of DESIGN.md (`<root>/step-<N:010d>/`, `<root>/events/`), checksums, the
+It owns the layout of DESIGN.md (`<root>/step-<N:010d>/`, `<root>/events/`), the
 atomic put used for commits (rename on a filesystem, a single PUT on an object store), and
 the translation of backend errors into ckpt errors: an unreachable or forbidden root is a
 StorageError, never "no checkpoint".
@@ -19,19 +19,18 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, BinaryIO
 
 import fsspec
-import xxhash
 from fsspec.implementations.local import LocalFileSystem
 
 from ._faults import fault_point
+from .checksum import checksum
 from .errors import CheckpointError, NotFound, StorageError
-from .manifest import FileEntry
+from .redact import redact, redact_request_logs, remember_secrets
 
 if TYPE_CHECKING:
     from .s3 import S3Transfers
 
 log = logging.getLogger(__name__)
 
-CHECKSUM_ALGO = "xxh3_64"
 MiB = 1 << 20
 STEP_DIR = re.compile(r"^step-(\d{10})$")
 EVENTS_DIR = "events"
@@ -41,159 +40,6 @@ def step_dir_name(step: int) -> str:
     if not isinstance(step, int) or step < 0:
         raise ValueError(f"a step is a non-negative integer, not {step!r}")
     return f"step-{step:010d}"
-
-
-_SECRET_PATTERNS = [
-    # user:password@ in a URL, or as a backend quotes it without the scheme
-    (re.compile(r"(?<=://)[^/\s]*@|[^\s/@'\":]+:[^\s/'\"]*@(?=[\w.-]+)"), "***@"),
-    # presigned-URL and token query parameters
-    (re.compile(r"(?i)([?&](?:x-amz-signature|x-amz-credential|x-amz-security-token|signature|sig|token|access_token|key)=)[^&\s\"']+"), r"\1***"),
-    (re.compile(r"(?i)(bearer\s+)[\w.~+/=-]+"), r"\1***"),
-    # secret=..., "password": "...", api_key: ...
-    # (a header dict's value may be bytes: b'...', as botocore logs a request it sends)
-    (re.compile(r"(?i)((?:secret|token|password|passwd|api[_-]?key|access[_-]?key|signature|credential)s?[\"']?\s*[=:]\s*(?:b?[\"'])?)[^\s\"',}&]+"), r"\1***"),
-]
-_SECRET_ENV = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_ACCESS_KEY_ID", "CKPT_SIGNING_KEY")
-# Storage options whose values are credentials (s3fs' key/secret/token, Azure's account_key
-# and sas_token, client_kwargs' aws_*), by their names.
-_SECRET_OPTION = re.compile(r"(?i)secret|token|password|passwd|key|credential|signature|sas")
-_KNOWN_SECRETS: set[str] = set()  # credentials this process was given: masked like the environment's
-
-
-def remember_secrets(options: Any) -> None:
-    """Have `redact` mask the credentials among `options` (storage options, nested too)."""
-    for k, v in (options or {}).items() if isinstance(options, dict) else ():
-        if isinstance(v, dict):
-            remember_secrets(v)
-        elif isinstance(v, str) and len(v) >= 4 and _SECRET_OPTION.search(str(k)):
-            _KNOWN_SECRETS.add(v)
-
-
-def redact(text: str) -> str:
-    """`text` (a URL, an error message) with credentials masked, safe to log or store:
-    `user:password@` parts, signature and token parameters, bearer tokens, `secret=...`
-    pairs, the values of the credential variables of this process's environment and the
-    credentials it was given (`remember_secrets`)."""
-    out = str(text)
-    for value in [os.environ.get(name) for name in _SECRET_ENV] + sorted(_KNOWN_SECRETS, key=len, reverse=True):
-        if value and len(value) >= 4:
-            out = out.replace(value, "***")
-    for pattern, repl in _SECRET_PATTERNS:
-        out = pattern.sub(repl, out)
-    return out
-
-
-# The S3 stack's loggers that print whole requests at DEBUG (headers with the session token
-# and the access key): their records are masked before any handler sees them.
-_REQUEST_LOGGERS = ("botocore.auth", "botocore.endpoint", "aiobotocore.endpoint", "botocore.credentials", "aiobotocore.credentials", "botocore.parsers", "s3fs")
-
-
-class _RedactRecords(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        text = record.getMessage()
-        masked = redact(text)
-        if masked != text:
-            record.msg, record.args = masked, None
-        return True
-
-
-def redact_request_logs() -> None:
-    """Mask credentials in what the S3 stack logs (only records that are emitted pay)."""
-    for name in _REQUEST_LOGGERS:
-        logger = logging.getLogger(name)
-        if not any(isinstance(f, _RedactRecords) for f in logger.filters):
-            logger.addFilter(_RedactRecords())
-
-
-# A data file's checksum is kept per block too, so that a restore which needs a few items of
-# another rank's file (a replicated scalar, one side of a reshard) reads and verifies only the
-# blocks holding them. A file has at most BLOCKS_MAX blocks of a power of two bytes, at least
-# BLOCK_MIN; a file of up to two of those has one checksum over all of it.
-BLOCKS_ALGO = "xxh3_64-blocks"  # the xxh3-64 of the block checksums (8 bytes each, in order)
-BLOCK_MIN = 1 << 20
-BLOCKS_MAX = 64
-
-
-def block_size(total: int) -> int:
-    """Bytes per checksummed block of a file of `total` bytes; 0: one checksum for all of it."""
-    if total <= 2 * BLOCK_MIN:
-        return 0
-    block = BLOCK_MIN
-    while block * BLOCKS_MAX < total:
-        block *= 2
-    return block
-
-
-def blocks_digest(blocks: list[str]) -> str:
-    """A blocked file's checksum, from its block checksums (hex)."""
-    return f"{BLOCKS_ALGO}:{xxhash.xxh3_64(b''.join(bytes.fromhex(b) for b in blocks)).hexdigest()}"
-
-
-class Hasher:
-    """Running checksum of the bytes that pass through it: one over all of them, or with
-    `block`, one per block of that many bytes (`blocks`, hex) and the checksum of those.
-    `on_block(index, hex)` is called as each block completes."""
-
-    def __init__(self, block: int = 0, on_block: Callable[[int, str], None] | None = None) -> None:
-        self._h = xxhash.xxh3_64()
-        self.size = 0
-        self.block = block
-        self.blocks: list[str] = []
-        self._on_block = on_block
-        self._in_block = 0  # bytes of the current block hashed
-
-    def update(self, data: bytes | bytearray | memoryview) -> None:
-        n = len(data)
-        if not self.block or self._in_block + n < self.block:  # most pieces: within a block
-            self._h.update(data)
-            self.size += n
-            self._in_block += n if self.block else 0
-            return
-        view = data if isinstance(data, memoryview) else memoryview(data)
-        while len(view):
-            n = min(len(view), self.block - self._in_block)
-            self._h.update(view[:n])
-            self._in_block += n
-            self.size += n
-            view = view[n:]
-            if self._in_block == self.block:
-                self.end_block()
-
-    def end_block(self) -> None:
-        """Close the current block (the last of a file may be short); nothing if it is empty."""
-        if self.block and self._in_block:
-            digest = self._h.hexdigest()
-            self.blocks.append(digest)
-            self._h.reset()
-            self._in_block = 0
-            if self._on_block is not None:
-                self._on_block(len(self.blocks) - 1, digest)
-
-    def jump(self, index: int) -> None:
-        """Hash from the start of block `index` on (a reader that skips whole blocks)."""
-        if not self.block or self._in_block or index < len(self.blocks):
-            raise ValueError("a jump goes forward to the start of a block")
-        self.blocks += [""] * (index - len(self.blocks))
-        self.size = index * self.block
-
-    def hexdigest(self) -> str:
-        if not self.block:
-            return f"{CHECKSUM_ALGO}:{self._h.hexdigest()}"
-        self.end_block()
-        return blocks_digest(self.blocks)
-
-    def entry(self, rank: int) -> FileEntry:
-        """The manifest's record of the file that passed through (all of it)."""
-        digest = self.hexdigest()
-        return FileEntry(self.size, digest, rank, self.block, tuple(self.blocks))
-
-
-def checksum(data: bytes | memoryview, block: int = 0) -> str:
-    if not block:
-        return f"{CHECKSUM_ALGO}:{xxhash.xxh3_64(data).hexdigest()}"
-    hasher = Hasher(block)
-    hasher.update(data)
-    return hasher.hexdigest()
 
 
 @contextlib.contextmanager

@@ -31,6 +31,7 @@ from ._faults import fault_point
 from .errors import SaveFailed, StorageError
 from .filewrite import Fixed, Piece, Prefixes, piece_len
 from .manifest import FileEntry
+from .redact import redact
 from .storage import Store
 
 log = logging.getLogger(__name__)
@@ -188,6 +189,46 @@ class ProcessSink:
         except subprocess.TimeoutExpired:
             return "still running"
         return f"killed by signal {-rc}" if rc < 0 else f"exit status {rc}"
+
+
+class Sinks:
+    """A rank's sinks, one per store (its root, or the node spool): a writer process started on
+    the first save there and again if it died; a thread of the trainer where no process can
+    be (`CKPT_WRITER=thread`, an arena that cannot be shared, a child that cannot start)."""
+
+    def __init__(self, root: Store, storage_options: dict[str, Any] | None, timeout_s: float) -> None:
+        self._root, self._options, self._timeout_s = root, storage_options, timeout_s
+        self._sinks: dict[str, ProcessSink | ThreadSink] = {}  # by the store's URL
+
+    def open(self, store: Store, shareable: bool) -> ProcessSink | ThreadSink:
+        """The sink for `store`, started if need be; `shareable`: the staging arena can be
+        handed to a process."""
+        sink = self._sinks.get(store.url)
+        if isinstance(sink, ProcessSink) and not sink.alive:
+            sink.close()
+            sink = None
+        if sink is None:
+            if shareable and os.environ.get("CKPT_WRITER", "process") == "process":
+                try:
+                    sink = ProcessSink(store, self._options if store is self._root else None, self._timeout_s)
+                except Exception as e:  # unpicklable storage options, no fork, a store the child cannot open
+                    log.warning("cannot start the writer process (%s): writing in a thread of the trainer", redact(str(e)))
+            if sink is None:
+                sink = ThreadSink(store)
+            self._sinks[store.url] = sink
+        return sink
+
+    def get(self, url: str) -> ProcessSink | ThreadSink | None:
+        """The sink started for the store at `url`, if any."""
+        return self._sinks.get(url)
+
+    def values(self) -> list[ProcessSink | ThreadSink]:
+        return list(self._sinks.values())
+
+    def close(self) -> None:
+        for sink in self._sinks.values():
+            sink.close()
+        self._sinks.clear()
 
 
 def _send(sock: socket.socket, payload: bytes, fds: Sequence[int] = ()) -> None:

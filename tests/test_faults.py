@@ -495,7 +495,7 @@ def test_metadata_rewritten_with_a_matching_manifest_is_still_never_run(root_5_1
     import subprocess
     import sys
 
-    from ckpt.storage import checksum
+    from ckpt.checksum import checksum
 
     root, seen = root_5_10
     marker = tmp_path / "PWNED"

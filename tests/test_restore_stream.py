@@ -30,10 +30,11 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadIte
 
 import ckpt
 from ckpt import catalog, dcp_io, tensor_blob
+from ckpt.checksum import checksum
 from ckpt.dcp_io import SafeLoadPlanner, make_reader
 from ckpt.errors import InvalidCheckpoint
 from ckpt.manifest import MANIFEST_NAME, METADATA_NAME, FileEntry, Manifest
-from ckpt.storage import Store, checksum, step_dir_name
+from ckpt.storage import Store, step_dir_name
 
 DATA = "__0_0.distcp"
 
@@ -570,7 +571,7 @@ def test_a_blocked_file_cut_short_or_grown_is_caught(tmp_path):
 def test_a_partial_read_verifies_every_block_it_touched_and_nothing_past_the_manifests_size():
     """VerifyingReader on its own, over 3.5 blocks: peeks, mid-block skips and the short last
     block are all checked; a skipped block is not read; bytes past the recorded size fail."""
-    from ckpt.storage import Hasher
+    from ckpt.checksum import Hasher
 
     B = 1 << 20
     good = os.urandom(3 * B + B // 2)

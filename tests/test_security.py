@@ -477,7 +477,7 @@ def test_request_headers_logged_as_bytes_are_masked_whoever_gave_the_credentials
     """botocore logs the requests it sends with bytes header values; credentials from an
     instance role or ~/.aws are in neither the environment nor the storage options, so only
     the patterns can mask them."""
-    from ckpt.storage import redact
+    from ckpt.redact import redact
 
     line = ("Sending http request: <AWSPreparedRequest headers={'X-Amz-Security-Token': b'IQoJb3JpZ2luX2VjTOKENVALUE', "
             "'Authorization': b'AWS4-HMAC-SHA256 Credential=AKIAROLEKEY/20261130/us-east-1/s3/aws4_request, Signature=abcdef0123'}>")

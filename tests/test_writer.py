@@ -130,8 +130,8 @@ def test_a_layout_written_again_from_its_gathered_prefix_is_the_file_written_pie
 
 @pytest.mark.parametrize("where", FILESYSTEMS)
 def test_a_whole_file_image_writes_its_bytes_again_and_again_without_the_page_cache(tmp_path, where):
+    from ckpt.checksum import checksum
     from ckpt.filewrite import Image
-    from ckpt.storage import checksum
 
     root = tmp_path if where == "tmp_path" else Path(where)
     data = os.urandom(3 * MB + 1234)  # not a whole number of pages: the tail is written buffered
