@@ -57,15 +57,15 @@ class Agreement:
         return step >= self.next_step
 
     def at_step(
-        self, step: int, rank: int, group_max: Callable[[list[int]], list[int]], mine: Agreed, since_save_s: float, interval_s: float | None
+        self, step: int, rank: int, group_max: Callable[[list[int]], list[int]], preempt: bool, failed: bool, since_save_s: float, interval_s: float | None
     ) -> Agreed | None:
-        """What every rank acts on at `step` of a run on several ranks, from what this one
-        knows (`mine`: its signal and its failed save; `save` unused) and the group's max;
-        None between meetings (nothing is acted on: it waits for the next one)."""
+        """What every rank of a run on several acts on at `step`: from this rank's `preempt`
+        (a signal reached it) and `failed` (its background save failed), rank 0's proposal
+        and the group's max over them; None between meetings (nothing is acted on then)."""
         if not self.meets(step):
             return None
         proposal = self.propose(since_save_s, interval_s) if rank == 0 else [0, 0, 0]
-        return self.meet(step, group_max([int(mine.preempt), int(mine.failed), *proposal]))
+        return self.meet(step, group_max([int(preempt), int(failed), *proposal]))
 
     def propose(self, since_save_s: float, interval_s: float | None) -> list[int]:
         """Rank 0's part of a meeting: [save now, steps to the next meeting, whether it saves].

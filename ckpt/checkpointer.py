@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from . import catalog
 from ._faults import fault_point
 from ._gc import gc_paused
-from .agreement import Agreed, Agreement
+from .agreement import Agreement
 from .capture import TrainingState
 from .commit import Group, persist
 from .coordinator import Coordinator
@@ -322,8 +322,7 @@ class Checkpointer:
         if self._ctrl.world > 1:
             # Every rank must save at the same step: rank 0's clock and any rank's signal or
             # failure are shared at meetings on steps known to all (ckpt.agreement).
-            mine = Agreed(preempt, failed, False)
-            agreed = self._agree.at_step(self._step, self._ctrl.rank, self._ctrl.max, mine, now - self._last_save_time, self._interval_s())
+            agreed = self._agree.at_step(self._step, self._ctrl.rank, self._ctrl.max, preempt, failed, now - self._last_save_time, self._interval_s())
             if agreed is not None:
                 self.metrics.meetings.inc()
             # Between meetings nothing is acted on: it waits for the next one.
