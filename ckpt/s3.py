@@ -1,6 +1,6 @@
 """Moving bytes to and from S3: parallel multipart uploads and reads ahead with ranged GETs,
 every request retried with exponential backoff and jitter when it failed for a transient
-reason, and only then.
+reason, and only then (`ckpt.s3_retry`).
 
 `Store` uses this for s3:// roots; other fsspec backends keep fsspec's own files. Requests go
 through s3fs's async client on fsspec's I/O loop, but on a client of our own whose botocore
@@ -18,97 +18,30 @@ import contextlib
 import io
 import logging
 import os
-import random
-import re
 import threading
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, TypeVar
 
-import aiohttp
 from botocore.exceptions import ClientError
-from botocore.exceptions import ConnectionError as BotoConnectionError
 from fsspec.asyn import sync
 from s3fs import S3FileSystem
-from s3fs.core import S3_RETRYABLE_ERRORS
 
 from .errors import NotFound, StorageError
-from .redact import redact
+from .s3_retry import (
+    GaveUp,
+    ShortRead,
+    botocore_error,
+    describe,
+    is_code,
+    tried,
+)
 from .storage import MiB, Transfer
 
 logger = logging.getLogger(__name__)
-# IMPORTANT: the jitter's own generator: drawing from `random`'s global one would move the
-# training loop's Python RNG stream, which a checkpoint saves and a resume must continue exactly.
-_JITTER = random.Random()
 T = TypeVar("T")
 
 MAX_PARTS = 10_000  # S3's limit for one multipart upload
 KEEP_FROM = 1 * MiB  # smaller pieces are copied: a reference per tiny header costs more
-
-# Error codes that mean "try again" (botocore's standard retry mode lists the same ones).
-_TRANSIENT_CODES = frozenset(
-    {
-        "RequestTimeout", "RequestTimeoutException", "PriorRequestNotComplete",
-        "InternalError", "ServiceUnavailable", "SlowDown", "Throttling", "ThrottlingException",
-        "ThrottledException", "RequestThrottled", "RequestThrottledException",
-        "TooManyRequestsException", "RequestLimitExceeded", "BandwidthLimitExceeded",
-        "XAmzContentSHA256Mismatch",
-    }
-)  # fmt: skip
-
-
-class _ShortRead(Exception):
-    """A GET ended before the bytes it announced: the connection broke mid-body."""
-
-
-_TRANSIENT_TYPES = (
-    *S3_RETRYABLE_ERRORS,  # timeouts, dropped connections, unparsable throttling replies
-    BotoConnectionError,  # refused, unreachable
-    aiohttp.ClientConnectionError,
-    aiohttp.ClientPayloadError,
-    ConnectionError,
-    TimeoutError,
-    asyncio.TimeoutError,
-    _ShortRead,
-)
-
-
-def is_transient(e: BaseException) -> bool:
-    """Whether a failed request may succeed when sent again: HTTP 5xx and 429, throttling,
-    timeouts, resets and refused connections; not a refusal (AccessDenied) or a missing bucket."""
-    err = _botocore_error(e)
-    if isinstance(err, ClientError):
-        status = err.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0
-        return (
-            status >= 500
-            or status == 429
-            or err.response.get("Error", {}).get("Code") in _TRANSIENT_CODES
-        )
-    return isinstance(err, _TRANSIENT_TYPES)
-
-
-def _botocore_error(e: BaseException) -> BaseException:
-    """s3fs turns a ClientError into an OSError whose cause is the original; that one says more."""
-    return e.__cause__ if isinstance(e.__cause__, ClientError) else e
-
-
-def _is_code(e: BaseException | None, *codes: str) -> bool:
-    err = _botocore_error(e) if e is not None else None
-    return isinstance(err, ClientError) and (
-        err.response.get("Error", {}).get("Code") in codes
-        or str(err.response.get("ResponseMetadata", {}).get("HTTPStatusCode")) in codes
-    )
-
-
-def _describe(e: BaseException) -> str:
-    err = _botocore_error(e)
-    text = re.sub(r" \(reached max retries: \d+\)", "", str(err))  # botocore's, which are off
-    return f"{type(err).__name__}: {redact(text)}"
-
-
-def backoff_s(cfg: Transfer, attempt: int) -> float:
-    """The wait before try `attempt + 1`: drawn below a bound that doubles with each try."""
-    return _JITTER.uniform(0, min(cfg.max_backoff_s, cfg.backoff_s * 2 ** (attempt - 1)))
-
 
 # A process's S3 file systems, one per set of options. A new one makes a botocore client on
 # its first request, which costs 80-300 ms (moto on loopback; more across a network): paid
@@ -150,30 +83,6 @@ class RetriedFS(S3FileSystem):
             raise e.error from e.error.__cause__  # as s3fs raised it: FileNotFoundError stays one
 
 
-class GaveUp(Exception):
-    """The last failure of a request `tried` gave up on, and how many tries it took."""
-
-    def __init__(self, error: Exception, attempts: int) -> None:
-        super().__init__(str(error))
-        self.error, self.attempts = error, attempts
-
-
-async def tried(cfg: Transfer, what: str, request: Callable[[], Awaitable[T]]) -> T:
-    """`request()`, sent again after a transient failure (with `backoff_s`), at most
-    `cfg.attempts` times; GaveUp with the last failure otherwise."""
-    attempt = 1
-    while True:
-        try:
-            return await request()
-        except Exception as e:
-            if attempt >= cfg.attempts or not is_transient(e):
-                raise GaveUp(e, attempt) from e
-            delay = backoff_s(cfg, attempt)
-            logger.info("%s: %s; attempt %d of %d in %.2f s", what, _describe(e), attempt + 1, cfg.attempts, delay)
-            await asyncio.sleep(delay)
-            attempt += 1
-
-
 class _OneTry(S3FileSystem):
     retries = 1  # s3fs's own loop around each call: one pass (a class attribute survives pickling)
 
@@ -201,7 +110,7 @@ class S3Transfers:
             return await tried(self.config, what, request)
         except GaveUp as e:
             tries = f" (gave up after {e.attempts} attempts)" if e.attempts > 1 else ""
-            raise StorageError(f"{what}: {_describe(e.error)}{tries}") from e.error
+            raise StorageError(f"{what}: {describe(e.error)}{tries}") from e.error
 
     def call(self, what: str, method: str, **kwargs: Any) -> Any:
         """One S3 request with retries, from synchronous code."""
@@ -217,7 +126,7 @@ class S3Transfers:
         try:
             resp = self.call(f"writing {where}", "put_object", Bucket=bucket, Key=key, Body=data, **condition)
         except StorageError as e:
-            if _is_code(e.__cause__, "PreconditionFailed", "412", "ConditionalRequestConflict", "409"):
+            if is_code(e.__cause__, "PreconditionFailed", "412", "ConditionalRequestConflict", "409"):
                 return None
             raise
         return str(resp["ETag"])
@@ -247,11 +156,11 @@ class S3Transfers:
             try:
                 resp = await self.fs._call_s3("get_object", Bucket=bucket, Key=key, **ranged)
             except FileNotFoundError as e:
-                if _is_code(e, "NoSuchKey") or not isinstance(_botocore_error(e), ClientError):
+                if is_code(e, "NoSuchKey") or not isinstance(botocore_error(e), ClientError):
                     return _MISSING  # not an exception: fsspec's sync raises one that is returned
                 raise  # no such bucket: never "no such object"
             except OSError as e:
-                if ranged and _is_code(e, "InvalidRange", "416"):
+                if ranged and is_code(e, "InvalidRange", "416"):
                     return b"", ""  # an empty object has no byte 0
                 raise
             try:
@@ -262,7 +171,7 @@ class S3Transfers:
             finally:
                 resp["Body"].close()
             if len(data) != total:
-                raise _ShortRead(f"{len(data)} of {total} bytes")
+                raise ShortRead(f"{len(data)} of {total} bytes")
             return data, resp["ETag"]
 
         return self.run(self.retry, f"reading {where}", once)
@@ -421,7 +330,7 @@ class Upload(io.RawIOBase):
             )  # fmt: skip
         except StorageError as e:
             # A retried completion whose first try went through finds no upload any more.
-            if not _is_code(e.__cause__, "NoSuchUpload") or self._stored_size() != self._size:
+            if not is_code(e.__cause__, "NoSuchUpload") or self._stored_size() != self._size:
                 raise
         self._upload_id = None
 
@@ -532,7 +441,7 @@ class Reader(_Stream):
         try:
             head = t.call(f"reading {where}", "head_object", Bucket=self._bucket, Key=self._key)
         except StorageError as e:
-            if isinstance(e.__cause__, FileNotFoundError) or _is_code(
+            if isinstance(e.__cause__, FileNotFoundError) or is_code(
                 e.__cause__, "404", "NoSuchKey"
             ):
                 raise NotFound(f"{where} does not exist") from e.__cause__
@@ -634,7 +543,7 @@ class Reader(_Stream):
             finally:
                 resp["Body"].close()
             if len(data) != end - start:
-                raise _ShortRead(f"{len(data)} of {end - start} bytes")
+                raise ShortRead(f"{len(data)} of {end - start} bytes")
             return data
 
         return await self._t.retry(f"reading {self._where} (bytes {start}-{end - 1})", once)
