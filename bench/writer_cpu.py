@@ -15,6 +15,9 @@ the same loop without saves (the control, run afterwards: gloo's threads serving
 optimizer step's DTensors, 8-10 ms a step with 10,004 of them), what is left (the writer:
 file writes, checksums, collectives, manifest, `.metadata`, retention), and that in units of
 the floor: one `copy_` of every tensor of the state into preallocated buffers, timed afterwards.
+A second control, two seconds of sleep, gives what the process's threads cost by the second
+with nothing to do (gloo's loop threads, one per process group, wake every 10 ms): a save that
+lasts longer than a step is charged that much more above, and a last line takes it off.
 
 In `bench/stall.py` the same background work runs while training steps run on the same two
 cores, and its CPU time there reads higher (two busy threads per core slow each other down).
@@ -122,11 +125,13 @@ def worker(args: argparse.Namespace) -> None:
             cp.wait()
         dist.barrier()
         cpu0, copies0, threads0 = background_cpu(), stall._STAGING_COPY_CPU[0], per_thread()
+        began = time.perf_counter()
         for _ in range(args.saves):
             cp.save()
             opt.step()  # waits for the copies (the optimizer pre-hook)
             cp.step_done()
             cp.wait()
+        save_s = (time.perf_counter() - began) / args.saves
         threads, children = ((b - a) / args.saves for a, b in zip(cpu0, background_cpu(), strict=True))
         by_thread = {n: (t - threads0.get(n, 0.0)) / args.saves for n, t in per_thread().items()}
         cpu, copies = threads + children, (stall._STAGING_COPY_CPU[0] - copies0) / args.saves
@@ -135,10 +140,19 @@ def worker(args: argparse.Namespace) -> None:
         # then (gloo's, serving the optimizer step's DTensors; ckpt's idle lease and event
         # threads) is not the saves' and is taken off.
         dist.barrier()
-        idle0 = background_cpu()
+        idle0, began = background_cpu(), time.perf_counter()
         for _ in range(args.saves):
             opt.step()
+        step_s = (time.perf_counter() - began) / args.saves
         idle = sum(b - a for a, b in zip(idle0, background_cpu(), strict=True)) / args.saves
+        # What those threads cost by the second with nothing to do (gloo's loop threads wake
+        # every 10 ms, one per process group): a cost of having the groups at all, which a
+        # save that lasts longer than a step is charged for above.
+        dist.barrier()
+        quiet0, began = background_cpu(), time.perf_counter()
+        time.sleep(2.0)
+        per_s = sum(b - a for a, b in zip(quiet0, background_cpu(), strict=True)) / (time.perf_counter() - began)
+        always_on = per_s * max(0.0, save_s - step_s)
     leaves = stall.tensor_leaves(dict(zip(("model", "optim"), get_state_dict(model, opt), strict=True)))
     bufs = [torch.empty_like(t) for t in leaves]
     floors = []
@@ -154,7 +168,10 @@ def worker(args: argparse.Namespace) -> None:
         f"background CPU {cpu * 1e3:.1f} ms, of which the staging copy {copies * 1e3:.1f} ms and "
         f"{idle * 1e3:.1f} ms spent as much without saves; the writer beyond them {beyond * 1e3:.1f} ms "
         f"= {beyond / floor:.2f} copies (the trainer's other threads {(threads - copies - idle) * 1e3:.1f} ms, "
-        f"the writer process {children * 1e3:.1f} ms) (the floor's copy: {floor * 1e3:.1f} ms)"
+        f"the writer process {children * 1e3:.1f} ms) (the floor's copy: {floor * 1e3:.1f} ms)\n"
+        f"  the process's idle threads take {per_s * 1e3:.1f} ms of CPU per second doing nothing; over the "
+        f"{save_s * 1e3:.0f} ms a save lasts (a step alone {step_s * 1e3:.0f} ms) that is {always_on * 1e3:.1f} ms of the above: "
+        f"net of it, the writer {(beyond - always_on) * 1e3:.1f} ms = {(beyond - always_on) / floor:.2f} copies"
     )
     if args.threads:
         busy = sorted(((v, n) for n, v in by_thread.items() if v >= 0.0002), reverse=True)
