@@ -20,11 +20,11 @@ from typing import TYPE_CHECKING, BinaryIO
 from .checksum import Hasher, checksum
 from .errors import InvalidCheckpoint, NotFound
 from .manifest import MANIFEST_NAME, METADATA_NAME, FileEntry, Manifest
+from .signing import BAD, UNSIGNED, SigningKey
 from .storage import StepListing, Store, step_dir_name
 
 if TYPE_CHECKING:
     from .policy import Keep
-    from .signing import SigningKey
 
 log = logging.getLogger(__name__)
 
@@ -334,16 +334,17 @@ class Scans:
     def __init__(self) -> None:
         self._committed: dict[int, tuple[StepListing, Entry]] = {}
 
-    def scan(self, store: Store) -> list[Entry]:
-        """What `scan(store)` returns."""
+    def scan(self, store: Store, key: SigningKey | None = None) -> list[Entry]:
+        """What `scan(store, key=key)` returns (the same key at every call)."""
         listings = [lst for _, lst in sorted(store.scan().items())]
         fresh = [lst for lst in listings if not self._unchanged(lst)]
-        inspected = dict(zip((lst.step for lst in fresh), _inspect_all(store, fresh), strict=True))
+        inspected = dict(zip((lst.step for lst in fresh), _inspect_all(store, fresh, key=key), strict=True))
         entries = [inspected[lst.step] if lst.step in inspected else self._committed[lst.step][1] for lst in listings]
         self._committed = {
             lst.step: (lst, e)
             for lst, e in zip(listings, entries, strict=True)
-            if e.state == COMMITTED and lst.manifest_mtime is not None  # no write time: no way to tell a rewrite
+            # no write time: no way to tell a rewrite
+            if (e.state == COMMITTED or untrusted(e)) and lst.manifest_mtime is not None
         }
         return entries
 
@@ -368,11 +369,20 @@ def commit_order(entries: list[Entry]) -> list[int]:
     return [e.step for e in sorted(done, key=lambda e: (e.manifest.created, e.step))]  # type: ignore[union-attr]
 
 
+def untrusted(entry: Entry) -> bool:
+    """Scanned with a signing key, a checkpoint not signed with it (unsigned, or another key's
+    or tampered with): never restored, and never counted as committed nor deleted as debris
+    by retention (it may be a run's from before a key rotation, or planted)."""
+    return entry.signature in (UNSIGNED, BAD)
+
+
 def retired(entries: list[Entry], keep: Keep, *, in_flight: Collection[int] = (), protect: Collection[int] = ()) -> tuple[list[int], list[int]]:
     """Of a scan's `entries`: the committed steps (oldest commit first) and the steps `keep`
-    lets go of, never one `in_flight` (handed off, not committed yet) or in `protect`."""
+    lets go of, never one `in_flight` (handed off, not committed yet) or in `protect`.
+    IMPORTANT: with a key, only trusted checkpoints count: an untrusted one dated in the future
+    would otherwise be "the newest" and push the last trusted ones out."""
     committed = commit_order(entries)
-    others = [e.step for e in entries if e.state != COMMITTED]
+    others = [e.step for e in entries if e.state != COMMITTED and not untrusted(e)]
     return committed, keep.to_delete(committed, others, in_flight=in_flight, protect=protect)
 
 

@@ -128,7 +128,8 @@ class Checkpointer:
             ``CKPT_SIGNING_KEY``, else no signing. With a key, restore trusts only checkpoints
             signed with it: an unsigned or wrongly signed one is passed over (saying why) for
             the one before, and if none is trusted the restore fails (``RestoreFailed``), never
-            a silent fresh start. A node agent commits the signed draft and never sees the
+            a silent fresh start. Retention (``keep``) then counts only signed checkpoints and
+            leaves the others alone. A node agent commits the signed draft and never sees the
             key; the key is never logged or stored. See ``ckpt.signing``.
         lease: one job per root (``ckpt.Lease(ttl_s=60, takeover=False)``; None: no lease).
             Rank 0 takes ``<root>/lease.json`` on enter, before anything there is read or
@@ -645,7 +646,7 @@ class Checkpointer:
             protect = {just_committed} | ({self.restored_step} if self.restored_step is not None else set())
             # Handed off to the node agent, not committed yet: never debris to delete.
             in_flight = self._handoff.pending if self._handoff is not None else ()
-            for step in catalog.retired(self._scans.scan(self.store), self.keep, in_flight=in_flight, protect=protect)[1]:
+            for step in catalog.retired(self._scans.scan(self.store, self._signing_key), self.keep, in_flight=in_flight, protect=protect)[1]:
                 log.info("retention: deleting %s", step_dir_name(step))
                 self.store.remove_step(step)
         except CheckpointError as e:  # retention is housekeeping: never fail a save for it

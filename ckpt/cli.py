@@ -20,6 +20,7 @@ from .errors import CheckpointError, InvalidCheckpoint
 from .manifest import METADATA_NAME
 from .policy import Keep
 from .redact import redact
+from .signing import SigningKey
 from .storage import Store, Transfer, step_dir_name
 
 EXIT_OK, EXIT_INVALID, EXIT_USAGE = 0, 1, 2
@@ -114,6 +115,11 @@ def _parser() -> argparse.ArgumentParser:
     gc.add_argument("--keep-last", type=int, required=True)
     gc.add_argument("--keep-every", type=int, help="also keep steps that are multiples of this")
     gc.add_argument("--dry-run", action="store_true")
+    gc.add_argument(
+        "--signing-key-file",
+        help="count only checkpoints signed with the key in this file (default: CKPT_SIGNING_KEY_FILE, "
+        "else CKPT_SIGNING_KEY); the others are left alone, neither kept in the count nor deleted",
+    )
     gc.set_defaults(func=cmd_gc)
     events = sub.add_parser("events", parents=[common], help="the job's runs, restarts and failures")
     events.add_argument("--json", action="store_true")
@@ -398,10 +404,13 @@ def inventory(metadata_blob: bytes) -> list[dict[str, Any]]:
     return out
 
 
-def cmd_verify(store: Store, args: argparse.Namespace) -> int:
-    from .signing import SigningKey
+def _signing_key(args: argparse.Namespace) -> SigningKey | None:
+    """--signing-key-file's key, else the environment's (CKPT_SIGNING_KEY_FILE, CKPT_SIGNING_KEY)."""
+    return SigningKey.from_file(args.signing_key_file) if args.signing_key_file else SigningKey.resolve()
 
-    key = SigningKey.from_file(args.signing_key_file) if args.signing_key_file else SigningKey.resolve()
+
+def cmd_verify(store: Store, args: argparse.Namespace) -> int:
+    key = _signing_key(args)
     _require_root(store)
     if args.step is not None:
         listing = store.list_step(args.step)
@@ -446,7 +455,11 @@ def cmd_rm(store: Store, args: argparse.Namespace) -> int:
 def cmd_gc(store: Store, args: argparse.Namespace) -> int:
     _require_root(store)
     keep = Keep(last=args.keep_last, every_steps=args.keep_every)
-    committed, doomed = catalog.retired(catalog.scan(store), keep)
+    entries = catalog.scan(store, key=_signing_key(args))
+    committed, doomed = catalog.retired(entries, keep)
+    for e in entries:
+        if catalog.untrusted(e):
+            print(f"left alone (not counted, not deleted): {e.problem}")
     for step in doomed:
         if not args.dry_run:
             store.remove_step(step)

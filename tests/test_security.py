@@ -12,6 +12,7 @@ import contextlib
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -53,7 +54,7 @@ def train(root: Path | str, steps: int, *, key: str | None = None, restore: str 
     model = torch.nn.Linear(8, 4)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with ckpt.Checkpointer(
-        str(root), model=model, optimizer=opt, interval=ckpt.Every(steps=1), keep=ckpt.Keep(last=100),
+        str(root), model=model, optimizer=opt, interval=ckpt.Every(steps=1), keep=kw.pop("keep", ckpt.Keep(last=100)),
         restore=restore, signing_key=key, **kw,
     ) as cp:
         for _ in range(cp.step, steps):
@@ -165,6 +166,46 @@ def test_a_signature_survives_json_and_a_copy_but_not_a_change(tmp_path):
     assert SigningKey(OTHER_KEY).check(parsed)[0] == "BAD"
     with pytest.raises(InvalidCheckpoint, match="signature"):
         Manifest.from_json(json.dumps({**json.loads(m.to_json()), "signature": "x"}).encode())
+
+
+def _plant_unsigned(root: Path, like: int, step: int) -> dict:
+    """A copy of checkpoint `like` as step `step`, unsigned and dated an hour ahead: the newest
+    commit by its manifest, as someone with write access to the root could make it."""
+    shutil.copytree(root / step_dir(like), root / step_dir(step))
+    doc = manifest_doc(root, like)
+    del doc["signature"]
+    doc["step"], doc["created"] = step, doc["created"] + 3600
+    write_manifest(root, step, doc)
+    return doc
+
+
+def test_with_a_key_retention_counts_only_trusted_checkpoints_and_leaves_the_others_alone(tmp_path):
+    root = tmp_path / "root"
+    train(root, 2, key=KEY)
+    planted = _plant_unsigned(root, like=2, step=50)
+    cp = train(root, 5, key=KEY, keep=ckpt.Keep(last=2))
+    # Restored the newest trusted one (50 is passed over), then kept the two newest trusted and
+    # the restored one. Counting the planted one as the newest would have deleted step 4.
+    assert cp.restored_step == 2
+    assert sorted(p.name for p in root.glob("step-*")) == [step_dir(s) for s in (2, 4, 5, 50)]
+    assert manifest_doc(root, 50) == planted  # neither counted nor deleted
+
+
+def test_ckpt_gc_with_a_key_keeps_the_newest_trusted_and_leaves_the_untrusted_alone(tmp_path):
+    root = tmp_path / "root"
+    train(root, 4, key=KEY)
+    shutil.rmtree(root / step_dir(2))
+    _plant_unsigned(root, like=1, step=2)  # below the newest step, dated after it
+    keyless = cli("gc", str(root), "--keep-last", "1", "--dry-run")  # signatures unchecked
+    assert f"would delete {root}/{step_dir(4)}" in keyless.stdout, keyless.stdout + keyless.stderr  # every trusted one
+    key_file = tmp_path / "key"
+    key_file.write_text(KEY)
+    r = cli("gc", str(root), "--keep-last", "1", "--signing-key-file", str(key_file))
+    assert r.returncode == 0, r.stdout + r.stderr
+    # Not debris either, though below the newest commit: it may be a run's from before a key rotation.
+    assert sorted(p.name for p in root.glob("step-*")) == [step_dir(2), step_dir(4)]
+    assert f"left alone (not counted, not deleted): {root}/{step_dir(2)}: unsigned" in r.stdout
+    assert KEY not in r.stdout + r.stderr
 
 
 def test_ckpt_verify_reports_signed_ok_bad_and_unsigned_and_fails_on_untrusted(tmp_path):
