@@ -32,8 +32,8 @@ class Agreed:
 
 
 class Agreement:
-    """The meetings of one run. Every rank calls `meets` each step, then `meet` with the
-    group's max when it says so; rank 0 also calls `tick` each step."""
+    """The meetings of one run. Every rank calls `at_step` each step (or `meets`, then `meet`
+    with the group's max when it says so); rank 0 also calls `tick` each step."""
 
     def __init__(self, every_s: float) -> None:
         if not every_s > 0:

@@ -128,8 +128,8 @@ class Checkpointer:
             ``CKPT_SIGNING_KEY``, else no signing. With a key, restore trusts only checkpoints
             signed with it: an unsigned or wrongly signed one is passed over (saying why) for
             the one before, and if none is trusted the restore fails (``RestoreFailed``), never
-            a silent fresh start. Retention (``keep``) then counts only signed checkpoints and
-            leaves the others alone. A node agent commits the signed draft and never sees the
+            a silent fresh start. Retention (``keep``) then counts only checkpoints signed with
+            it and leaves those signed otherwise or not at all alone. A node agent commits the signed draft and never sees the
             key; the key is never logged or stored. See ``ckpt.signing``.
         lease: one job per root (``ckpt.Lease(ttl_s=60, takeover=False)``; None: no lease).
             Rank 0 takes ``<root>/lease.json`` on enter, before anything there is read or
@@ -226,7 +226,7 @@ class Checkpointer:
         self.staging_wait_s = 0.0
         self.history = History(self.store, 1, enabled=False)  # the real one starts on enter
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
-        self._sinks = Sinks(self.store, storage_options, timeout_s)
+        self._sinks = Sinks(self.store, storage_options)
         self._inflight: concurrent.futures.Future[Manifest] | None = None
         self._preempt = Preemption(preempt_file)
         self._spool = spool
@@ -587,7 +587,7 @@ class Checkpointer:
                 self._io,
                 step,
                 staged,
-                sinks=ThreadSink if copies is None else functools.partial(self._sinks.open, shareable=self._stager.arena.shareable),
+                sinks=ThreadSink if copies is None else functools.partial(self._sinks.open, shareable=self._stager.arena.shareable, timeout_s=self.timeout_s),
                 arenas=arenas,
                 resaver=self._resaver,
                 counters=counters,

@@ -109,6 +109,7 @@ def _parser() -> argparse.ArgumentParser:
     rm = sub.add_parser("rm", parents=[common], help="delete one checkpoint")
     rm.add_argument("--step", type=cli_tools.step_arg, required=True)
     rm.add_argument("--force", action="store_true", help="allow deleting the newest committed one")
+    rm.add_argument("--signing-key-file", help="with a key (default: the environment's, as for verify), the newest one signed with it is the one protected")
     rm.set_defaults(func=cmd_rm)
 
     gc = sub.add_parser("gc", parents=[common], help="apply retention")
@@ -440,9 +441,9 @@ def cmd_rm(store: Store, args: argparse.Namespace) -> int:
     listing = store.list_step(args.step)
     if listing is None:
         raise catalog.NotFound(f"no checkpoint at step {args.step} under {store.display}")
-    entries = catalog.scan(store)
-    committed = [e.step for e in entries if e.state == catalog.COMMITTED]
-    if committed and args.step == max(committed) and not args.force:
+    # Newest by commit time, as a restore picks it; with a key, the newest signed with it.
+    committed = catalog.commit_order(catalog.scan(store, key=_signing_key(args)))
+    if committed and args.step == committed[-1] and not args.force:
         raise ValueError(
             f"step {args.step} is the newest committed checkpoint; a restart would lose it. "
             "Pass --force to delete it anyway."
@@ -455,11 +456,18 @@ def cmd_rm(store: Store, args: argparse.Namespace) -> int:
 def cmd_gc(store: Store, args: argparse.Namespace) -> int:
     _require_root(store)
     keep = Keep(last=args.keep_last, every_steps=args.keep_every)
-    entries = catalog.scan(store, key=_signing_key(args))
+    key = _signing_key(args)
+    entries = catalog.scan(store, key=key)
     committed, doomed = catalog.retired(entries, keep)
     for e in entries:
         if catalog.untrusted(e):
             print(f"left alone (not counted, not deleted): {e.problem}")
+    if key is None and any(e.manifest is not None and e.manifest.signature for e in entries):
+        print(
+            "ckpt: note: this root holds signed checkpoints but no signing key was given: unsigned "
+            "ones count as any other (pass --signing-key-file to count only the signed)",
+            file=sys.stderr,
+        )
     for step in doomed:
         if not args.dry_run:
             store.remove_step(step)

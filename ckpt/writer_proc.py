@@ -196,13 +196,13 @@ class Sinks:
     the first save there and again if it died; a thread of the trainer where no process can
     be (`CKPT_WRITER=thread`, an arena that cannot be shared, a child that cannot start)."""
 
-    def __init__(self, root: Store, storage_options: dict[str, Any] | None, timeout_s: float) -> None:
-        self._root, self._options, self._timeout_s = root, storage_options, timeout_s
+    def __init__(self, root: Store, storage_options: dict[str, Any] | None) -> None:
+        self._root, self._options = root, storage_options
         self._sinks: dict[str, ProcessSink | ThreadSink] = {}  # by the store's URL
 
-    def open(self, store: Store, shareable: bool) -> ProcessSink | ThreadSink:
-        """The sink for `store`, started if need be; `shareable`: the staging arena can be
-        handed to a process."""
+    def open(self, store: Store, shareable: bool, timeout_s: float) -> ProcessSink | ThreadSink:
+        """The sink for `store`, started if need be (a process's requests give up after
+        `timeout_s`); `shareable`: the staging arena can be handed to a process."""
         sink = self._sinks.get(store.url)
         if isinstance(sink, ProcessSink) and not sink.alive:
             sink.close()
@@ -210,7 +210,7 @@ class Sinks:
         if sink is None:
             if shareable and os.environ.get("CKPT_WRITER", "process") == "process":
                 try:
-                    sink = ProcessSink(store, self._options if store is self._root else None, self._timeout_s)
+                    sink = ProcessSink(store, self._options if store is self._root else None, timeout_s)
                 except Exception as e:  # unpicklable storage options, no fork, a store the child cannot open
                     log.warning("cannot start the writer process (%s): writing in a thread of the trainer", redact(str(e)))
             if sink is None:

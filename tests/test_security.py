@@ -198,6 +198,7 @@ def test_ckpt_gc_with_a_key_keeps_the_newest_trusted_and_leaves_the_untrusted_al
     _plant_unsigned(root, like=1, step=2)  # below the newest step, dated after it
     keyless = cli("gc", str(root), "--keep-last", "1", "--dry-run")  # signatures unchecked
     assert f"would delete {root}/{step_dir(4)}" in keyless.stdout, keyless.stdout + keyless.stderr  # every trusted one
+    assert "holds signed checkpoints but no signing key was given" in keyless.stderr
     key_file = tmp_path / "key"
     key_file.write_text(KEY)
     r = cli("gc", str(root), "--keep-last", "1", "--signing-key-file", str(key_file))
@@ -205,7 +206,13 @@ def test_ckpt_gc_with_a_key_keeps_the_newest_trusted_and_leaves_the_untrusted_al
     # Not debris either, though below the newest commit: it may be a run's from before a key rotation.
     assert sorted(p.name for p in root.glob("step-*")) == [step_dir(2), step_dir(4)]
     assert f"left alone (not counted, not deleted): {root}/{step_dir(2)}: unsigned" in r.stdout
-    assert KEY not in r.stdout + r.stderr
+    # `rm` with the key protects the newest signed one, not the newest by date.
+    refused = cli("rm", str(root), "--step", "4", "--signing-key-file", str(key_file))
+    assert "newest committed checkpoint" in one_line_error(refused)
+    gone = cli("rm", str(root), "--step", "2", env={"CKPT_SIGNING_KEY_FILE": str(key_file)})
+    assert gone.returncode == 0 and sorted(p.name for p in root.glob("step-*")) == [step_dir(4)], gone.stderr
+    for out in (r, refused, gone):
+        assert KEY not in out.stdout + out.stderr
 
 
 def test_ckpt_verify_reports_signed_ok_bad_and_unsigned_and_fails_on_untrusted(tmp_path):
