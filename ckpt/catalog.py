@@ -327,9 +327,10 @@ def scan(store: Store, *, metadata: bool = False, deep: bool = False, key: Signi
 
 class Scans:
     """`scan` again and again (a job's retention, after every save), reading only what changed:
-    a step directory committed (or, with a key, untrusted) at the last scan whose listing is the
-    same (every file's name and size, the manifest's write time) is not inspected again. Keeping a thousand
-    checkpoints then costs one listing per save, not a thousand manifest reads."""
+    a step directory committed (or, with a key, untrusted) at the last scan whose listing is
+    the same (every file's name and size, the manifest's write time) is not inspected again.
+    Keeping a thousand checkpoints then costs one listing per save, not a thousand manifest
+    reads."""
 
     def __init__(self) -> None:
         self._committed: dict[int, tuple[StepListing, Entry]] = {}

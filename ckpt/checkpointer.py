@@ -129,8 +129,9 @@ class Checkpointer:
             signed with it: an unsigned or wrongly signed one is passed over (saying why) for
             the one before, and if none is trusted the restore fails (``RestoreFailed``), never
             a silent fresh start. Retention (``keep``) then counts only checkpoints signed with
-            it and leaves those signed otherwise or not at all alone. A node agent commits the signed draft and never sees the
-            key; the key is never logged or stored. See ``ckpt.signing``.
+            it and leaves those signed otherwise or not at all alone. A node agent commits the
+            signed draft and never sees the key; the key is never logged or stored. See
+            ``ckpt.signing``.
         lease: one job per root (``ckpt.Lease(ttl_s=60, takeover=False)``; None: no lease).
             Rank 0 takes ``<root>/lease.json`` on enter, before anything there is read or
             written; if another live job holds it, every rank raises ``ckpt.LeaseHeld``
@@ -323,10 +324,12 @@ class Checkpointer:
         if self._ctrl.world > 1:
             # Every rank must save at the same step: rank 0's clock and any rank's signal or
             # failure are shared at meetings on steps known to all (ckpt.agreement).
-            agreed = self._agree.at_step(self._step, self._ctrl.rank, self._ctrl.max, preempt, failed, now - self._last_save_time, self._interval_s())
-            if agreed is not None:
+            # Between meetings nothing is acted on (it waits for the next one), and a step
+            # pays one comparison: the rest is worked out only at a meeting.
+            agreed = None
+            if self._agree.meets(self._step):
+                agreed = self._agree.at_step(self._step, self._ctrl.rank, self._ctrl.max, preempt, failed, now - self._last_save_time, self._interval_s())
                 self.metrics.meetings.inc()
-            # Between meetings nothing is acted on: it waits for the next one.
             preempt, failed, by_time = (agreed.preempt, agreed.failed, agreed.save) if agreed else (False, False, False)
         else:
             interval_s = self._interval_s()
