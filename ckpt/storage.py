@@ -147,8 +147,11 @@ class Store:
         root = os.fspath(root)
         self.url = root
         remember_secrets(storage_options)
+        # The root's URL as it may be logged (no credentials): worked out once, as the secrets
+        # it could hold are known by now (a save names the root in ten error contexts).
+        self.display = redact(root)
         redact_request_logs()
-        with storage_errors(f"opening root {redact(root)}"):
+        with storage_errors(f"opening root {self.display}"):
             protocol = fsspec.utils.get_protocol(root)
             options = dict(storage_options or {})
             if protocol in ("s3", "s3a"):
@@ -181,11 +184,6 @@ class Store:
 
     def __repr__(self) -> str:
         return f"Store({self.display!r})"
-
-    @property
-    def display(self) -> str:
-        """The root's URL as it may be logged (no credentials)."""
-        return redact(self.url)
 
     # -- paths ------------------------------------------------------------------------------
     def path(self, *parts: str) -> str:
@@ -286,9 +284,17 @@ class Store:
                 with self.open_read(rel) as f:  # a large file: parallel ranged GETs
                     return f.read()
             try:
-                return self.fs.cat_file(self.path(rel))
+                return self._cat(self.path(rel))
             except FileNotFoundError as e:
                 raise NotFound(f"{self.display}/{rel} does not exist") from e
+
+    def _cat(self, path: str) -> bytes:
+        """A whole file of a root that is not S3's (a local one without fsspec's layers: a
+        save reads the lease and the previous `.metadata` this way)."""
+        if self.is_local:
+            with open(path, "rb") as f:
+                return f.read()
+        return self.fs.cat_file(path)
 
     @contextlib.contextmanager
     def open_read(self, rel: str, ranges: list[tuple[int, int]] | None = None) -> Iterator[BinaryIO]:
@@ -376,7 +382,7 @@ class Store:
                 return None if got is None else Tagged(*got)
             self.fs.invalidate_cache()
             try:
-                data = self.fs.cat_file(path)
+                data = self._cat(path)
             except FileNotFoundError:
                 return None
             return Tagged(data, checksum(data))
