@@ -453,5 +453,5 @@ def find(store: Store, step: int | None, key: SigningKey | None = None) -> Entry
         raise NotFound(f"no checkpoint at step {step} under {store.display}")
     entry = inspect(store, listings[step], metadata=True, key=key)
     if entry.state != COMMITTED:
-        raise InvalidCheckpoint(f"step {step} is {entry.state}: {entry.problem}")
+        raise InvalidCheckpoint(f"step {step} is {'untrusted' if untrusted(entry) else entry.state}: {entry.problem}")
     return entry

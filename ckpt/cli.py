@@ -88,39 +88,35 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("agent", help="run the node daemon: uploads, spool, metrics (ckpt agent --help)", add_help=False)
     ls = sub.add_parser("ls", parents=[common], help="list checkpoints")
     ls.add_argument("--json", action="store_true")
+    _key_option(ls, "check signatures with the key in this file (default: the environment's, as for verify): a column says which checkpoints are signed with it")
     ls.set_defaults(func=cmd_ls)
 
     show = sub.add_parser("show", parents=[common], help="manifest and tensor inventory")
     show.add_argument("--step", type=cli_tools.step_arg, help="default: the newest committed")
     show.add_argument("--json", action="store_true")
+    _key_option(show, "with a key (default: the environment's, as for verify), only a checkpoint signed with it is shown (by default the newest such)")
     show.set_defaults(func=cmd_show)
 
     verify = sub.add_parser("verify", parents=[common], help="check files against manifests")
     verify.add_argument("--step", type=cli_tools.step_arg, help="default: every checkpoint")
     verify.add_argument("--deep", action="store_true", help="check every checksum, not only sizes")
     verify.add_argument("--json", action="store_true")
-    verify.add_argument(
-        "--signing-key-file",
-        help="check signatures with the key in this file (default: CKPT_SIGNING_KEY_FILE, else "
-        "CKPT_SIGNING_KEY); with a key, an unsigned or wrongly signed checkpoint fails",
-    )
+    _key_option(verify, "check signatures with the key in this file (default: CKPT_SIGNING_KEY_FILE, else "
+                "CKPT_SIGNING_KEY); with a key, an unsigned or wrongly signed checkpoint fails")
     verify.set_defaults(func=cmd_verify)
 
     rm = sub.add_parser("rm", parents=[common], help="delete one checkpoint")
     rm.add_argument("--step", type=cli_tools.step_arg, required=True)
     rm.add_argument("--force", action="store_true", help="allow deleting the newest committed one")
-    rm.add_argument("--signing-key-file", help="with a key (default: the environment's, as for verify), the newest one signed with it is the one protected")
+    _key_option(rm, "with a key (default: the environment's, as for verify), the newest one signed with it is the one protected")
     rm.set_defaults(func=cmd_rm)
 
     gc = sub.add_parser("gc", parents=[common], help="apply retention")
     gc.add_argument("--keep-last", type=int, required=True)
     gc.add_argument("--keep-every", type=int, help="also keep steps that are multiples of this")
     gc.add_argument("--dry-run", action="store_true")
-    gc.add_argument(
-        "--signing-key-file",
-        help="count only checkpoints signed with the key in this file (default: CKPT_SIGNING_KEY_FILE, "
-        "else CKPT_SIGNING_KEY); the others are left alone, neither kept in the count nor deleted",
-    )
+    _key_option(gc, "count only checkpoints signed with the key in this file (default: CKPT_SIGNING_KEY_FILE, "
+                "else CKPT_SIGNING_KEY); the others are left alone, neither kept in the count nor deleted")
     gc.set_defaults(func=cmd_gc)
     events = sub.add_parser("events", parents=[common], help="the job's runs, restarts and failures")
     events.add_argument("--json", action="store_true")
@@ -219,7 +215,21 @@ def _entry_doc(e: catalog.Entry) -> dict[str, Any]:
         "bytes": m.total_bytes if m else e.bytes_on_store,
         "world_size": m.world_size if m else None,
         "problem": e.problem,
+        # Checked with a key: "signed-ok", "unsigned" or "BAD"; without one, None.
+        "signature": e.signature,
+        # Whose signature the manifest carries (whether or not it was checked).
+        "signed_key_id": (m.signature or {}).get("key_id") if m else None,
     }
+
+
+def _signature_cell(e: catalog.Entry, key: SigningKey | None) -> str:
+    """ls's SIGNATURE column: the check with a key; without one, whose signature it carries."""
+    if e.manifest is None:
+        return "-"
+    if key is not None:
+        return e.signature or "-"  # no check: the manifest could not be read
+    kid = (e.manifest.signature or {}).get("key_id")
+    return f"key {kid}, unchecked" if kid else "unsigned"
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -319,16 +329,23 @@ def _dur(s: float) -> str:
 
 
 def cmd_ls(store: Store, args: argparse.Namespace) -> int:
+    key = _signing_key(args)
     _require_root(store)
-    docs = [_entry_doc(e) for e in catalog.scan(store)]
+    entries = catalog.scan(store, key=key)
     if args.json:
-        _emit_json(docs)
+        _emit_json([_entry_doc(e) for e in entries])
         return EXIT_OK
     rows = [
-        [str(d["step"]), _when(d["time"]), human_bytes(d["bytes"]), str(d["world_size"] or "-"), d["state"]]
-        for d in docs
-    ]
-    _table(rows, ["STEP", "TIME", "SIZE", "WORLD", "STATE"])
+        [str(d["step"]), _when(d["time"]), human_bytes(d["bytes"]), str(d["world_size"] or "-"),
+         "untrusted" if catalog.untrusted(e) else d["state"]]
+        for e, d in ((e, _entry_doc(e)) for e in entries)
+    ]  # fmt: skip
+    head = ["STEP", "TIME", "SIZE", "WORLD", "STATE"]
+    # The column only where signatures mean something: a key given, or a signed manifest.
+    if key is not None or any(e.manifest is not None and e.manifest.signature for e in entries):
+        rows = [[*row, _signature_cell(e, key)] for row, e in zip(rows, entries, strict=True)]
+        head.append("SIGNATURE")
+    _table(rows, head)
     held = _lease_line(store)
     if held:
         print(f"lease: {held}")
@@ -350,7 +367,8 @@ def _lease_line(store: Store) -> str | None:
 def cmd_show(store: Store, args: argparse.Namespace) -> int:
     from .dcp_io import read_verified
 
-    entry = catalog.find(store, args.step)
+    key = _signing_key(args)
+    entry = catalog.find(store, args.step, key)
     m = entry.manifest
     assert m is not None
     tensors = inventory(read_verified(store, entry.dir, METADATA_NAME, m))
@@ -360,6 +378,11 @@ def cmd_show(store: Store, args: argparse.Namespace) -> int:
     print(f"{store.display}/{entry.dir}")
     print(f"  step {m.step}, world size {m.world_size}, committed {_when(m.created)}")
     print(f"  {len(m.files)} files, {human_bytes(m.total_bytes)}")
+    kid = (m.signature or {}).get("key_id")
+    if key is not None:  # found with the key: signed with it
+        print(f"  signature: signed-ok (key {key.key_id})")
+    else:
+        print(f"  signature: {f'key {kid}, not checked (no key given)' if kid else 'unsigned'}")
     print(
         f"  save: blocked {m.costs.blocking_s * 1e3:.1f} ms, persisted in {m.costs.persist_s:.2f} s"
     )
@@ -405,6 +428,10 @@ def inventory(metadata_blob: bytes) -> list[dict[str, Any]]:
     return out
 
 
+def _key_option(parser: argparse.ArgumentParser, help: str) -> None:
+    parser.add_argument("--signing-key-file", help=help)
+
+
 def _signing_key(args: argparse.Namespace) -> SigningKey | None:
     """--signing-key-file's key, else the environment's (CKPT_SIGNING_KEY_FILE, CKPT_SIGNING_KEY)."""
     return SigningKey.from_file(args.signing_key_file) if args.signing_key_file else SigningKey.resolve()
@@ -424,7 +451,7 @@ def cmd_verify(store: Store, args: argparse.Namespace) -> int:
     # A directory without a manifest newer than the newest commit may be a save in flight.
     failed = [e for e in entries if e.state == catalog.CORRUPT or (e.state == catalog.INCOMPLETE and args.step is not None)]
     if args.json:
-        docs = [{**_entry_doc(e), "signature": e.signature} for e in entries]
+        docs = [_entry_doc(e) for e in entries]
         _emit_json({"ok": not failed, "deep": args.deep, "signing_key_id": key.key_id if key else None, "checkpoints": docs})
     else:
         for e in entries:

@@ -244,6 +244,40 @@ def test_ckpt_verify_reports_signed_ok_bad_and_unsigned_and_fails_on_untrusted(t
         assert KEY not in r.stdout + r.stderr
 
 
+def test_ckpt_ls_and_show_say_whose_signature_a_checkpoint_carries_and_with_a_key_whether_it_holds(tmp_path):
+    root = tmp_path / "root"
+    train(root, 2, key=KEY)
+    train(root, 3)  # step 3 unsigned
+    key_file = tmp_path / "key"
+    key_file.write_text(KEY)
+    kid = SigningKey(KEY).key_id
+    keyless = cli("ls", str(root))
+    assert keyless.returncode == 0, keyless.stderr
+    rows = {line.split()[0]: line for line in keyless.stdout.splitlines()[1:] if line.strip() and line.split()[0].isdigit()}
+    assert "SIGNATURE" in keyless.stdout.splitlines()[0]
+    assert rows["2"].endswith(f"key {kid}, unchecked") and rows["3"].endswith("unsigned"), keyless.stdout
+    keyed = cli("ls", str(root), "--signing-key-file", str(key_file))
+    rows = {line.split()[0]: line for line in keyed.stdout.splitlines()[1:] if line.strip() and line.split()[0].isdigit()}
+    assert "committed" in rows["2"] and rows["2"].endswith("signed-ok"), keyed.stdout
+    assert "untrusted" in rows["3"] and rows["3"].endswith("unsigned"), keyed.stdout
+    docs = {d["step"]: d for d in json.loads(cli("ls", str(root), "--json", env={"CKPT_SIGNING_KEY": KEY}).stdout)}
+    assert (docs[2]["signature"], docs[2]["signed_key_id"], docs[3]["signature"], docs[3]["signed_key_id"]) == ("signed-ok", kid, "unsigned", None)
+    assert {d["signature"] for d in json.loads(cli("ls", str(root), "--json").stdout)} == {None}  # not checked without a key
+    # `show`: without a key the newest by commit (unsigned step 3); with one, the newest signed.
+    assert "signature: unsigned" in cli("show", str(root)).stdout
+    assert f"signature: key {kid}, not checked (no key given)" in cli("show", str(root), "--step", "2").stdout
+    shown = cli("show", str(root), "--signing-key-file", str(key_file))
+    assert shown.returncode == 0 and f"{step_dir(2)}\n" in shown.stdout and f"signature: signed-ok (key {kid})" in shown.stdout, shown.stdout + shown.stderr
+    refused = cli("show", str(root), "--step", "3", "--signing-key-file", str(key_file))
+    assert "step 3 is untrusted: " in one_line_error(refused, rc=1) and "not trusted" in refused.stderr
+    # A root with no signed checkpoint and no key lists as it always did.
+    plain = tmp_path / "plain"
+    train(plain, 1)
+    assert "SIGNATURE" not in cli("ls", str(plain)).stdout
+    for r in (keyless, keyed, shown, refused):
+        assert KEY not in r.stdout + r.stderr
+
+
 @pytest.mark.slow
 def test_a_manifest_the_agent_commits_is_signed_though_the_key_never_reaches_the_spool_or_the_agent(tmp_path):
     from test_agent import agent, until
