@@ -11,11 +11,9 @@ and exits.
 
 from __future__ import annotations
 
-import concurrent.futures
 import functools
 import logging
 import os
-import threading
 import time
 from collections.abc import Callable
 from typing import Any, Literal
@@ -23,7 +21,6 @@ from typing import Any, Literal
 from torch.distributed.checkpoint.api import CheckpointException
 
 from . import catalog
-from ._faults import fault_point
 from ._gc import gc_paused
 from .agreement import Agreement
 from .capture import TrainingState
@@ -38,12 +35,11 @@ from .manifest import Manifest
 from .metrics import Metrics, port_from_env
 from .policy import Auto, Every, Keep
 from .preempt import Preemption
-from .resave import Resaver
 from .restore import restore, start_fresh
+from .save_slot import SaveSlot
 from .signing import SigningKey
-from .stage import Copies, Stager, default_host_budget
+from .stage import Copies, default_host_budget
 from .storage import Store, Transfer, step_dir_name
-from .writer_proc import Sinks, ThreadSink
 
 log = logging.getLogger(__name__)
 
@@ -216,19 +212,11 @@ class Checkpointer:
         self._last_save_time = time.monotonic()
         #: Saves that came due while the previous one was still writing, with if_busy="skip".
         self.skipped_saves = 0
-        self._stager = Stager()
-        self._resaver = Resaver()
         self.overlap = overlap
         self.host_memory_budget = host_memory_budget if host_memory_budget is not None else default_host_budget()
-        self._staged = threading.Event()  # set: no staging copy is pending
-        self._staged.set()
+        self._slot = SaveSlot(self.store, storage_options)
         self._hooks: list[Any] = []
-        #: Seconds optimizer steps spent waiting for a staging copy to finish (overlap mode).
-        self.staging_wait_s = 0.0
         self.history = History(self.store, 1, enabled=False)  # the real one starts on enter
-        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
-        self._sinks = Sinks(self.store, storage_options)
-        self._inflight: concurrent.futures.Future[Manifest] | None = None
         self._preempt = Preemption(preempt_file)
         self._spool = spool
         if not (lease is None or isinstance(lease, Lease)):
@@ -275,7 +263,7 @@ class Checkpointer:
 
     def _start(self) -> Checkpointer:
         """The rest of entering, once the root is this job's."""
-        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ckpt-save")
+        self._slot.open()
         self.history = History(self.store, self._ctrl.world, enabled=self._ctrl.rank == 0)
         if isinstance(self.interval, Auto):
             self._coordinator = Coordinator(self.interval, self._ctrl.world)
@@ -314,7 +302,7 @@ class Checkpointer:
         # A failed save is reported where every rank learns of it at the same step (each
         # rank's background thread fails at its own time): at the ranks' next meeting, or
         # when the next save waits for it.
-        failed = self._inflight is not None and self._inflight.done() and self._inflight.exception() is not None
+        failed = self._slot.failed()
         by_step = self._deferred or (
             self.interval is not None and self.interval.due_by_step(self._step, self._interval_anchor)
         )
@@ -395,8 +383,7 @@ class Checkpointer:
     def _busy_somewhere(self) -> bool:
         """Is the previous save still writing on any rank? Asked of all ranks together, since
         each rank's background thread finishes at its own time."""
-        busy = self._inflight is not None and not self._inflight.done()
-        return self._ctrl.any(busy)
+        return self._ctrl.any(self._slot.busy())
 
     def save(self, blocking: bool = False) -> None:
         """Checkpoint the current step now. Returns once the state is staged in host memory
@@ -425,11 +412,10 @@ class Checkpointer:
         staged, copies = self._stage(counters)
         blocking = blocking or copies is None
         blocking_s = time.perf_counter() - started
-        assert self._pool is not None, "use the Checkpointer as a context manager"
         # The wait for the previous save's slot was blocking too: counted as if a staging wait.
         waited_before = self.staging_wait_s - (started - waiting)
         self.metrics.staged(blocking_s)  # before the save can end (in flight: 1, then 0)
-        self._inflight = self._pool.submit(
+        self._slot.submit(
             self._counted,
             functools.partial(self._save_in_background, self._step, staged, copies, counters, blocking_s, started, waited_before),
         )
@@ -445,31 +431,23 @@ class Checkpointer:
         copies that overlap the next forward and backward). No staging copy (None) when the
         state is over the host memory budget: the save streams from the live state."""
         state = self.state.capture(counters, self._io.rank)
-        # IMPORTANT: all ranks agree to stream: a collective-free save mixes with no other.
-        if self._stager.over_budget(state, self.host_memory_budget, self._ctrl.any):
-            # No host copy: the write streams from the live tensors item by item, and the
-            # loop waits for it (nothing may change them meanwhile).
-            return state, None
-        staged, copies = self._stager.prepare(state, defer=self.state.deferrable() if self.overlap else _now)
-        if self.overlap:
-            self._staged.clear()  # IMPORTANT: the next optimizer.step() waits for the copies
-        else:
-            copies.run()
-        return staged, copies
+        return self._slot.stage(state, self.host_memory_budget, self._ctrl.any, self.state.deferrable() if self.overlap else None)
 
     def wait_for_staging(self) -> None:
         """Block until the save in flight has copied the state it needs. Called by itself
         before every optimizer.step(); call it by hand before anything else that changes
         parameters or optimizer state in place outside optimizer.step()."""
-        if not self._staged.is_set():
-            t = time.perf_counter()
-            self._staged.wait()
-            self.staging_wait_s += time.perf_counter() - t
+        self._slot.wait_for_staging()
+
+    @property
+    def staging_wait_s(self) -> float:
+        """Seconds optimizer steps spent waiting for a staging copy to finish (overlap mode)."""
+        return self._slot.staging_wait_s
 
     def wait(self) -> None:
         """Wait for the save in flight, if any, and what it writes after its commit (retention,
         the job's history); report its failure as `on_error` says."""
-        fut, self._inflight = self._inflight, None
+        fut = self._slot.take()
         if fut is None:
             return
         try:
@@ -514,9 +492,7 @@ class Checkpointer:
                 hook.remove()
             self.history.end(self._step, how, failure)
             self._preempt.stop()
-            if self._pool is not None:
-                self._pool.shutdown(wait=True)
-            self._sinks.close()
+            self._slot.close()
             # The groups are not destroyed here: a peer may still be reading the last message
             # of a collective, and gloo aborts that peer if the socket closes under it.
             # `dist.destroy_process_group()` frees them with the rest, as long as nothing else
@@ -578,28 +554,23 @@ class Checkpointer:
     ) -> Manifest:
         """`copies` is None for a save streamed from the live state (nothing staged)."""
         try:
-            try:
-                if copies is not None:
-                    fault_point("staging", self._io.rank, step)
-                    copies.run()
-            finally:
-                self._staged.set()
-            arenas = [] if copies is None else self._stager.arenas
+            self._slot.copy(copies, self._io.rank, step)
+            sinks, arenas = self._slot.writer(copies, self.timeout_s)
             manifest = persist(
                 self.store,
                 self._io,
                 step,
                 staged,
-                sinks=ThreadSink if copies is None else functools.partial(self._sinks.open, shareable=self._stager.arena.shareable, timeout_s=self.timeout_s),
+                sinks=sinks,
                 arenas=arenas,
-                resaver=self._resaver,
+                resaver=self._slot.resaver,
                 counters=counters,
                 user=self.metadata,
                 schedule=self.schedule,
                 blocking_s=blocking_s,
                 started=started,
                 handoff=self._handoff,
-                need=self._stager.bytes_staged,
+                need=self._slot.stager.bytes_staged,
                 key=self._signing_key,
                 guard=self._lease.check if self._lease is not None else None,
             )
@@ -666,8 +637,3 @@ class Checkpointer:
             log.error("preempted at step %d without a checkpoint of it; exiting with status 1", self._step)
             raise SystemExit(1)
         raise SystemExit(self.preempt_exit_code)
-
-
-def _now(path: Any, tensor: Any) -> bool:
-    return False
-

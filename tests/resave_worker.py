@@ -52,7 +52,7 @@ def main() -> None:
             if step >= 5:
                 want["extra.x.late"] = torch.full((3,), 7.0)
             cp.save(blocking=True)
-            gens.append(cp._resaver.generation)
+            gens.append(cp._slot.resaver.generation)
             if rank == 0:
                 torch.save(want, out / f"want{step}.pt")
         # Step 7: another job committed that step meanwhile. Rank 0 refuses to write there,

@@ -161,7 +161,7 @@ def test_a_writer_process_killed_mid_write_is_an_error_at_once_and_the_next_save
         train_step(cp, model, opt)
         cp.wait()
         train_step(cp, model, opt)  # step 2: its file goes to the writer, which sleeps in it
-        sink = next(iter(cp._sinks.values()))
+        sink = next(iter(cp._slot.sinks.values()))
         time.sleep(1.0)
         killed = time.monotonic()
         os.kill(sink.proc.pid, signal.SIGKILL)

@@ -150,7 +150,7 @@ def test_a_spool_that_runs_out_of_space_mid_write_fails_that_save_cleanly_and_th
             until("the agent to commit step 1", lambda: (root / step_dir_name(1) / "manifest.json").exists(), logs=a.text)
             at_1 = {f.name: f.read_bytes() for f in (root / step_dir_name(1)).iterdir() if f.is_file()}
 
-            need = cp._stager.bytes_staged  # what the spool's check asks room for
+            need = cp._slot.stager.bytes_staged  # what the spool's check asks room for
             size = next((root / step_dir_name(1)).glob("__0_0.distcp")).stat().st_size
             assert need < size  # the file needs more than the check asks for: room for a real ENOSPC
             filler = fill(spool, (need + size) // 2)

@@ -315,7 +315,7 @@ def test_over_the_host_memory_budget_a_save_streams_from_the_live_state_and_says
             cp.step_done()
         want = {k: v.clone() for k, v in model.state_dict().items()}
     assert caplog.text.count("would exceed the host memory budget") == 1  # said once
-    assert cp._stager.bytes_staged == 0  # no host copy was made
+    assert cp._slot.stager.bytes_staged == 0  # no host copy was made
 
     model2 = torch.nn.Linear(64, 64)
     with ckpt.Checkpointer(tmp_path, model=model2, optimizer=torch.optim.AdamW(model2.parameters()), save_on_exit=False) as cp2:

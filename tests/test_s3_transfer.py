@@ -212,7 +212,7 @@ def test_the_checkpointers_transfer_settings_reach_its_writer_process(proxy, s3_
                            storage_options={**s3_options, "endpoint_url": proxy.url}, transfer=transfer) as cp:  # fmt: skip
         proxy.seen.clear()
         cp.save(blocking=True)
-        assert cp._sinks.get(cp.store.url) is not None and type(cp._sinks.get(cp.store.url)).__name__ == "ProcessSink"
+        assert cp._slot.sinks.get(cp.store.url) is not None and type(cp._slot.sinks.get(cp.store.url)).__name__ == "ProcessSink"
     size = max(e.size for e in cp.last_commit.files.values())
     assert 10 * MiB < size <= 15 * MiB
     assert proxy.seen["part"] == -(-size // (5 * MiB))

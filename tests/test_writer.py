@@ -219,7 +219,7 @@ def _save(root: Path, monkeypatch, writer: str) -> Path:
     with ckpt.Checkpointer(root, extra={"t": Holder(_state())}, interval=None, handle_sigterm=False) as cp:
         cp.step_done()
         cp.save(blocking=True)
-        kind = type(cp._sinks.get(cp.store.url)).__name__
+        kind = type(cp._slot.sinks.get(cp.store.url)).__name__
     assert kind == {"process": "ProcessSink", "thread": "ThreadSink"}[writer]
     return root / "step-0000000001"
 
@@ -250,8 +250,8 @@ def _train(root: Path, steps: int, every: int) -> tuple[ckpt.Checkpointer, list[
             opt.zero_grad()
             cp.step_done()
             cp.wait()
-            if cp._sinks.get(cp.store.url) is not None:
-                pids.append(cp._sinks.get(cp.store.url).proc.pid)
+            if cp._slot.sinks.get(cp.store.url) is not None:
+                pids.append(cp._slot.sinks.get(cp.store.url).proc.pid)
     return cp, pids
 
 
@@ -272,9 +272,9 @@ def test_the_writer_process_dies_with_a_killed_trainer(tmp_path):
         with ckpt.Checkpointer({str(tmp_path / "root")!r}, model=model, interval=None, handle_sigterm=False) as cp:
             cp.step_done()
             cp.save()  # the writer stalls in this save (CKPT_FAULT below)
-            while cp._sinks.get(cp.store.url) is None:
+            while cp._slot.sinks.get(cp.store.url) is None:
                 time.sleep(0.05)
-            print(cp._sinks.get(cp.store.url).proc.pid, flush=True)
+            print(cp._slot.sinks.get(cp.store.url).proc.pid, flush=True)
             time.sleep(60)
         """
     )
@@ -319,7 +319,7 @@ def test_staging_memory_stays_flat_over_saves_and_is_renewed_when_shapes_change(
         for _ in range(5):
             cp.step_done()
             cp.save(blocking=True)
-        arena = cp._stager.arena
+        arena = cp._slot.stager.arena
         used, segments = arena.used, set(arena.segments)
         for _ in range(20):
             cp.step_done()
@@ -331,7 +331,7 @@ def test_staging_memory_stays_flat_over_saves_and_is_renewed_when_shapes_change(
             grow.tensors = {"t": torch.zeros(n * 1024 * 1024 // 4)}
             cp.step_done()
             cp.save(blocking=True)
-            assert arena.used <= 2 * cp._stager.bytes_staged + (64 << 20) + n * (1 << 20)
+            assert arena.used <= 2 * cp._slot.stager.bytes_staged + (64 << 20) + n * (1 << 20)
             seen.add(frozenset(arena.segments))
         assert len(seen) > 1  # renewed at least once
 
@@ -397,7 +397,7 @@ def test_a_hung_writer_fails_its_save_within_the_timeout_and_the_next_save_commi
     with ckpt.Checkpointer(tmp_path, model=model, interval=None, timeout_s=2, handle_sigterm=False, on_error="log") as cp:
         cp.step_done()
         cp.save(blocking=True)
-        os.kill(cp._sinks.get(cp.store.url).proc.pid, signal.SIGSTOP)  # a writer stuck in a hung store
+        os.kill(cp._slot.sinks.get(cp.store.url).proc.pid, signal.SIGSTOP)  # a writer stuck in a hung store
         cp.step_done()
         started = time.monotonic()
         with pytest.raises(ckpt.SaveFailed, match="gave no answer within 2 s"):
@@ -415,7 +415,7 @@ def test_storage_options_the_writer_process_cannot_take_fall_back_to_a_thread(tm
     with ckpt.Checkpointer(str(tmp_path), model=model, interval=None, storage_options=options, handle_sigterm=False) as cp:
         cp.step_done()
         cp.save(blocking=True)
-        assert type(cp._sinks.get(cp.store.url)).__name__ == "ThreadSink"
+        assert type(cp._slot.sinks.get(cp.store.url)).__name__ == "ThreadSink"
     assert "cannot start the writer process" in caplog.text
     assert (tmp_path / "step-0000000001/manifest.json").exists()
 
@@ -429,7 +429,7 @@ def test_sigterm_to_the_whole_process_group_still_commits_the_preemption_checkpo
             for i in range(1000):
                 time.sleep(0.05)
                 cp.step_done()
-                if cp._sinks.get(cp.store.url) is not None and i == 5:
+                if cp._slot.sinks.get(cp.store.url) is not None and i == 5:
                     print("ready", flush=True)
         """
     )

@@ -1,0 +1,115 @@
+"""The save in flight: one per rank at a time, from the staging copy to the commit.
+
+A `SaveSlot` owns what a save holds after the loop has let go of it: the staging buffers and
+their copies (`ckpt.stage`), the cached save plan (`ckpt.resave`), the writer process or
+thread (`ckpt.writer_proc`), and the background thread that runs the save with its future.
+The `Checkpointer` decides when to save and what happens after; the slot says whether the
+copies are done (the optimizer's pre-hook waits on it), whether the save is still running
+and how it ended.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ._faults import fault_point
+from .arena import Arena
+from .dcp_write import Sink
+from .manifest import Manifest
+from .resave import Resaver
+from .stage import Copies, Stager
+from .storage import Store
+from .writer_proc import Sinks, ThreadSink
+
+
+class SaveSlot:
+    """One save at a time: its staging, its writer and its background thread."""
+
+    def __init__(self, store: Store, storage_options: dict[str, Any] | None) -> None:
+        self.stager = Stager()
+        self.resaver = Resaver()
+        self.sinks = Sinks(store, storage_options)
+        self._staged = threading.Event()  # set: no staging copy is pending
+        self._staged.set()
+        #: Seconds optimizer steps spent waiting for a staging copy to finish (overlap mode).
+        self.staging_wait_s = 0.0
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._inflight: concurrent.futures.Future[Manifest] | None = None
+
+    def open(self) -> None:
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ckpt-save")
+
+    def stage(
+        self, state: Any, budget: int, agree: Callable[[bool], bool], defer: Callable[[Any, Any], bool] | None
+    ) -> tuple[Any, Copies | None]:
+        """Copy the captured `state` into the staging buffers, or with `defer` set them up
+        and leave the copies `defer` picks to the background save (the next optimizer step
+        waits for them). No copy (None) when the state is over the host memory `budget`:
+        the save streams from the live state. `agree` is "did any rank say yes"."""
+        # IMPORTANT: all ranks agree to stream: a collective-free save mixes with no other.
+        if self.stager.over_budget(state, budget, agree):
+            # No host copy: the write streams from the live tensors item by item, and the
+            # loop waits for it (nothing may change them meanwhile).
+            return state, None
+        staged, copies = self.stager.prepare(state, defer=defer or _now)
+        if defer is not None:
+            self._staged.clear()  # IMPORTANT: the next optimizer.step() waits for the copies
+        else:
+            copies.run()
+        return staged, copies
+
+    def wait_for_staging(self) -> None:
+        if not self._staged.is_set():
+            t = time.perf_counter()
+            self._staged.wait()
+            self.staging_wait_s += time.perf_counter() - t
+
+    def submit(self, fn: Callable[..., Manifest], *args: Any) -> None:
+        """Run `fn(*args)` (the save) in the background thread: the save in flight."""
+        assert self._pool is not None, "use the Checkpointer as a context manager"
+        self._inflight = self._pool.submit(fn, *args)
+
+    def copy(self, copies: Copies | None, rank: int, step: int) -> None:
+        """In the background save, first: the copies left to it. The loop may go on then,
+        whatever happened."""
+        try:
+            if copies is not None:
+                fault_point("staging", rank, step)
+                copies.run()
+        finally:
+            self._staged.set()
+
+    def writer(self, copies: Copies | None, timeout_s: float) -> tuple[Callable[[Store], Sink], list[Arena]]:
+        """Where the save's bytes are written from: the writer process over the staging
+        arenas, or for a streamed save (no `copies`) a thread over the live state."""
+        if copies is None:
+            return ThreadSink, []
+        return functools.partial(self.sinks.open, shareable=self.stager.arena.shareable, timeout_s=timeout_s), self.stager.arenas
+
+    def take(self) -> concurrent.futures.Future[Manifest] | None:
+        """The save in flight, if any, which leaves the slot."""
+        fut, self._inflight = self._inflight, None
+        return fut
+
+    def busy(self) -> bool:
+        """Is this rank's save still running?"""
+        return self._inflight is not None and not self._inflight.done()
+
+    def failed(self) -> bool:
+        """Did this rank's save end in an error not reported yet?"""
+        return self._inflight is not None and self._inflight.done() and self._inflight.exception() is not None
+
+    def close(self) -> None:
+        """After the last save: its thread ends, then its writer."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+        self.sinks.close()
+
+
+def _now(path: Any, tensor: Any) -> bool:
+    return False
