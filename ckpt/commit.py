@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from ._faults import fault_point
 from .arena import Arena
 from .dcp_write import Sink, Writer
-from .errors import CheckpointError, LeaseHeld, SaveFailed
+from .errors import CheckpointError, DiskFull, LeaseHeld, SaveFailed
 from .manifest import MANIFEST_NAME, METADATA_NAME, FileEntry, Manifest, SaveCosts
 from .resave import Layout, Resaver
 from .spool import claim
@@ -215,7 +215,7 @@ def persist(
         raise SaveFailed(f"save of step {step} to {store.display} failed: {group.broadcast(refusal)}")
     replan = agreed == 1
     target = handoff.target(need) if handoff is not None else store
-    mine, layout = _write_data(target, group, rel, step, staged, sinks(target), arenas, resaver, None if replan else layout)
+    mine, layout, target = _write_data(target, group, rel, step, staged, sinks, arenas, resaver, None if replan else layout, store)
     everyone = group.gather_short(mine) or []
     if group.rank != 0:
         fault_point("before_manifest", group.rank, step)
@@ -320,16 +320,21 @@ def _write_data(
     rel: str,
     step: int,
     staged: dict[str, Any],
-    sink: Sink,
+    sinks: Callable[[Store], Sink],
     arenas: list[Arena],
     resaver: Resaver,
     layout: Layout | None,
-) -> tuple[Any, Layout | None]:
-    """Every rank's data file, durable; rank 0's `.metadata` too when DCP plans the save
-    (`layout` None: on every rank alike). Returns what to tell rank 0 ((step, layout
-    generation, files, placed objects), or why this rank failed) and the layout reused."""
+    root: Store,
+) -> tuple[Any, Layout | None, Store]:
+    """Every rank's data file, durable in `store` (the root, or the node spool); rank 0's
+    `.metadata` too when DCP plans the save (`layout` None: on every rank alike). Returns
+    what to tell rank 0 ((step, layout generation, files, placed objects), or why this rank
+    failed), the layout reused, and where the file went: a spool that fills up during the
+    write gives way to `root`."""
     if layout is None:
-        writer = Writer(store, rel, step, sink, arenas)  # local roots: directories are made as files are written
+        # DCP's own save: its ranks fail together, so a full spool fails this save (the
+        # next one sees the spool has no room and writes to the root).
+        writer = Writer(store, rel, step, sinks(store), arenas)  # local roots: directories are made as files are written
         # The state's layout does not change between saves: rank 0's global planning is paid once.
         planner = DefaultSavePlanner(enable_plan_caching=True)
         planner._cached_plans_key = group.plan_key  # DCP keys its cache by class: one per Checkpointer
@@ -339,12 +344,22 @@ def _write_data(
         mine: Any = (step, resaver.generation, writer.files, {})
     else:
         try:
-            entry, placed = layout.write(sink, rel, staged, arenas, group.rank, step)
+            try:
+                entry, placed = layout.write(sinks(store), rel, staged, arenas, group.rank, step)
+            except DiskFull as e:
+                if store is root or store.url == root.url:
+                    raise
+                # The spool had room when the save chose it and filled meanwhile (the partial
+                # file is gone): the root takes this rank's file, and the commit counts it
+                # there as it counts a rank without a spool.
+                log.warning("rank %d: the node spool ran out of space writing step %d (%s); writing to %s directly", group.rank, step, e, root.display)
+                store = root
+                entry, placed = layout.write(sinks(store), rel, staged, arenas, group.rank, step)
             mine = (step, layout.generation, {layout.name: entry}, placed)
         except Exception as e:  # reported to rank 0 below, not left to hang the others
             log.warning("rank %d: writing step %d failed: %s", group.rank, step, e)
             mine = f"rank {group.rank}: {type(e).__name__}: {e}"
-    return mine, layout
+    return mine, layout, store
 
 
 def versions() -> dict[str, str]:

@@ -11,6 +11,10 @@ class StorageError(CheckpointError):
     """The root could not be reached or read: bad URL, credentials, network. Never "no checkpoint"."""
 
 
+class DiskFull(StorageError):
+    """A filesystem had no room for a write (ENOSPC, or a quota: EDQUOT)."""
+
+
 class NotFound(CheckpointError):
     """A step or root that was asked for does not exist."""
 

@@ -5,7 +5,8 @@
 them at its own speed, and hands them off (`ckpt.spool`); the agent uploads them and the last
 party to make its rank durable commits. When the spool is full, or its agent is gone, the
 rank writes to the root itself and takes part in the commit the same way
-(`Handoff(spool=None)`: also what ranks without an agent do when another node has one).
+(`Handoff(spool=None)`: also what ranks without an agent do when another node has one); a
+spool that fills during the write gives way to the root the same way (`ckpt.commit`).
 """
 
 from __future__ import annotations

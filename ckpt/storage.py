@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import errno
 import logging
 import os
 import re
@@ -23,7 +24,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 from ._faults import fault_point
 from .checksum import checksum
-from .errors import CheckpointError, NotFound, StorageError
+from .errors import CheckpointError, DiskFull, NotFound, StorageError
 from .redact import redact, redact_request_logs, remember_secrets
 
 if TYPE_CHECKING:
@@ -50,7 +51,17 @@ def storage_errors(what: str) -> Iterator[None]:
     except (CheckpointError, FileNotFoundError):
         raise
     except Exception as e:  # botocore, aiohttp, OSError...: all mean "could not reach storage"
-        raise StorageError(f"{what}: {type(e).__name__}: {redact(str(e))}") from e
+        raise (DiskFull if _no_room(e) else StorageError)(f"{what}: {type(e).__name__}: {redact(str(e))}") from e
+
+
+def _no_room(e: BaseException | None) -> bool:
+    """Whether `e`, or what it was raised from, is a filesystem out of space or quota."""
+    seen = 0
+    while e is not None and seen < 8:
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        e, seen = e.__cause__ or e.__context__, seen + 1
+    return False
 
 
 @dataclass(frozen=True)

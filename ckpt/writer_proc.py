@@ -28,7 +28,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any, Protocol
 
 from ._faults import fault_point
-from .errors import SaveFailed, StorageError
+from .errors import DiskFull, SaveFailed, StorageError
 from .filewrite import Fixed, Piece, Prefixes, piece_len
 from .manifest import FileEntry
 from .redact import redact
@@ -147,7 +147,7 @@ class ProcessSink:
             return entry
         self._prefix_sent = None  # whatever went wrong, the next write sends the prefix again
         kind, message = reply[1], reply[2]
-        raise (StorageError if kind == "StorageError" else SaveFailed)(message)
+        raise {"DiskFull": DiskFull, "StorageError": StorageError}.get(kind, SaveFailed)(message)
 
     def _call(self, payload: bytes, timeout_s: float, doing: str, fds: Sequence[int] = ()) -> Any:
         """Send one message and wait for its reply; a writer that died or hangs fails the save."""
@@ -309,7 +309,7 @@ def serve(sock: socket.socket) -> None:
                 entry = prefixes.write(store, rel, key, pieces, {i: memoryview(maps[i]) for i in live}, rank)
                 reply = ("ok", entry)
             except Exception as e:  # reported to the trainer, which fails the save
-                kind = "StorageError" if isinstance(e, StorageError) else type(e).__name__
+                kind = "DiskFull" if isinstance(e, DiskFull) else "StorageError" if isinstance(e, StorageError) else type(e).__name__
                 reply = (
                     "err",
                     kind,
