@@ -27,7 +27,6 @@ import http.server
 import json
 import logging
 import os
-import re
 import shutil
 import signal
 import sys
@@ -36,8 +35,6 @@ import time
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import Metric
-from prometheus_client.parser import text_string_to_metric_families
 
 from . import __version__
 from ._faults import fault_point
@@ -45,7 +42,7 @@ from .agent_config import Config, JsonFormatter
 from .checksum import Hasher
 from .errors import CheckpointError, InvalidCheckpoint
 from .manifest import FileEntry, Manifest
-from .metrics import failure_kind
+from .metrics import RankFiles, failure_kind
 from .preempt import mtime_of
 from .redact import redact
 from .spool import (
@@ -117,39 +114,6 @@ class _Limiter:
             time.sleep(until - now)
 
 
-class _RankMetrics:
-    """The metrics the ranks of this node write to the spool, served with a `job` label (and
-    `rank` where they have none): what a rank serves itself when no agent runs."""
-
-    def __init__(self, spool: Spool) -> None:
-        self.dir = os.path.join(spool.path, "metrics")
-
-    def collect(self) -> Any:
-        families: dict[str, Metric] = {}
-        now = time.time()
-        try:
-            names = sorted(os.listdir(self.dir))
-        except OSError:
-            names = []
-        for name in names:
-            m = re.fullmatch(r"(\w+)\.rank-(\d+)\.prom", name)
-            path = os.path.join(self.dir, name)
-            try:
-                if not m or now - os.stat(path).st_mtime > TRAINER_STALE_S * 4:
-                    continue
-                with open(path) as f:
-                    text = f.read()
-                parsed = list(text_string_to_metric_families(text))
-            except (OSError, ValueError):
-                continue
-            extra = {"job": m.group(1), "rank": str(int(m.group(2)))}
-            for fam in parsed:
-                out = families.setdefault(fam.name, Metric(fam.name, fam.documentation, fam.type))
-                for s in fam.samples:
-                    out.add_sample(s.name, {**{k: v for k, v in extra.items() if k not in s.labels}, **s.labels}, s.value, s.timestamp)
-        yield from families.values()
-
-
 class Agent:
     """One node's agent over its spool (`run` until stopped)."""
 
@@ -172,7 +136,7 @@ class Agent:
         self.spool_bytes = Gauge("ckpt_agent_spool_bytes", "Bytes the spool holds", registry=r)
         self.budget = Gauge("ckpt_agent_spool_budget_bytes", "Bytes the spool may hold", registry=r)
         self.preemptions = Counter("ckpt_agent_preemptions", "Preemption notices relayed to the ranks", registry=r)
-        r.register(_RankMetrics(self.spool))
+        r.register(RankFiles(os.path.join(self.spool.path, "metrics"), TRAINER_STALE_S * 4))
         self._budget = config.spool_budget or _disk_size(self.spool.path)
         self.budget.set(self._budget)
         self._limiter = _Limiter(config.bandwidth_limit)

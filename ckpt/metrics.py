@@ -6,7 +6,7 @@ the rank serves `/metrics` over HTTP on that port plus its local rank, on loopba
 `CKPT_METRICS_ADDR` says otherwise. Names follow Prometheus conventions; the rank is a label
 of `ckpt_rank_info` only, since each rank is its own scrape target. With a node agent, each
 rank also writes its series to the spool every few seconds (`publish`), and the agent serves
-them with `job` and `rank` labels.
+them with `job` and `rank` labels (`RankFiles`).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -27,6 +28,8 @@ from prometheus_client import (
     generate_latest,
     start_http_server,
 )
+from prometheus_client.core import Metric
+from prometheus_client.parser import text_string_to_metric_families
 
 from .errors import SaveFailed, dcp_failures
 from .manifest import Manifest
@@ -197,3 +200,39 @@ def port_from_env(port: int | None) -> int | None:
     if port == 0:
         return 0
     return port + int(os.environ.get("LOCAL_RANK", "0") or 0)
+
+
+class RankFiles:
+    """A collector of the metrics files the ranks of a node write (`Metrics.publish`, into
+    the spool's `metrics/` as `<job>.rank-<R>.prom`), served by the node agent with a `job`
+    label (and `rank` where they have none): what a rank serves itself when no agent runs.
+    A file not rewritten for `stale_s` seconds (its trainer is gone) is left out."""
+
+    def __init__(self, directory: str, stale_s: float) -> None:
+        self.dir = directory
+        self.stale_s = stale_s
+
+    def collect(self) -> Any:
+        families: dict[str, Metric] = {}
+        now = time.time()
+        try:
+            names = sorted(os.listdir(self.dir))
+        except OSError:
+            names = []
+        for name in names:
+            m = re.fullmatch(r"(\w+)\.rank-(\d+)\.prom", name)
+            path = os.path.join(self.dir, name)
+            try:
+                if not m or now - os.stat(path).st_mtime > self.stale_s:
+                    continue
+                with open(path) as f:
+                    text = f.read()
+                parsed = list(text_string_to_metric_families(text))
+            except (OSError, ValueError):
+                continue
+            extra = {"job": m.group(1), "rank": str(int(m.group(2)))}
+            for fam in parsed:
+                out = families.setdefault(fam.name, Metric(fam.name, fam.documentation, fam.type))
+                for s in fam.samples:
+                    out.add_sample(s.name, {**{k: v for k, v in extra.items() if k not in s.labels}, **s.labels}, s.value, s.timestamp)
+        yield from families.values()
