@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from .errors import (
     CheckpointError,
+    DiskFull,
     InvalidCheckpoint,
     LeaseHeld,
     NotFound,
@@ -60,6 +61,7 @@ __all__ = [
     "read_export",
     "CheckpointError",
     "StorageError",
+    "DiskFull",
     "NotFound",
     "InvalidCheckpoint",
     "SaveFailed",

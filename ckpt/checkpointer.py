@@ -215,6 +215,8 @@ class Checkpointer:
         self.overlap = overlap
         self.host_memory_budget = host_memory_budget if host_memory_budget is not None else default_host_budget()
         self._slot = SaveSlot(self.store, storage_options)
+        #: Seconds optimizer steps spent waiting for a staging copy to finish (overlap mode).
+        self.staging_wait_s = 0.0
         self._hooks: list[Any] = []
         self.history = History(self.store, 1, enabled=False)  # the real one starts on enter
         self._preempt = Preemption(preempt_file)
@@ -412,6 +414,7 @@ class Checkpointer:
         staged, copies = self._stage(counters)
         blocking = blocking or copies is None
         blocking_s = time.perf_counter() - started
+        assert self._slot.opened, "use the Checkpointer as a context manager"
         # The wait for the previous save's slot was blocking too: counted as if a staging wait.
         waited_before = self.staging_wait_s - (started - waiting)
         self.metrics.staged(blocking_s)  # before the save can end (in flight: 1, then 0)
@@ -437,12 +440,7 @@ class Checkpointer:
         """Block until the save in flight has copied the state it needs. Called by itself
         before every optimizer.step(); call it by hand before anything else that changes
         parameters or optimizer state in place outside optimizer.step()."""
-        self._slot.wait_for_staging()
-
-    @property
-    def staging_wait_s(self) -> float:
-        """Seconds optimizer steps spent waiting for a staging copy to finish (overlap mode)."""
-        return self._slot.staging_wait_s
+        self.staging_wait_s += self._slot.wait_for_staging()
 
     def wait(self) -> None:
         """Wait for the save in flight, if any, and what it writes after its commit (retention,

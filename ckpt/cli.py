@@ -88,35 +88,33 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("agent", help="run the node daemon: uploads, spool, metrics (ckpt agent --help)", add_help=False)
     ls = sub.add_parser("ls", parents=[common], help="list checkpoints")
     ls.add_argument("--json", action="store_true")
-    _key_option(ls, "check signatures with the key in this file (default: the environment's, as for verify): a column says which checkpoints are signed with it")
+    _key_option(ls, "a SIGNATURE column says which checkpoints are signed with it")
     ls.set_defaults(func=cmd_ls)
 
     show = sub.add_parser("show", parents=[common], help="manifest and tensor inventory")
     show.add_argument("--step", type=cli_tools.step_arg, help="default: the newest committed")
     show.add_argument("--json", action="store_true")
-    _key_option(show, "with a key (default: the environment's, as for verify), only a checkpoint signed with it is shown (by default the newest such)")
+    _key_option(show, "only a checkpoint signed with it is shown (by default the newest such)")
     show.set_defaults(func=cmd_show)
 
     verify = sub.add_parser("verify", parents=[common], help="check files against manifests")
     verify.add_argument("--step", type=cli_tools.step_arg, help="default: every checkpoint")
     verify.add_argument("--deep", action="store_true", help="check every checksum, not only sizes")
     verify.add_argument("--json", action="store_true")
-    _key_option(verify, "check signatures with the key in this file (default: CKPT_SIGNING_KEY_FILE, else "
-                "CKPT_SIGNING_KEY); with a key, an unsigned or wrongly signed checkpoint fails")
+    _key_option(verify, "an unsigned or wrongly signed checkpoint fails")
     verify.set_defaults(func=cmd_verify)
 
     rm = sub.add_parser("rm", parents=[common], help="delete one checkpoint")
     rm.add_argument("--step", type=cli_tools.step_arg, required=True)
     rm.add_argument("--force", action="store_true", help="allow deleting the newest committed one")
-    _key_option(rm, "with a key (default: the environment's, as for verify), the newest one signed with it is the one protected")
+    _key_option(rm, "the newest one signed with it is the one protected")
     rm.set_defaults(func=cmd_rm)
 
     gc = sub.add_parser("gc", parents=[common], help="apply retention")
     gc.add_argument("--keep-last", type=int, required=True)
     gc.add_argument("--keep-every", type=int, help="also keep steps that are multiples of this")
     gc.add_argument("--dry-run", action="store_true")
-    _key_option(gc, "count only checkpoints signed with the key in this file (default: CKPT_SIGNING_KEY_FILE, "
-                "else CKPT_SIGNING_KEY); the others are left alone, neither kept in the count nor deleted")
+    _key_option(gc, "only checkpoints signed with it count; the others are left alone, neither kept in the count nor deleted")
     gc.set_defaults(func=cmd_gc)
     events = sub.add_parser("events", parents=[common], help="the job's runs, restarts and failures")
     events.add_argument("--json", action="store_true")
@@ -210,7 +208,7 @@ def _entry_doc(e: catalog.Entry) -> dict[str, Any]:
     m = e.manifest
     return {
         "step": e.step,
-        "state": e.state,
+        "state": "untrusted" if catalog.untrusted(e) else e.state,
         "time": m.created if m else None,
         "bytes": m.total_bytes if m else e.bytes_on_store,
         "world_size": m.world_size if m else None,
@@ -218,7 +216,7 @@ def _entry_doc(e: catalog.Entry) -> dict[str, Any]:
         # Checked with a key: "signed-ok", "unsigned" or "BAD"; without one, None.
         "signature": e.signature,
         # Whose signature the manifest carries (whether or not it was checked).
-        "signed_key_id": (m.signature or {}).get("key_id") if m else None,
+        "signed_key_id": m.signed_key_id if m else None,
     }
 
 
@@ -228,8 +226,8 @@ def _signature_cell(e: catalog.Entry, key: SigningKey | None) -> str:
         return "-"
     if key is not None:
         return e.signature or "-"  # no check: the manifest could not be read
-    kid = (e.manifest.signature or {}).get("key_id")
-    return f"key {kid}, unchecked" if kid else "unsigned"
+    kid = e.manifest.signed_key_id
+    return f"key {kid}, not checked" if kid else "unsigned"
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -336,10 +334,9 @@ def cmd_ls(store: Store, args: argparse.Namespace) -> int:
         _emit_json([_entry_doc(e) for e in entries])
         return EXIT_OK
     rows = [
-        [str(d["step"]), _when(d["time"]), human_bytes(d["bytes"]), str(d["world_size"] or "-"),
-         "untrusted" if catalog.untrusted(e) else d["state"]]
-        for e, d in ((e, _entry_doc(e)) for e in entries)
-    ]  # fmt: skip
+        [str(d["step"]), _when(d["time"]), human_bytes(d["bytes"]), str(d["world_size"] or "-"), d["state"]]
+        for d in map(_entry_doc, entries)
+    ]
     head = ["STEP", "TIME", "SIZE", "WORLD", "STATE"]
     # The column only where signatures mean something: a key given, or a signed manifest.
     if key is not None or any(e.manifest is not None and e.manifest.signature for e in entries):
@@ -371,18 +368,23 @@ def cmd_show(store: Store, args: argparse.Namespace) -> int:
     entry = catalog.find(store, args.step, key)
     m = entry.manifest
     assert m is not None
+    if key is not None and args.step is None:  # the newest trusted: say what newer was passed over
+        newer = [e.dir for e in catalog.restore_candidates(store, key)[1] if catalog.untrusted(e)]
+        if newer:
+            print(f"ckpt: note: newer checkpoints not signed with the key are not shown: {', '.join(newer)}", file=sys.stderr)
     tensors = inventory(read_verified(store, entry.dir, METADATA_NAME, m))
+    # Found with a key: signed with it; else not checked.
+    signature = {"signature": entry.signature, "signed_key_id": m.signed_key_id}
     if args.json:
-        _emit_json({"root": store.display, "dir": entry.dir, "manifest": json.loads(m.to_json()), "tensors": tensors})
+        _emit_json({"root": store.display, "dir": entry.dir, **signature, "manifest": json.loads(m.to_json()), "tensors": tensors})
         return EXIT_OK
     print(f"{store.display}/{entry.dir}")
     print(f"  step {m.step}, world size {m.world_size}, committed {_when(m.created)}")
     print(f"  {len(m.files)} files, {human_bytes(m.total_bytes)}")
-    kid = (m.signature or {}).get("key_id")
-    if key is not None:  # found with the key: signed with it
-        print(f"  signature: signed-ok (key {key.key_id})")
+    if entry.signature is not None:
+        print(f"  signature: {entry.signature} (key {m.signed_key_id})")
     else:
-        print(f"  signature: {f'key {kid}, not checked (no key given)' if kid else 'unsigned'}")
+        print(f"  signature: {f'key {m.signed_key_id}, not checked (no key given)' if m.signed_key_id else 'unsigned'}")
     print(
         f"  save: blocked {m.costs.blocking_s * 1e3:.1f} ms, persisted in {m.costs.persist_s:.2f} s"
     )
@@ -428,8 +430,11 @@ def inventory(metadata_blob: bytes) -> list[dict[str, Any]]:
     return out
 
 
-def _key_option(parser: argparse.ArgumentParser, help: str) -> None:
-    parser.add_argument("--signing-key-file", help=help)
+def _key_option(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument(
+        "--signing-key-file",
+        help=f"check signatures with the key in this file (default: CKPT_SIGNING_KEY_FILE, else CKPT_SIGNING_KEY): {what}",
+    )
 
 
 def _signing_key(args: argparse.Namespace) -> SigningKey | None:
@@ -459,7 +464,7 @@ def cmd_verify(store: Store, args: argparse.Namespace) -> int:
             if e.state == catalog.INCOMPLETE and e.step > newest and args.step is None:
                 note += " (may be a save in progress)"
             signed = f"  {e.signature}" if e.signature else ""
-            print(f"{e.dir}  {'ok' if e.state == catalog.COMMITTED else e.state.upper()}{signed}{note}")
+            print(f"{e.dir}  {'ok' if e.state == catalog.COMMITTED else _entry_doc(e)['state'].upper()}{signed}{note}")
         print(f"{len(entries) - len(failed)} ok, {len(failed)} failed ({'checksums' if args.deep else 'sizes'})")
     return EXIT_INVALID if failed else EXIT_OK
 

@@ -26,12 +26,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from ._faults import fault_point
 from .arena import Arena
 from .dcp_write import Sink, Writer
-from .errors import CheckpointError, DiskFull, LeaseHeld, SaveFailed
+from .errors import CheckpointError, DiskFull, LeaseHeld, SaveFailed, dcp_failures
 from .manifest import MANIFEST_NAME, METADATA_NAME, FileEntry, Manifest, SaveCosts
 from .resave import Layout, Resaver
 from .spool import claim
@@ -214,8 +215,15 @@ def persist(
     if agreed >= 2:
         raise SaveFailed(f"save of step {step} to {store.display} failed: {group.broadcast(refusal)}")
     replan = agreed == 1
-    target = handoff.target(need) if handoff is not None else store
-    mine, layout, target = _write_data(target, group, rel, step, staged, sinks, arenas, resaver, None if replan else layout, store)
+    chosen = handoff.target(need) if handoff is not None else store
+    try:
+        mine, layout, target = _write_data(chosen, group, rel, step, staged, sinks, arenas, resaver, None if replan else layout, store)
+    except CheckpointException as e:  # DCP's save, which its ranks fail together
+        if handoff is not None and chosen is not store and isinstance(_own_failure(e, group.rank), DiskFull):
+            handoff.spool_filled()  # so that the next save does not fail the same way
+        raise
+    if handoff is not None and target is not chosen:
+        handoff.spool_filled()
     everyone = group.gather_short(mine) or []
     if group.rank != 0:
         fault_point("before_manifest", group.rank, step)
@@ -332,8 +340,8 @@ def _write_data(
     failed), the layout reused, and where the file went: a spool that fills up during the
     write gives way to `root`."""
     if layout is None:
-        # DCP's own save: its ranks fail together, so a full spool fails this save (the
-        # next one sees the spool has no room and writes to the root).
+        # DCP's own save: its ranks fail together, so a spool that fills fails this save
+        # (and asks for twice the room from then on: `Handoff.spool_filled`).
         writer = Writer(store, rel, step, sinks(store), arenas)  # local roots: directories are made as files are written
         # The state's layout does not change between saves: rank 0's global planning is paid once.
         planner = DefaultSavePlanner(enable_plan_caching=True)
@@ -343,23 +351,33 @@ def _write_data(
         resaver.learn(writer, planner.mappings, staged)
         mine: Any = (step, resaver.generation, writer.files, {})
     else:
-        try:
+        # The spool had room when the save chose it: if it fills meanwhile (the partial file
+        # is gone then), the root takes this rank's file, and the commit counts it there as
+        # it counts a rank without a spool. (Retried outside the handler: a failure at the
+        # root is its own, not one "during handling" of the spool's.)
+        mine, why = None, None
+        for where in (store,) if store.url == root.url else (store, root):
             try:
-                entry, placed = layout.write(sinks(store), rel, staged, arenas, group.rank, step)
+                entry, placed = layout.write(sinks(where), rel, staged, arenas, group.rank, step)
+                mine, store = (step, layout.generation, {layout.name: entry}, placed), where
+                break
             except DiskFull as e:
-                if store is root or store.url == root.url:
-                    raise
-                # The spool had room when the save chose it and filled meanwhile (the partial
-                # file is gone): the root takes this rank's file, and the commit counts it
-                # there as it counts a rank without a spool.
-                log.warning("rank %d: the node spool ran out of space writing step %d (%s); writing to %s directly", group.rank, step, e, root.display)
-                store = root
-                entry, placed = layout.write(sinks(store), rel, staged, arenas, group.rank, step)
-            mine = (step, layout.generation, {layout.name: entry}, placed)
-        except Exception as e:  # reported to rank 0 below, not left to hang the others
-            log.warning("rank %d: writing step %d failed: %s", group.rank, step, e)
-            mine = f"rank {group.rank}: {type(e).__name__}: {e}"
+                why = e
+            except Exception as e:  # reported to rank 0 below, not left to hang the others
+                why = e
+                break
+            if where is not root:
+                log.warning("rank %d: the node spool ran out of space writing step %d (%s); writing to %s directly", group.rank, step, why, root.display)
+        if mine is None:
+            log.warning("rank %d: writing step %d failed: %s", group.rank, step, why)
+            mine = f"rank {group.rank}: {type(why).__name__}: {why}"
     return mine, layout, store
+
+
+def _own_failure(e: BaseException, rank: int) -> BaseException | None:
+    """This rank's error in DCP's `CheckpointException` (which holds every failed rank's)."""
+    failures = getattr(e, "failures", {})
+    return dict(zip(failures, dcp_failures(e), strict=True)).get(rank) if isinstance(failures, dict) else None
 
 
 def versions() -> dict[str, str]:

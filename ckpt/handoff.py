@@ -71,6 +71,10 @@ class Handoff:
         self.options = public_options(storage_options)
         self.local = Store(spool.job_dir(self.job)) if spool is not None else None
         self._warned: str | None = None
+        # After a write that ran out of space in the spool though its check had passed, the
+        # spool is asked for this many times a save's room (the file is larger than the
+        # staged bytes, and something else may be filling the disk).
+        self._headroom = 1
         self._pending: list[_Handed] = []  # handed off, not known to be committed yet
         self._lock = threading.Lock()
 
@@ -101,7 +105,7 @@ class Handoff:
             return self.store
         # Every rank of the node writes its part at the same time.
         need *= int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
-        why = "its agent stopped" if self.spool.agent() is None else self.spool.room(need)
+        why = "its agent stopped" if self.spool.agent() is None else self.spool.room(need * self._headroom)
         if why is None:
             self._warned = None
             return self.local
@@ -109,6 +113,13 @@ class Handoff:
             log.warning("the node spool cannot take this save (%s): writing to %s directly", why, self.store.display)
             self._warned = why
         return self.store
+
+    def spool_filled(self) -> None:
+        """A write to the spool ran out of space after its room check passed: from now on
+        the spool takes a save only with twice its room free; the others go to the root."""
+        if self._headroom == 1:
+            log.warning("the node spool %s ran out of space during a write: from now on it takes a save only with twice its room free", self.spool.path if self.spool else "")
+        self._headroom = 2
 
     def submit(self, target: Store, rel: str, save_id: str, manifest: Manifest, files: list[str], world: int, started: float) -> None:
         """Hand this rank's files of the save off (spool), or mark them durable and commit if

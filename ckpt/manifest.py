@@ -70,6 +70,15 @@ class Manifest:
     def total_bytes(self) -> int:
         return sum(f.size for f in self.files.values())
 
+    @property
+    def signed_key_id(self) -> str | None:
+        """The id of the key the signature names, unchecked (None: unsigned). Only hex digits
+        are shown as they are: the manifest may be anyone's."""
+        kid = (self.signature or {}).get("key_id")
+        if kid is None:
+            return None
+        return kid if all(c in "0123456789abcdef" for c in kid) and 0 < len(kid) <= 64 else "(not a key id)"
+
     def to_json(self) -> bytes:
         """The manifest as JSON: one line per field, and the files one per line. Built by hand
         and encoded by json's C encoder, line by line (`dataclasses.asdict` deep-copies every

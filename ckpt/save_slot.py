@@ -36,8 +36,6 @@ class SaveSlot:
         self.sinks = Sinks(store, storage_options)
         self._staged = threading.Event()  # set: no staging copy is pending
         self._staged.set()
-        #: Seconds optimizer steps spent waiting for a staging copy to finish (overlap mode).
-        self.staging_wait_s = 0.0
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._inflight: concurrent.futures.Future[Manifest] | None = None
 
@@ -63,11 +61,17 @@ class SaveSlot:
             copies.run()
         return staged, copies
 
-    def wait_for_staging(self) -> None:
-        if not self._staged.is_set():
-            t = time.perf_counter()
-            self._staged.wait()
-            self.staging_wait_s += time.perf_counter() - t
+    def wait_for_staging(self) -> float:
+        """Wait until no staging copy is pending; returns the seconds waited."""
+        if self._staged.is_set():
+            return 0.0
+        t = time.perf_counter()
+        self._staged.wait()
+        return time.perf_counter() - t
+
+    @property
+    def opened(self) -> bool:
+        return self._pool is not None
 
     def submit(self, fn: Callable[..., Manifest], *args: Any) -> None:
         """Run `fn(*args)` (the save) in the background thread: the save in flight."""

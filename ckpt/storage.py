@@ -55,12 +55,14 @@ def storage_errors(what: str) -> Iterator[None]:
 
 
 def _no_room(e: BaseException | None) -> bool:
-    """Whether `e`, or what it was raised from, is a filesystem out of space or quota."""
-    seen = 0
-    while e is not None and seen < 8:
+    """Whether `e`, or what it was raised from (`raise ... from`, not an error met while
+    handling it), is a filesystem out of space or quota."""
+    for _ in range(8):  # a cause chain is short; a cycle must not hang an error path
+        if e is None:
+            return False
         if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
             return True
-        e, seen = e.__cause__ or e.__context__, seen + 1
+        e = e.__cause__
     return False
 
 
@@ -158,8 +160,9 @@ class Store:
         root = os.fspath(root)
         self.url = root
         remember_secrets(storage_options)
-        # The root's URL as it may be logged (no credentials): worked out once, as the secrets
-        # it could hold are known by now (a save names the root in ten error contexts).
+        # The root's URL as it may be logged (no credentials): worked out once, when its own
+        # secrets are known (its options'; a URL's user:password and tokens are masked by
+        # form), rather than in each of the nine error contexts a save builds.
         self.display = redact(root)
         redact_request_logs()
         with storage_errors(f"opening root {self.display}"):
@@ -301,7 +304,7 @@ class Store:
 
     def _cat(self, path: str) -> bytes:
         """A whole file of a root that is not S3's (a local one without fsspec's layers: a
-        save reads the lease and the previous `.metadata` this way)."""
+        save reads the lease twice this way)."""
         if self.is_local:
             with open(path, "rb") as f:
                 return f.read()
@@ -391,7 +394,8 @@ class Store:
             if self._s3 is not None:
                 got = self._s3.get_tagged(path, f"{self.display}/{rel}")
                 return None if got is None else Tagged(*got)
-            self.fs.invalidate_cache()
+            if not self.is_local:
+                self.fs.invalidate_cache()
             try:
                 data = self._cat(path)
             except FileNotFoundError:

@@ -37,6 +37,9 @@ from .storage import Store
 log = logging.getLogger(__name__)
 
 _HEADER = struct.Struct("!Q")
+# The writer's errors that the trainer raises as they are (the most specific first); any
+# other fails the save (SaveFailed), its class named in the message.
+_PASSED_ON: tuple[type[StorageError], ...] = (DiskFull, StorageError)
 _MAX_FDS = 64
 _START_TIMEOUT_S = 60.0
 _SLOWEST_BYTES_PER_S = 1 << 20  # a write slower than this (plus timeout_s) is a hung store
@@ -147,7 +150,7 @@ class ProcessSink:
             return entry
         self._prefix_sent = None  # whatever went wrong, the next write sends the prefix again
         kind, message = reply[1], reply[2]
-        raise {"DiskFull": DiskFull, "StorageError": StorageError}.get(kind, SaveFailed)(message)
+        raise next((c for c in _PASSED_ON if c.__name__ == kind), SaveFailed)(message)
 
     def _call(self, payload: bytes, timeout_s: float, doing: str, fds: Sequence[int] = ()) -> Any:
         """Send one message and wait for its reply; a writer that died or hangs fails the save."""
@@ -309,7 +312,7 @@ def serve(sock: socket.socket) -> None:
                 entry = prefixes.write(store, rel, key, pieces, {i: memoryview(maps[i]) for i in live}, rank)
                 reply = ("ok", entry)
             except Exception as e:  # reported to the trainer, which fails the save
-                kind = "DiskFull" if isinstance(e, DiskFull) else "StorageError" if isinstance(e, StorageError) else type(e).__name__
+                kind = next((c.__name__ for c in _PASSED_ON if isinstance(e, c)), type(e).__name__)
                 reply = (
                     "err",
                     kind,

@@ -135,8 +135,9 @@ def test_a_spool_that_runs_out_of_space_mid_write_gives_way_to_the_root_and_the_
     """The spool had room when the save chose it (the agent's check passed), but the disk
     filled before the rank's file was written: a real ENOSPC in the middle of the write. The
     rank writes its file to the root instead, saying why; the save commits there, nothing of
-    it is left in the spool, the previous checkpoint stays intact, and once space returns the
-    next save goes through the agent again."""
+    it is left in the spool, the previous checkpoint stays intact. While the spool stays full
+    the next save goes to the root at once (the spool is asked for twice the room now), and
+    once space returns saves go through the agent again."""
     from test_agent import agent, until
 
     caplog.set_level(logging.INFO, logger="ckpt")
@@ -144,9 +145,21 @@ def test_a_spool_that_runs_out_of_space_mid_write_gives_way_to_the_root_and_the_
     with tmpfs(tmp_path / "spool", 16) as spool, agent(spool, tmp_path / "agent.log") as a:
         model, opt = make_model()
         with ckpt.Checkpointer(str(root), model=model, optimizer=opt, interval=None, spool=str(spool)) as cp:
-            step(model, opt)
-            cp.step_done()
-            cp.save(blocking=True)
+            filler = None
+
+            def save(n: int) -> None:
+                step(model, opt)
+                cp.step_done()
+                caplog.clear()
+                cp.save(blocking=True)
+                seen[n] = weights(model)
+                assert cp.last_commit.step == n
+                if filler is not None:  # the root took it: committed there, nothing in the spool
+                    assert (root / step_dir_name(n) / "manifest.json").exists()
+                    assert not list(spool.glob(f"jobs/*/{step_dir_name(n)}/*.distcp"))
+
+            seen: dict[int, dict[str, torch.Tensor]] = {}
+            save(1)
             until("the agent to commit step 1", lambda: (root / step_dir_name(1) / "manifest.json").exists(), logs=a.text)
             at_1 = {f.name: f.read_bytes() for f in (root / step_dir_name(1)).iterdir() if f.is_file()}
 
@@ -155,29 +168,56 @@ def test_a_spool_that_runs_out_of_space_mid_write_gives_way_to_the_root_and_the_
             assert need < size  # the file needs more than the check asks for: room for a real ENOSPC
             filler = fill(spool, (need + size) // 2)
 
-            step(model, opt)
-            cp.step_done()
-            cp.save(blocking=True)  # no SaveFailed: the root took the file
-            at_2 = weights(model)
+            save(2)  # no SaveFailed: the root took the file
             assert "cannot take this save" not in caplog.text  # the check passed: the write failed
             assert "the node spool ran out of space writing step 2" in caplog.text and "No space left on device" in caplog.text
-            assert not list(spool.glob(f"jobs/*/{step_dir_name(2)}/*.distcp"))
-            assert (root / step_dir_name(2) / "manifest.json").exists() and cp.last_commit.step == 2
             assert {f.name: f.read_bytes() for f in (root / step_dir_name(1)).iterdir() if f.is_file()} == at_1
             assert catalog.find(Store(str(root)), None).step == 2
 
+            save(3)  # still full: straight to the root, no write into the spool first
+            assert "cannot take this save" in caplog.text and "ran out of space" not in caplog.text
+
             filler.unlink()
-            caplog.clear()
+            filler = None
+            save(4)
+            assert "handed off" in caplog.text
+            until("the agent to commit step 4", lambda: (root / step_dir_name(4) / "manifest.json").exists(), logs=a.text)
+    assert catalog.find(Store(str(root)), None).step == 4
+    for n in (2, 3, 4):
+        assert states(root)[n] == "committed"
+        assert_bitwise_equal(restored_weights(root, n), seen[n], f"step {n}")
+
+
+def test_a_spool_that_fills_under_a_runs_first_save_fails_it_and_the_next_goes_to_the_root(tmp_path, caplog):
+    """A run's first save is DCP's planned save, whose ranks fail together: the spool filling
+    under it fails that save, cleanly. The next one, while the spool is still full, goes to
+    the root (the spool is asked for twice the room now) and commits."""
+    from test_agent import agent
+
+    caplog.set_level(logging.INFO, logger="ckpt")
+    root = tmp_path / "root"
+    model, opt = make_model()
+    step(model, opt)
+    with ckpt.Checkpointer(str(tmp_path / "probe"), model=model, optimizer=opt, interval=None, save_on_exit=False) as probe:
+        probe.save(blocking=True)  # what the spool's check will ask room for, and the file's size
+        need, size = probe._slot.stager.bytes_staged, probe.last_commit.files["__0_0.distcp"].size
+    assert need < size
+    with tmpfs(tmp_path / "spool", 16) as spool, agent(spool, tmp_path / "agent.log"):
+        with ckpt.Checkpointer(str(root), model=model, optimizer=opt, interval=None, spool=str(spool), on_error="log") as cp:
+            cp.step_done()
+            fill(spool, (need + size) // 2)  # room for the check, not for the file
+            cp.save(blocking=True)
+            assert cp.last_commit is None and "No space left on device" in caplog.text
+            assert "cannot take this save" not in caplog.text
+            assert not list(spool.glob(f"jobs/*/{step_dir_name(1)}/*.distcp")) and not (root / step_dir_name(1) / "manifest.json").exists()
             step(model, opt)
             cp.step_done()
             cp.save(blocking=True)
-            at_3 = weights(model)
-        assert (root / step_dir_name(3) / "manifest.json").exists()
-        assert "handed off" in caplog.text
-    assert catalog.find(Store(str(root)), None).step == 3
-    assert states(root)[3] == "committed"
-    assert_bitwise_equal(restored_weights(root, 2), at_2, "step 2")  # the one the root took
-    assert_bitwise_equal(restored_weights(root, 3), at_3, "step 3")
+            at_2 = weights(model)
+            assert cp.last_commit is not None and cp.last_commit.step == 2
+            assert "cannot take this save" in caplog.text
+    assert catalog.find(Store(str(root)), None).step == 2
+    assert_bitwise_equal(restored_weights(root, 2), at_2, "step 2")
 
 
 def test_a_disk_that_fills_at_the_metadata_of_a_save_again_fails_it_and_keeps_the_last(tmp_path):

@@ -215,12 +215,19 @@ def test_ckpt_gc_with_a_key_keeps_the_newest_trusted_and_leaves_the_untrusted_al
         assert KEY not in out.stdout + out.stderr
 
 
-def test_ckpt_verify_reports_signed_ok_bad_and_unsigned_and_fails_on_untrusted(tmp_path):
+@pytest.fixture
+def signed_root(tmp_path) -> tuple[Path, Path]:
+    """(a root whose steps 1-2 are signed with KEY and step 3 is not, a file holding KEY)."""
     root = tmp_path / "root"
     train(root, 2, key=KEY)
     train(root, 3)  # step 3 unsigned
     key_file = tmp_path / "key"
     key_file.write_text(KEY)
+    return root, key_file
+
+
+def test_ckpt_verify_reports_signed_ok_bad_and_unsigned_and_fails_on_untrusted(tmp_path, signed_root):
+    root, key_file = signed_root
     ok = cli("verify", str(root), "--signing-key-file", str(key_file), "--step", "2")
     assert ok.returncode == 0 and f"{step_dir(2)}  ok  signed-ok" in ok.stdout, ok.stdout + ok.stderr
     doc = manifest_doc(root, 1)
@@ -231,7 +238,7 @@ def test_ckpt_verify_reports_signed_ok_bad_and_unsigned_and_fails_on_untrusted(t
     verdicts = {c["step"]: c["signature"] for c in json.loads(everything.stdout)["checkpoints"]}
     assert verdicts == {1: "BAD", 2: "signed-ok", 3: "unsigned"}
     by_env = cli("verify", str(root), "--step", "3", env={"CKPT_SIGNING_KEY": KEY})
-    assert by_env.returncode == 1 and "CORRUPT  unsigned" in by_env.stdout
+    assert by_env.returncode == 1 and "UNTRUSTED  unsigned" in by_env.stdout
     keyless = cli("verify", str(root), "--step", "2")  # no key: signatures are not checked
     assert keyless.returncode == 0 and "signed" not in keyless.stdout
     missing = cli("verify", str(root), "--signing-key-file", str(tmp_path / "nope"))
@@ -244,32 +251,38 @@ def test_ckpt_verify_reports_signed_ok_bad_and_unsigned_and_fails_on_untrusted(t
         assert KEY not in r.stdout + r.stderr
 
 
-def test_ckpt_ls_and_show_say_whose_signature_a_checkpoint_carries_and_with_a_key_whether_it_holds(tmp_path):
-    root = tmp_path / "root"
-    train(root, 2, key=KEY)
-    train(root, 3)  # step 3 unsigned
-    key_file = tmp_path / "key"
-    key_file.write_text(KEY)
+def test_ckpt_ls_and_show_say_whose_signature_a_checkpoint_carries_and_with_a_key_whether_it_holds(tmp_path, signed_root):
+    root, key_file = signed_root
     kid = SigningKey(KEY).key_id
+
+    def rows(r: subprocess.CompletedProcess) -> dict[str, str]:
+        assert r.returncode == 0 and r.stdout.splitlines()[0].split()[-1] == "SIGNATURE", r.stdout + r.stderr
+        return {line.split()[0]: line for line in r.stdout.splitlines()[1:] if line.split() and line.split()[0].isdigit()}
+
     keyless = cli("ls", str(root))
-    assert keyless.returncode == 0, keyless.stderr
-    rows = {line.split()[0]: line for line in keyless.stdout.splitlines()[1:] if line.strip() and line.split()[0].isdigit()}
-    assert "SIGNATURE" in keyless.stdout.splitlines()[0]
-    assert rows["2"].endswith(f"key {kid}, unchecked") and rows["3"].endswith("unsigned"), keyless.stdout
+    assert rows(keyless)["2"].endswith(f"key {kid}, not checked") and rows(keyless)["3"].endswith("unsigned"), keyless.stdout
     keyed = cli("ls", str(root), "--signing-key-file", str(key_file))
-    rows = {line.split()[0]: line for line in keyed.stdout.splitlines()[1:] if line.strip() and line.split()[0].isdigit()}
-    assert "committed" in rows["2"] and rows["2"].endswith("signed-ok"), keyed.stdout
-    assert "untrusted" in rows["3"] and rows["3"].endswith("unsigned"), keyed.stdout
+    assert " committed " in rows(keyed)["2"] and rows(keyed)["2"].endswith("signed-ok"), keyed.stdout
+    assert " untrusted " in rows(keyed)["3"] and rows(keyed)["3"].endswith("unsigned"), keyed.stdout
     docs = {d["step"]: d for d in json.loads(cli("ls", str(root), "--json", env={"CKPT_SIGNING_KEY": KEY}).stdout)}
-    assert (docs[2]["signature"], docs[2]["signed_key_id"], docs[3]["signature"], docs[3]["signed_key_id"]) == ("signed-ok", kid, "unsigned", None)
+    assert [(docs[n]["state"], docs[n]["signature"], docs[n]["signed_key_id"]) for n in (2, 3)] == [("committed", "signed-ok", kid), ("untrusted", "unsigned", None)]
     assert {d["signature"] for d in json.loads(cli("ls", str(root), "--json").stdout)} == {None}  # not checked without a key
-    # `show`: without a key the newest by commit (unsigned step 3); with one, the newest signed.
+    # `show`: without a key the newest by commit (unsigned step 3); with one, the newest
+    # signed, saying on stderr which newer ones it passed over.
     assert "signature: unsigned" in cli("show", str(root)).stdout
     assert f"signature: key {kid}, not checked (no key given)" in cli("show", str(root), "--step", "2").stdout
     shown = cli("show", str(root), "--signing-key-file", str(key_file))
     assert shown.returncode == 0 and f"{step_dir(2)}\n" in shown.stdout and f"signature: signed-ok (key {kid})" in shown.stdout, shown.stdout + shown.stderr
+    assert f"not signed with the key are not shown: {step_dir(3)}" in shown.stderr
+    doc = json.loads(cli("show", str(root), "--json", env={"CKPT_SIGNING_KEY": KEY}).stdout)
+    assert (doc["dir"], doc["signature"], doc["signed_key_id"]) == (step_dir(2), "signed-ok", kid)
     refused = cli("show", str(root), "--step", "3", "--signing-key-file", str(key_file))
     assert "step 3 is untrusted: " in one_line_error(refused, rc=1) and "not trusted" in refused.stderr
+    # A key id that is not one (a planted manifest's) is not printed as it is.
+    doc = manifest_doc(root, 1)
+    doc["signature"]["key_id"] = "\x1b[2Jevil"
+    write_manifest(root, 1, doc)
+    assert "\x1b" not in cli("ls", str(root)).stdout and "(not a key id)" in cli("ls", str(root)).stdout
     # A root with no signed checkpoint and no key lists as it always did.
     plain = tmp_path / "plain"
     train(plain, 1)
