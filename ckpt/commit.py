@@ -246,6 +246,7 @@ def persist(
         raise SaveFailed(str(outcome))
     if handoff is not None:
         _hand_off(handoff, target, group, rel, save_id, outcome, mine, began)
+        handoff.wrote(outcome)
     fault_point("after_manifest", group.rank, step)
     return outcome
 
@@ -303,6 +304,8 @@ def _commit(
             store.put_atomic(f"{rel}/{MANIFEST_NAME}", manifest.to_json())
         return manifest
     except Exception as e:  # reported to every rank, not left to hang them
+        if isinstance(e, DiskFull) and handoff is not None and target is not store:
+            handoff.spool_filled()  # `.metadata` found no room there: the next save goes to the root
         return f"commit of {rel} failed: {type(e).__name__}: {e}"
 
 

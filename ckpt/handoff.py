@@ -71,9 +71,11 @@ class Handoff:
         self.options = public_options(storage_options)
         self.local = Store(spool.job_dir(self.job)) if spool is not None else None
         self._warned: str | None = None
-        # After a write that ran out of space in the spool though its check had passed, the
-        # spool is asked for this many times a save's room (the file is larger than the
-        # staged bytes, and something else may be filling the disk).
+        # A save's room in the spool: its staged bytes, or what this rank's files of the last
+        # save took if more (headers and padding: with many small tensors several times more);
+        # after a write that ran out of space though its check had passed (something else is
+        # filling the disk), twice that.
+        self._last_bytes = 0
         self._headroom = 1
         self._pending: list[_Handed] = []  # handed off, not known to be committed yet
         self._lock = threading.Lock()
@@ -104,8 +106,8 @@ class Handoff:
         if self.spool is None or self.local is None:
             return self.store
         # Every rank of the node writes its part at the same time.
-        need *= int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
-        why = "its agent stopped" if self.spool.agent() is None else self.spool.room(need * self._headroom)
+        need = max(need, self._last_bytes) * self._headroom * int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+        why = "its agent stopped" if self.spool.agent() is None else self.spool.room(need)
         if why is None:
             self._warned = None
             return self.local
@@ -113,6 +115,11 @@ class Handoff:
             log.warning("the node spool cannot take this save (%s): writing to %s directly", why, self.store.display)
             self._warned = why
         return self.store
+
+    def wrote(self, manifest: Manifest) -> None:
+        """A save committed (or handed off): what this rank's files took (rank 0's with
+        `.metadata`) is the room the next one asks of the spool."""
+        self._last_bytes = sum(f.size for f in manifest.files.values() if f.rank == self.rank or (f.rank < 0 and self.rank == 0))
 
     def spool_filled(self) -> None:
         """A write to the spool ran out of space after its room check passed: from now on

@@ -9,9 +9,12 @@ Mounting a tmpfs needs root (CI runs the suite as root); elsewhere these tests a
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -131,44 +134,47 @@ def test_a_full_local_root_fails_the_save_clearly_keeps_the_previous_and_saves_a
         assert_bitwise_equal(restored_weights(root, 2), at_2, "step 2")
 
 
-def test_a_spool_that_runs_out_of_space_mid_write_gives_way_to_the_root_and_the_save_commits(tmp_path, caplog):
+def test_a_spool_that_runs_out_of_space_mid_write_gives_way_to_the_root_and_the_save_commits(tmp_path, caplog, monkeypatch):
     """The spool had room when the save chose it (the agent's check passed), but the disk
-    filled before the rank's file was written: a real ENOSPC in the middle of the write. The
-    rank writes its file to the root instead, saying why; the save commits there, nothing of
-    it is left in the spool, the previous checkpoint stays intact. While the spool stays full
-    the next save goes to the root at once (the spool is asked for twice the room now), and
-    once space returns saves go through the agent again."""
+    filled before the rank's file was written (the writer process is held there while a
+    filler takes the room): a real ENOSPC in the middle of the write. The rank writes its
+    file to the root instead, saying why; the save commits there, nothing of it is left in
+    the spool, the previous checkpoint stays intact. While the spool stays full the next save
+    goes to the root at once (the spool is asked for twice the room now), and once space
+    returns saves go through the agent again."""
     from test_agent import agent, until
 
+    monkeypatch.setenv("CKPT_FAULT", "writer_process:0:2:sleep=3")  # step 2's writer waits before it writes
     caplog.set_level(logging.INFO, logger="ckpt")
     root = tmp_path / "root"
-    with tmpfs(tmp_path / "spool", 16) as spool, agent(spool, tmp_path / "agent.log") as a:
+    # --keep-spool 0: no committed copy in the spool that the agent could evict to make room.
+    with tmpfs(tmp_path / "spool", 16) as spool, agent(spool, tmp_path / "agent.log", "--keep-spool", "0") as a:
         model, opt = make_model()
         with ckpt.Checkpointer(str(root), model=model, optimizer=opt, interval=None, spool=str(spool)) as cp:
-            filler = None
+            seen: dict[int, dict[str, torch.Tensor]] = {}
 
-            def save(n: int) -> None:
+            def save(n: int, fill_meanwhile: bool = False) -> None:
                 step(model, opt)
                 cp.step_done()
                 caplog.clear()
-                cp.save(blocking=True)
                 seen[n] = weights(model)
+                cp.save()
+                if fill_meanwhile:
+                    time.sleep(1.0)  # the room check passed; the writer process waits
+                    fills.append(fill(spool, 0))
+                cp.wait()
                 assert cp.last_commit.step == n
-                if filler is not None:  # the root took it: committed there, nothing in the spool
+                if fills:  # the root took it: committed there, nothing in the spool
                     assert (root / step_dir_name(n) / "manifest.json").exists()
                     assert not list(spool.glob(f"jobs/*/{step_dir_name(n)}/*.distcp"))
 
-            seen: dict[int, dict[str, torch.Tensor]] = {}
+            fills: list[Path] = []
             save(1)
             until("the agent to commit step 1", lambda: (root / step_dir_name(1) / "manifest.json").exists(), logs=a.text)
+            until("the agent to drop step 1 from the spool", lambda: not list(spool.glob(f"jobs/*/{step_dir_name(1)}")), logs=a.text)
             at_1 = {f.name: f.read_bytes() for f in (root / step_dir_name(1)).iterdir() if f.is_file()}
 
-            need = cp._slot.stager.bytes_staged  # what the spool's check asks room for
-            size = next((root / step_dir_name(1)).glob("__0_0.distcp")).stat().st_size
-            assert need < size  # the file needs more than the check asks for: room for a real ENOSPC
-            filler = fill(spool, (need + size) // 2)
-
-            save(2)  # no SaveFailed: the root took the file
+            save(2, fill_meanwhile=True)  # no SaveFailed: the root took the file
             assert "cannot take this save" not in caplog.text  # the check passed: the write failed
             assert "the node spool ran out of space writing step 2" in caplog.text and "No space left on device" in caplog.text
             assert {f.name: f.read_bytes() for f in (root / step_dir_name(1)).iterdir() if f.is_file()} == at_1
@@ -177,8 +183,7 @@ def test_a_spool_that_runs_out_of_space_mid_write_gives_way_to_the_root_and_the_
             save(3)  # still full: straight to the root, no write into the spool first
             assert "cannot take this save" in caplog.text and "ran out of space" not in caplog.text
 
-            filler.unlink()
-            filler = None
+            fills.pop().unlink()
             save(4)
             assert "handed off" in caplog.text
             until("the agent to commit step 4", lambda: (root / step_dir_name(4) / "manifest.json").exists(), logs=a.text)
@@ -264,3 +269,100 @@ def test_a_disk_that_fills_at_the_metadata_of_a_save_again_fails_it_and_keeps_th
         with ckpt.Checkpointer(str(root), model=model, optimizer=opt, interval=None, save_on_exit=False) as cp:
             assert cp.restored_step == 3
         assert_bitwise_equal(weights(model), at_3, "step 3")
+
+
+def test_a_spool_that_fills_at_the_metadata_fails_that_save_and_the_next_goes_to_the_root(tmp_path, caplog, monkeypatch):
+    """The same, with the node agent's spool filling (while the writer process is held before
+    step 2's data file) to leave room for that file but not for rank 0's `.metadata`: that
+    save fails cleanly, and the next, with the spool still full, goes to the root at once
+    (the spool is asked for twice the room now) and commits."""
+    from test_agent import agent, until
+
+    monkeypatch.setenv("CKPT_FAULT", "writer_process:0:2:sleep=3")
+    caplog.set_level(logging.INFO, logger="ckpt")
+    root = tmp_path / "root"
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(500)])  # 4,000 tensors saved
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+
+    def train() -> None:
+        model(torch.randn(2, 4)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    with tmpfs(tmp_path / "spool", 24) as spool, agent(spool, tmp_path / "agent.log", "--keep-spool", "0") as a:
+        with ckpt.Checkpointer(str(root), model=model, optimizer=opt, interval=None, spool=str(spool),
+                               on_error="log", save_on_exit=False) as cp:  # fmt: skip
+            train()
+            cp.step_done()
+            cp.save(blocking=True)  # step 1: planned by DCP, handed off
+            until("the agent to commit step 1 and drop it from the spool", lambda: not list(spool.glob(f"jobs/*/{step_dir_name(1)}")), logs=a.text)
+            data = sum(f.size for n, f in cp.last_commit.files.items() if n.endswith(".distcp"))
+            metadata = cp.last_commit.files[".metadata"].size
+            assert metadata > 512 * 1024
+            train()
+            cp.step_done()
+            cp.save()  # step 2: laid out as step 1 was
+            time.sleep(1.0)  # the room check passed; the writer process waits
+            fill(spool, data + 64 * 1024 + metadata // 2)  # room for the data file, not for .metadata
+            cp.wait()
+            assert cp.last_commit.step == 1 and "No space left on device" in caplog.text
+            assert "cannot take this save" not in caplog.text
+            caplog.clear()
+            train()
+            cp.step_done()
+            cp.save(blocking=True)  # step 3: the root
+            at_3 = weights(model)
+            assert cp.last_commit.step == 3 and "cannot take this save" in caplog.text
+    assert states(root)[3] == "committed" and states(root).get(2) != "committed"
+    for p in model.parameters():
+        p.data.zero_()
+    with ckpt.Checkpointer(str(root), model=model, optimizer=opt, interval=None, save_on_exit=False) as cp:
+        assert cp.restored_step == 3
+    assert_bitwise_equal(weights(model), at_3, "step 3")
+
+
+def test_with_two_nodes_the_rank_whose_spool_fills_mid_write_goes_to_the_root_while_the_other_hands_off(tmp_path):
+    """Two ranks, each on a "node" of its own with its own agent; rank 0's spool is a real
+    tmpfs. Rank 0's writer process is held just before it writes step 10's file (after the
+    spool's room check passed), and the tmpfs is filled meanwhile: a real ENOSPC in the
+    write. Rank 0 writes its file to the root and marks it durable there; rank 1 hands its
+    file to its agent as usual; the checkpoint commits once, with both ranks' files, and
+    restores to what the ranks held."""
+    from jobs import RANKS, WORKER, assert_same_training_state, dumps, rank_logs
+    from launch import REPO, start, wait
+    from test_agent import agent, until
+
+    root, out = tmp_path / "root", tmp_path / "out"
+    (tmp_path / "node1").mkdir()
+    env = {
+        "TEST_SPOOL_OF_RANK": str(tmp_path / "node{rank}"),
+        "LOCAL_WORLD_SIZE": "1",  # one rank per "node": the spool's check asks for one rank's room
+        "CKPT_FAULT": "writer_process:0:10:sleep=6",
+    }
+    logs = lambda: rank_logs(tmp_path)  # noqa: E731
+    # --keep-spool 0 on node 0: no committed copy there that its agent could evict for room.
+    with tmpfs(tmp_path / "node0", 16) as node0, agent(node0, tmp_path / "agent0.log", "--keep-spool", "0"), agent(tmp_path / "node1", tmp_path / "agent1.log") as a1:
+        procs = start(RANKS, WORKER, *map(str, ("--mode", "plain", "--root", root, "--steps", 10, "--every", 5, "--out", out, "--log-level", "DEBUG")), env=env, log_dir=tmp_path)
+        until("rank 0 to stage step 10", lambda: "step 10 staged" in (tmp_path / "rank0.log").read_text(), logs=logs)
+        until("node 0's agent to drop step 5", lambda: not list(node0.glob(f"jobs/*/{step_dir_name(5)}")), logs=logs)
+        time.sleep(0.5)  # the room check passed; the writer process sleeps before the write
+        fill(node0, 0)
+        assert wait(procs) == [0] * RANKS, logs()
+        until("step 10 to commit", lambda: (root / step_dir_name(10) / "manifest.json").exists(), logs=lambda: logs() + a1.text())
+    rank0 = (tmp_path / "rank0.log").read_text()
+    assert "the node spool ran out of space writing step 10" in rank0 and "No space left on device" in rank0, rank0[-3000:]
+    assert "ran out of space" not in (tmp_path / "rank1.log").read_text()
+    assert "handed off" in (tmp_path / "rank1.log").read_text() or "step-0000000010" in a1.text()
+    durable = sorted(p.name.split(".")[1] for p in (root / step_dir_name(10) / ".durable").iterdir())
+    assert durable == ["rank-00000", "rank-00001"]
+    manifest = json.loads((root / step_dir_name(10) / "manifest.json").read_text())
+    assert manifest["step"] == 10 and {f["rank"] for f in manifest["files"].values()} >= {0, 1}
+    rc = subprocess.run([sys.executable, "-m", "ckpt.cli", "verify", str(root), "--deep"], capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert rc.returncode == 0, rc.stdout + rc.stderr
+    assert [d["step"] for d in dumps(out)] == [10] * RANKS
+    # A restart restores step 10 from the root, exactly what the ranks held.
+    again = start(RANKS, WORKER, *map(str, ("--mode", "plain", "--root", root, "--steps", 10, "--every", 5, "--out", tmp_path / "again")), log_dir=tmp_path)
+    assert wait(again) == [0] * RANKS, logs()
+    assert [d["restored_step"] for d in dumps(tmp_path / "again")] == [10] * RANKS
+    assert_same_training_state(dumps(tmp_path / "again"), dumps(out))
