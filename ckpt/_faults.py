@@ -2,7 +2,8 @@
 
 `CKPT_FAULT=<point>:<rank>:<step>` (several separated by commas) SIGKILLs the process when
 rank <rank> reaches <point> while saving step <step>; `*` matches any rank or step.
-`<point>:<rank>:<step>:sleep=<seconds>` stalls there instead (a slow store), and
+`<point>:<rank>:<step>:sleep=<seconds>` stalls there instead (a slow store; a line on stderr
+says when), and
 `<point>:<rank>:<step>:nth=<k>` kills on the k-th time the rule matches in this process (a
 point deeper into a file, a later chunk). Points: `staging` (the state captured, its copy
 into host buffers not made yet), `write_item` (between two items of a data file),
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 
 _hits: dict[str, int] = {}  # rule -> times matched, for nth=
@@ -31,6 +33,8 @@ def fault_point(point: str, rank: int, step: int) -> None:
         p, r, s, action = (rule.strip().split(":") + ["", "", ""])[:4]
         if p == point and r in ("*", str(rank)) and s in ("*", "", str(step)):
             if action.startswith("sleep="):
+                # Said first, so that a test can act while the process is held here.
+                print(f"ckpt fault: {point} of rank {rank} at step {step}: sleeping {action.removeprefix('sleep=')} s", file=sys.stderr, flush=True)
                 time.sleep(float(action.removeprefix("sleep=")))
                 continue
             _hits[rule] = _hits.get(rule, 0) + 1

@@ -243,6 +243,8 @@ def persist(
         outcome = group.broadcast(commit(everyone) if group.rank == 0 else None)
     if not isinstance(outcome, Manifest):
         resaver.layout = None  # the next save is planned afresh, on every rank
+        if handoff is not None and not isinstance(mine, str):
+            handoff.discard(target, rel, [*mine[2], *([METADATA_NAME] if group.rank == 0 else [])])
         raise SaveFailed(str(outcome))
     if handoff is not None:
         _hand_off(handoff, target, group, rel, save_id, outcome, mine, began)
@@ -344,7 +346,7 @@ def _write_data(
     write gives way to `root`."""
     if layout is None:
         # DCP's own save: its ranks fail together, so a spool that fills fails this save
-        # (and asks for twice the room from then on: `Handoff.spool_filled`).
+        # (and the next save goes to the root: `Handoff.spool_filled`).
         writer = Writer(store, rel, step, sinks(store), arenas)  # local roots: directories are made as files are written
         # The state's layout does not change between saves: rank 0's global planning is paid once.
         planner = DefaultSavePlanner(enable_plan_caching=True)

@@ -71,12 +71,14 @@ class Handoff:
         self.options = public_options(storage_options)
         self.local = Store(spool.job_dir(self.job)) if spool is not None else None
         self._warned: str | None = None
-        # A save's room in the spool: its staged bytes, or what this rank's files of the last
-        # save took if more (headers and padding: with many small tensors several times more);
-        # after a write that ran out of space though its check had passed (something else is
-        # filling the disk), twice that.
-        self._last_bytes = 0
-        self._headroom = 1
+        # A save's room in the spool: its staged bytes, or what this rank's data files of the
+        # last save took if more (headers and padding: with many small tensors several times
+        # more), on each rank of the node, and rank 0's `.metadata`.
+        self._last_data = self._last_metadata = 0
+        # After a write that ran out of space in the spool though its check had passed: the
+        # next save goes to the root (one that DCP plans, as after a failed save, fails on
+        # every rank if one rank's spool fills under it), the one after tries the spool again.
+        self._pass_over = False
         self._pending: list[_Handed] = []  # handed off, not known to be committed yet
         self._lock = threading.Lock()
 
@@ -105,8 +107,12 @@ class Handoff:
     def _target(self, need: int) -> Store:
         if self.spool is None or self.local is None:
             return self.store
+        if self._pass_over:
+            self._pass_over = False
+            log.warning("the node spool ran out of space under the last save: this one goes to %s directly", self.store.display)
+            return self.store
         # Every rank of the node writes its part at the same time.
-        need = max(need, self._last_bytes) * self._headroom * int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+        need = max(need, self._last_data) * int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1) + self._last_metadata
         why = "its agent stopped" if self.spool.agent() is None else self.spool.room(need)
         if why is None:
             self._warned = None
@@ -117,16 +123,23 @@ class Handoff:
         return self.store
 
     def wrote(self, manifest: Manifest) -> None:
-        """A save committed (or handed off): what this rank's files took (rank 0's with
-        `.metadata`) is the room the next one asks of the spool."""
-        self._last_bytes = sum(f.size for f in manifest.files.values() if f.rank == self.rank or (f.rank < 0 and self.rank == 0))
+        """A save committed (or handed off): what this rank's files took is the room the
+        next one asks of the spool."""
+        self._last_data = sum(f.size for f in manifest.files.values() if f.rank == self.rank)
+        self._last_metadata = sum(f.size for f in manifest.files.values() if f.rank < 0) if self.rank == 0 else 0
 
     def spool_filled(self) -> None:
-        """A write to the spool ran out of space after its room check passed: from now on
-        the spool takes a save only with twice its room free; the others go to the root."""
-        if self._headroom == 1:
-            log.warning("the node spool %s ran out of space during a write: from now on it takes a save only with twice its room free", self.spool.path if self.spool else "")
-        self._headroom = 2
+        """A write to the spool ran out of space after its room check passed: the next save
+        goes to the root."""
+        self._pass_over = True
+
+    def discard(self, target: Store, rel: str, names: list[str]) -> None:
+        """A save that failed: this rank's files of it leave the spool now (the agent would
+        drop them only once they are old, counting them as used meanwhile)."""
+        if target is self.local:
+            for name in names:
+                with contextlib.suppress(OSError):
+                    os.unlink(target.path(rel, name))
 
     def submit(self, target: Store, rel: str, save_id: str, manifest: Manifest, files: list[str], world: int, started: float) -> None:
         """Hand this rank's files of the save off (spool), or mark them durable and commit if

@@ -134,15 +134,25 @@ def test_a_full_local_root_fails_the_save_clearly_keeps_the_previous_and_saves_a
         assert_bitwise_equal(restored_weights(root, 2), at_2, "step 2")
 
 
-def test_a_spool_that_runs_out_of_space_mid_write_gives_way_to_the_root_and_the_save_commits(tmp_path, caplog, monkeypatch):
+def held(capfd: pytest.CaptureFixture[str], step_no: int, timeout: float = 60) -> None:
+    """Wait until rank 0's writer process says it is held before step `step_no`'s file."""
+    said, deadline = "", time.monotonic() + timeout
+    while f"ckpt fault: writer_process of rank 0 at step {step_no}:" not in said:
+        assert time.monotonic() < deadline, f"the writer never reached step {step_no}: {said[-2000:]}"
+        time.sleep(0.05)
+        said += capfd.readouterr().err
+
+
+def test_a_spool_that_runs_out_of_space_mid_write_gives_way_to_the_root_and_the_save_commits(tmp_path, caplog, capfd, monkeypatch):
     """The spool had room when the save chose it (the agent's check passed), but the disk
     filled before the rank's file was written (the writer process is held there while a
     filler takes the room): a real ENOSPC in the middle of the write. The rank writes its
     file to the root instead, saying why; the save commits there, nothing of it is left in
-    the spool, the previous checkpoint stays intact. While the spool stays full the next save
-    goes to the root at once (the spool is asked for twice the room now), and once space
-    returns saves go through the agent again."""
+    the spool, the previous checkpoint stays intact. The next save goes to the root though
+    the spool has room again, and the one after through the agent."""
     from test_agent import agent, until
+
+    from ckpt.spool import Spool
 
     monkeypatch.setenv("CKPT_FAULT", "writer_process:0:2:sleep=3")  # step 2's writer waits before it writes
     caplog.set_level(logging.INFO, logger="ckpt")
@@ -160,15 +170,16 @@ def test_a_spool_that_runs_out_of_space_mid_write_gives_way_to_the_root_and_the_
                 seen[n] = weights(model)
                 cp.save()
                 if fill_meanwhile:
-                    time.sleep(1.0)  # the room check passed; the writer process waits
-                    fills.append(fill(spool, 0))
+                    held(capfd, n)  # the room check passed; the writer process waits
+                    filler = fill(spool, 0)
                 cp.wait()
+                if fill_meanwhile:
+                    filler.unlink()
                 assert cp.last_commit.step == n
-                if fills:  # the root took it: committed there, nothing in the spool
-                    assert (root / step_dir_name(n) / "manifest.json").exists()
-                    assert not list(spool.glob(f"jobs/*/{step_dir_name(n)}/*.distcp"))
 
-            fills: list[Path] = []
+            def in_root_only(n: int) -> bool:  # committed there by the rank, nothing in the spool
+                return (root / step_dir_name(n) / "manifest.json").exists() and not list(spool.glob(f"jobs/*/{step_dir_name(n)}/*"))
+
             save(1)
             until("the agent to commit step 1", lambda: (root / step_dir_name(1) / "manifest.json").exists(), logs=a.text)
             until("the agent to drop step 1 from the spool", lambda: not list(spool.glob(f"jobs/*/{step_dir_name(1)}")), logs=a.text)
@@ -177,16 +188,17 @@ def test_a_spool_that_runs_out_of_space_mid_write_gives_way_to_the_root_and_the_
             save(2, fill_meanwhile=True)  # no SaveFailed: the root took the file
             assert "cannot take this save" not in caplog.text  # the check passed: the write failed
             assert "the node spool ran out of space writing step 2" in caplog.text and "No space left on device" in caplog.text
+            assert in_root_only(2)
             assert {f.name: f.read_bytes() for f in (root / step_dir_name(1)).iterdir() if f.is_file()} == at_1
             assert catalog.find(Store(str(root)), None).step == 2
 
-            save(3)  # still full: straight to the root, no write into the spool first
-            assert "cannot take this save" in caplog.text and "ran out of space" not in caplog.text
+            save(3)  # the spool has room again, but this one goes to the root
+            assert "ran out of space under the last save: this one goes to" in caplog.text and in_root_only(3)
 
-            fills.pop().unlink()
-            save(4)
-            assert "handed off" in caplog.text
-            until("the agent to commit step 4", lambda: (root / step_dir_name(4) / "manifest.json").exists(), logs=a.text)
+            until("the agent to be alive", lambda: Spool(str(spool)).agent() is not None, logs=a.text)
+            save(4)  # and this one through the agent
+            assert "cannot take this save" not in caplog.text and "goes to" not in caplog.text
+            until("the agent to commit step 4", lambda: "step 4 rank 0 durable" in a.text() and (root / step_dir_name(4) / "manifest.json").exists(), logs=a.text)
     assert catalog.find(Store(str(root)), None).step == 4
     for n in (2, 3, 4):
         assert states(root)[n] == "committed"
@@ -195,8 +207,8 @@ def test_a_spool_that_runs_out_of_space_mid_write_gives_way_to_the_root_and_the_
 
 def test_a_spool_that_fills_under_a_runs_first_save_fails_it_and_the_next_goes_to_the_root(tmp_path, caplog):
     """A run's first save is DCP's planned save, whose ranks fail together: the spool filling
-    under it fails that save, cleanly. The next one, while the spool is still full, goes to
-    the root (the spool is asked for twice the room now) and commits."""
+    under it fails that save, cleanly. The next one goes to the root and commits (planned by
+    DCP again, it would fail the same way in the spool, whose check still passes)."""
     from test_agent import agent
 
     caplog.set_level(logging.INFO, logger="ckpt")
@@ -220,7 +232,7 @@ def test_a_spool_that_fills_under_a_runs_first_save_fails_it_and_the_next_goes_t
             cp.save(blocking=True)
             at_2 = weights(model)
             assert cp.last_commit is not None and cp.last_commit.step == 2
-            assert "cannot take this save" in caplog.text
+            assert "ran out of space under the last save: this one goes to" in caplog.text
     assert catalog.find(Store(str(root)), None).step == 2
     assert_bitwise_equal(restored_weights(root, 2), at_2, "step 2")
 
@@ -271,11 +283,11 @@ def test_a_disk_that_fills_at_the_metadata_of_a_save_again_fails_it_and_keeps_th
         assert_bitwise_equal(weights(model), at_3, "step 3")
 
 
-def test_a_spool_that_fills_at_the_metadata_fails_that_save_and_the_next_goes_to_the_root(tmp_path, caplog, monkeypatch):
+def test_a_spool_that_fills_at_the_metadata_fails_that_save_and_the_next_goes_to_the_root(tmp_path, caplog, capfd, monkeypatch):
     """The same, with the node agent's spool filling (while the writer process is held before
     step 2's data file) to leave room for that file but not for rank 0's `.metadata`: that
-    save fails cleanly, and the next, with the spool still full, goes to the root at once
-    (the spool is asked for twice the room now) and commits."""
+    save fails cleanly and its file leaves the spool; the next, though the spool has room
+    again, goes to the root and commits."""
     from test_agent import agent, until
 
     monkeypatch.setenv("CKPT_FAULT", "writer_process:0:2:sleep=3")
@@ -303,17 +315,19 @@ def test_a_spool_that_fills_at_the_metadata_fails_that_save_and_the_next_goes_to
             train()
             cp.step_done()
             cp.save()  # step 2: laid out as step 1 was
-            time.sleep(1.0)  # the room check passed; the writer process waits
-            fill(spool, data + 64 * 1024 + metadata // 2)  # room for the data file, not for .metadata
+            held(capfd, 2)  # the room check passed; the writer process waits
+            filler = fill(spool, data + 64 * 1024 + metadata // 2)  # room for the data file, not for .metadata
             cp.wait()
             assert cp.last_commit.step == 1 and "No space left on device" in caplog.text
             assert "cannot take this save" not in caplog.text
+            assert not list(spool.glob(f"jobs/*/{step_dir_name(2)}/*"))  # the failed save's file is gone
+            filler.unlink()
             caplog.clear()
             train()
             cp.step_done()
             cp.save(blocking=True)  # step 3: the root
             at_3 = weights(model)
-            assert cp.last_commit.step == 3 and "cannot take this save" in caplog.text
+            assert cp.last_commit.step == 3 and "ran out of space under the last save: this one goes to" in caplog.text
     assert states(root)[3] == "committed" and states(root).get(2) != "committed"
     for p in model.parameters():
         p.data.zero_()
@@ -343,17 +357,17 @@ def test_with_two_nodes_the_rank_whose_spool_fills_mid_write_goes_to_the_root_wh
     logs = lambda: rank_logs(tmp_path)  # noqa: E731
     # --keep-spool 0 on node 0: no committed copy there that its agent could evict for room.
     with tmpfs(tmp_path / "node0", 16) as node0, agent(node0, tmp_path / "agent0.log", "--keep-spool", "0"), agent(tmp_path / "node1", tmp_path / "agent1.log") as a1:
-        procs = start(RANKS, WORKER, *map(str, ("--mode", "plain", "--root", root, "--steps", 10, "--every", 5, "--out", out, "--log-level", "DEBUG")), env=env, log_dir=tmp_path)
-        until("rank 0 to stage step 10", lambda: "step 10 staged" in (tmp_path / "rank0.log").read_text(), logs=logs)
+        procs = start(RANKS, WORKER, *map(str, ("--mode", "plain", "--root", root, "--steps", 10, "--every", 5, "--step-sleep", 0.5, "--out", out)), env=env, log_dir=tmp_path)
         until("node 0's agent to drop step 5", lambda: not list(node0.glob(f"jobs/*/{step_dir_name(5)}")), logs=logs)
-        time.sleep(0.5)  # the room check passed; the writer process sleeps before the write
+        # The room check passed; the writer process is held before the write.
+        until("rank 0's writer to be held", lambda: "ckpt fault: writer_process of rank 0 at step 10:" in (tmp_path / "rank0.log").read_text(), logs=logs)
         fill(node0, 0)
         assert wait(procs) == [0] * RANKS, logs()
         until("step 10 to commit", lambda: (root / step_dir_name(10) / "manifest.json").exists(), logs=lambda: logs() + a1.text())
     rank0 = (tmp_path / "rank0.log").read_text()
     assert "the node spool ran out of space writing step 10" in rank0 and "No space left on device" in rank0, rank0[-3000:]
     assert "ran out of space" not in (tmp_path / "rank1.log").read_text()
-    assert "handed off" in (tmp_path / "rank1.log").read_text() or "step-0000000010" in a1.text()
+    assert "step 10 rank 1 durable" in (tmp_path / "agent1.log").read_text()  # rank 1 handed off to its agent
     durable = sorted(p.name.split(".")[1] for p in (root / step_dir_name(10) / ".durable").iterdir())
     assert durable == ["rank-00000", "rank-00001"]
     manifest = json.loads((root / step_dir_name(10) / "manifest.json").read_text())
