@@ -15,7 +15,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -237,20 +237,28 @@ def test_a_spool_that_fills_under_a_runs_first_save_fails_it_and_the_next_goes_t
     assert_bitwise_equal(restored_weights(root, 2), at_2, "step 2")
 
 
+def many_small() -> tuple[torch.nn.Module, torch.optim.Optimizer, Callable[[], None]]:
+    """A model of 4,000 small tensors (a `.metadata` of about 0.9 MB), its optimizer and a
+    training step."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(500)])
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+
+    def train() -> None:
+        model(torch.randn(2, 4)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    return model, opt, train
+
+
 def test_a_disk_that_fills_at_the_metadata_of_a_save_again_fails_it_and_keeps_the_last(tmp_path):
     """A save of a layout saved before writes its data file, then rank 0 writes `.metadata`
     from the bytes it keeps for it (O_DIRECT). The disk filling right there fails that save
     as cleanly as anywhere else: no partial `.metadata`, the last checkpoint intact."""
     with tmpfs(tmp_path / "disk", 24) as disk:
         root = disk / "root"
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(500)])  # 4,000 tensors saved
-        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-
-        def train() -> None:
-            model(torch.randn(2, 4)).pow(2).mean().backward()
-            opt.step()
-            opt.zero_grad()
+        model, opt, train = many_small()
 
         with ckpt.Checkpointer(str(root), model=model, optimizer=opt, interval=None,
                                keep=ckpt.Keep(last=10), save_on_exit=False) as cp:  # fmt: skip
@@ -293,14 +301,7 @@ def test_a_spool_that_fills_at_the_metadata_fails_that_save_and_the_next_goes_to
     monkeypatch.setenv("CKPT_FAULT", "writer_process:0:2:sleep=3")
     caplog.set_level(logging.INFO, logger="ckpt")
     root = tmp_path / "root"
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(500)])  # 4,000 tensors saved
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-
-    def train() -> None:
-        model(torch.randn(2, 4)).pow(2).mean().backward()
-        opt.step()
-        opt.zero_grad()
+    model, opt, train = many_small()
 
     with tmpfs(tmp_path / "spool", 24) as spool, agent(spool, tmp_path / "agent.log", "--keep-spool", "0") as a:
         with ckpt.Checkpointer(str(root), model=model, optimizer=opt, interval=None, spool=str(spool),
