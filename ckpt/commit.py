@@ -361,7 +361,8 @@ def _write_data(
         # it counts a rank without a spool. (Retried outside the handler: a failure at the
         # root is its own, not one "during handling" of the spool's.)
         mine, why = None, None
-        for where in (store,) if store.url == root.url else (store, root):
+        tries = [store] if store.url == root.url else [store, root]
+        for where in tries:
             try:
                 entry, placed = layout.write(sinks(where), rel, staged, arenas, group.rank, step)
                 mine, store = (step, layout.generation, {layout.name: entry}, placed), where
@@ -371,7 +372,7 @@ def _write_data(
             except Exception as e:  # reported to rank 0 below, not left to hang the others
                 why = e
                 break
-            if where is not root:
+            if where is not tries[-1]:
                 log.warning("rank %d: the node spool ran out of space writing step %d (%s); writing to %s directly", group.rank, step, why, root.display)
         if mine is None:
             log.warning("rank %d: writing step %d failed: %s", group.rank, step, why)
