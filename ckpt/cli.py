@@ -208,7 +208,7 @@ def _entry_doc(e: catalog.Entry) -> dict[str, Any]:
     m = e.manifest
     return {
         "step": e.step,
-        "state": "untrusted" if catalog.untrusted(e) else e.state,
+        "state": _state(e),
         "time": m.created if m else None,
         "bytes": m.total_bytes if m else e.bytes_on_store,
         "world_size": m.world_size if m else None,
@@ -218,6 +218,12 @@ def _entry_doc(e: catalog.Entry) -> dict[str, Any]:
         # Whose signature the manifest carries (whether or not it was checked).
         "signed_key_id": m.signed_key_id if m else None,
     }
+
+
+def _state(e: catalog.Entry) -> str:
+    """An entry's state as the CLI says it: checked with a key, one not signed with it is
+    "untrusted" (the catalog counts it as corrupt)."""
+    return "untrusted" if catalog.untrusted(e) else e.state
 
 
 def _signature_cell(e: catalog.Entry, key: SigningKey | None) -> str:
@@ -365,13 +371,16 @@ def cmd_show(store: Store, args: argparse.Namespace) -> int:
     from .dcp_io import read_verified
 
     key = _signing_key(args)
-    entry = catalog.find(store, args.step, key)
-    m = entry.manifest
-    assert m is not None
     if key is not None and args.step is None:  # the newest trusted: say what newer was passed over
-        newer = [e.dir for e in catalog.restore_candidates(store, key)[1] if catalog.untrusted(e)]
+        good, passed = catalog.restore_candidates(store, key)
+        entry = good[0] if good else catalog.find(store, None, key)  # none: find says why
+        newer = [e.dir for e in passed if catalog.untrusted(e)]
         if newer:
             print(f"ckpt: note: newer checkpoints not signed with the key are not shown: {', '.join(newer)}", file=sys.stderr)
+    else:
+        entry = catalog.find(store, args.step, key)
+    m = entry.manifest
+    assert m is not None
     tensors = inventory(read_verified(store, entry.dir, METADATA_NAME, m))
     # Found with a key: signed with it; else not checked.
     signature = {"signature": entry.signature, "signed_key_id": m.signed_key_id}
@@ -464,7 +473,7 @@ def cmd_verify(store: Store, args: argparse.Namespace) -> int:
             if e.state == catalog.INCOMPLETE and e.step > newest and args.step is None:
                 note += " (may be a save in progress)"
             signed = f"  {e.signature}" if e.signature else ""
-            print(f"{e.dir}  {'ok' if e.state == catalog.COMMITTED else _entry_doc(e)['state'].upper()}{signed}{note}")
+            print(f"{e.dir}  {'ok' if e.state == catalog.COMMITTED else _state(e).upper()}{signed}{note}")
         print(f"{len(entries) - len(failed)} ok, {len(failed)} failed ({'checksums' if args.deep else 'sizes'})")
     return EXIT_INVALID if failed else EXIT_OK
 
