@@ -14,6 +14,7 @@ import logging
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -50,6 +51,17 @@ def fill(disk: Path, leave: int) -> Path:
     with open(filler, "wb") as f:
         f.write(b"\0" * max(0, st.f_bavail * st.f_frsize - leave))
     return filler
+
+
+def keep_full(disk: Path, stop: threading.Event) -> None:
+    """Fill `disk` and take back any room that appears on it, until `stop`."""
+    with open(disk / "keeper", "wb", buffering=0) as f:
+        while not stop.is_set():
+            st = os.statvfs(disk)
+            if st.f_bavail:
+                with contextlib.suppress(OSError):  # another writer took some first
+                    f.write(b"\0" * (st.f_bavail * st.f_frsize))
+            time.sleep(0.005)
 
 
 def make_model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -362,8 +374,16 @@ def test_with_two_nodes_the_rank_whose_spool_fills_mid_write_goes_to_the_root_wh
         until("node 0's agent to drop step 5", lambda: not list(node0.glob(f"jobs/*/{step_dir_name(5)}")), logs=logs)
         # The room check passed; the writer process is held before the write.
         until("rank 0's writer to be held", lambda: "ckpt fault: writer_process of rank 0 at step 10:" in (tmp_path / "rank0.log").read_text(), logs=logs)
-        fill(node0, 0)
-        assert wait(procs) == [0] * RANKS, logs()
+        # Full, and kept full until the ranks are done: the agent frees a little now and then
+        # (its own files), which the small file of this test would otherwise fit into.
+        stop = threading.Event()
+        keeper = threading.Thread(target=keep_full, args=(node0, stop))
+        keeper.start()
+        try:
+            assert wait(procs) == [0] * RANKS, logs()
+        finally:
+            stop.set()
+            keeper.join()
         until("step 10 to commit", lambda: (root / step_dir_name(10) / "manifest.json").exists(), logs=lambda: logs() + a1.text())
     rank0 = (tmp_path / "rank0.log").read_text()
     assert "the node spool ran out of space writing step 10" in rank0 and "No space left on device" in rank0, rank0[-3000:]
