@@ -226,10 +226,20 @@ def break_lease(store: Store) -> Holder | None:
     raise LeaseHeld(f"{store.display}: the lease kept changing under {_ATTEMPTS} attempts to break it; try again")
 
 
+# This process's live holds, by root (`Store.identity`): a second Checkpointer on a root the
+# process holds (an evaluation inside the training block) shares the hold. Taking one of its
+# own would replace the lease under the first, whose next commit check then finds it lost.
+_HELD: dict[str, LeaseKeeper] = {}
+_HELD_LOCK = threading.Lock()  # over _HELD, _TAKING and each keeper's count of users
+_TAKING: dict[str, threading.Lock] = {}  # held through a take of that root: one at a time
+
+
 class LeaseKeeper:
     """This job's hold on a root (rank 0): taken by `take`, renewed every ttl/3 in a
     background thread until `close`. Losing it (another job took it over, or it was
-    broken) is final: `check` raises from then on, and nothing of this job commits."""
+    broken) is final: `check` raises from then on, and nothing of this job commits.
+    Shared by the Checkpointers of one process on one root: the last to close decides
+    whether it is released."""
 
     def __init__(self, store: Store, policy: Lease, mine: Holder, tag: str) -> None:
         self.store = store
@@ -239,6 +249,7 @@ class LeaseKeeper:
         #: Why this job no longer holds the root (None while it does).
         self.lost: str | None = None
         self._closed = False
+        self._users = 1  # the takes of this process that have not closed (under _HELD_LOCK)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._renew_until_closed, name="ckpt-lease", daemon=True)
@@ -246,7 +257,24 @@ class LeaseKeeper:
 
     @classmethod
     def take(cls, store: Store, policy: Lease) -> LeaseKeeper:
-        """Take the root's lease for this job, or raise LeaseHeld saying who holds it."""
+        """Take the root's lease for this job, or raise LeaseHeld saying who holds it. A root
+        this process holds already is shared (the first take's ttl rules)."""
+        with _HELD_LOCK:
+            taking = _TAKING.setdefault(store.identity, threading.Lock())
+        with taking:
+            with _HELD_LOCK:
+                keeper = _HELD.get(store.identity)
+                if keeper is not None and keeper.lost is None and not keeper._closed:
+                    keeper._users += 1
+                    log.info("the lease of %s is held by this process already: shared (%d users)", store.display, keeper._users)
+                    return keeper
+            keeper = cls._take(store, policy)
+            with _HELD_LOCK:
+                _HELD[store.identity] = keeper
+            return keeper
+
+    @classmethod
+    def _take(cls, store: Store, policy: Lease) -> LeaseKeeper:
         me = this_process(policy.ttl_s)
         store.check_reachable()  # a missing bucket says so, not "could not create the lease"
         waited: str | None = None  # the version of the lease waited out, once
@@ -291,7 +319,14 @@ class LeaseKeeper:
 
     def close(self, release: bool) -> None:
         """Stop renewing; with `release` (a clean exit), mark the lease released if it is
-        still this job's, so that any job may take the root at once."""
+        still this job's, so that any job may take the root at once. While another take of
+        this process has not closed, the lease stays as it is."""
+        with _HELD_LOCK:
+            self._users -= 1
+            if self._users > 0:
+                return
+            if _HELD.get(self.store.identity) is self:
+                del _HELD[self.store.identity]
         self._stop.set()
         self._thread.join(self.policy.ttl_s)
         if not self._lock.acquire(timeout=self.policy.ttl_s):

@@ -67,9 +67,7 @@ UPLOADING, DURABLE, COMMITTED, FAILED = "uploading", "durable", "committed", "fa
 
 def job_key(store: Store) -> str:
     """The spool's name for a job: a digest of its root (the same on every node)."""
-    protocol = store.fs.protocol if isinstance(store.fs.protocol, str) else store.fs.protocol[0]
-    where = store.root if store.is_local else f"{protocol}://{store.root}"
-    return hashlib.sha256(where.encode()).hexdigest()[:16]
+    return hashlib.sha256(store.where.encode()).hexdigest()[:16]
 
 
 def rank_name(rank: int) -> str:

@@ -186,6 +186,11 @@ class Store:
         if self.is_local:
             path = os.path.abspath(os.path.expanduser(path))
         self.root = path.rstrip("/") or "/"
+        named = self.fs.protocol if isinstance(self.fs.protocol, str) else self.fs.protocol[0]
+        #: The root as one string (`identity`: with the S3 endpoint), the same for every Store of it.
+        self.where = self.root if self.is_local else f"{named}://{self.root}"
+        endpoint = options.get("endpoint_url") or (options.get("client_kwargs") or {}).get("endpoint_url")
+        self.identity = self.where if not endpoint else f"{self.where} at {endpoint}"
         # IMPORTANT: a directory that cannot be read is an error, never an empty listing (a
         # local walk omits unreadable directories by default: "no checkpoint", then "debris").
         self._strict: dict[str, Any] = {"on_error": "raise"} if self.is_local else {}

@@ -397,6 +397,38 @@ def test_checkpointers_one_after_another_in_one_process_take_the_root_each_time(
     assert holder(str(tmp_path / "root")).released is not None
 
 
+def test_a_second_checkpointer_on_the_root_in_one_process_shares_the_jobs_lease(tmp_path, monkeypatch):
+    """An evaluation inside the training block (a second Checkpointer on the same root, in the
+    same process) shares the job's hold on the root: the training block's saves still commit
+    after it left, cleanly or not, and the lease is released only when the last one leaves."""
+    import torch
+
+    monkeypatch.delenv("CKPT_JOB_ID", raising=False)
+    root = str(tmp_path / "root")
+    model = torch.nn.Linear(2, 2)
+    with ckpt.Checkpointer(root, model=model, interval=None, lease=Lease(ttl_s=TTL)) as train:
+        train.save()
+        train.wait()
+        taken = holder(root)
+        evaluated = torch.nn.Linear(2, 2)
+        with ckpt.Checkpointer(root, model=evaluated, interval=None, lease=Lease(ttl_s=TTL)) as ev:
+            assert ev.restored_step == 0 and torch.equal(evaluated.weight, model.weight)
+        with pytest.raises(RuntimeError, match="an evaluation failed"):
+            with ckpt.Checkpointer(root, model=torch.nn.Linear(2, 2), interval=None, lease=Lease(ttl_s=TTL)):
+                raise RuntimeError("an evaluation failed")
+        now = holder(root)
+        assert (now.run_id, now.pid, now.released) == (taken.run_id, os.getpid(), None)  # still the job's own take
+        with torch.no_grad():
+            model.weight.add_(1.0)
+        train.step_done()
+        train.save()
+        train.wait()
+        assert train.last_commit.step == 1  # committed: the lease was never lost
+    assert holder(root).run_id == taken.run_id and "left cleanly" in holder(root).released_by
+    with ckpt.Checkpointer(root, model=evaluated, interval=None, lease=Lease(ttl_s=TTL)) as ev:
+        assert ev.restored_step == 1 and torch.equal(evaluated.weight, model.weight)
+
+
 # -- the CLI ------------------------------------------------------------------------------------
 
 
