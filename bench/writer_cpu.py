@@ -6,6 +6,7 @@ bytes", measured where nothing else competes for the cores.
     .venv/bin/python bench/writer_cpu.py                 # 10,004 small tensors per rank, 2 ranks
     .venv/bin/python bench/writer_cpu.py --size-mb 100   # the 100 MB state of bench/stall.py
     .venv/bin/python bench/writer_cpu.py --ranks 1
+    .venv/bin/python bench/writer_cpu.py --size-mb 100 --signed   # BLAKE3 checksums, as a signing job's
 
 Each rank builds the model of `bench/stall.py` (FSDP2, AdamW), takes 3 warm-up saves, then
 `--saves` saves in a row (save, optimizer step, wait for the commit). Per save it reports the
@@ -51,6 +52,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--saves", type=int, default=20)
     p.add_argument("--threads", action="store_true", help="also the CPU of each thread of a rank, per save")
+    p.add_argument("--signed", action="store_true", help="with a signing key: files checksummed with BLAKE3, not xxh3")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--dir", help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -118,6 +120,7 @@ def worker(args: argparse.Namespace) -> None:
     with ckpt.Checkpointer(
         str(root), model=model, optimizer=opt, interval=None, save_on_exit=False, handle_sigterm=False,
         keep=ckpt.Keep(last=1000), restore="none",  # no retention while timed, as in bench/stall.py
+        signing_key=b"bench-signing-key-0123456789abcdef" if args.signed else None,
     ) as cp:  # fmt: skip
         for _ in range(3):  # the first plans, spawns the writer, allocates the buffers
             cp.save()

@@ -350,7 +350,7 @@ class Agent:
         return sum(self._send_file(os.path.join(step_dir, n), store, f"{request.rel}/{n}", manifest.files[n], request) for n in request.files)
 
     def _send_file(self, src: str, store: Store, rel: str, entry: FileEntry, request: Request) -> int:
-        hasher = Hasher(entry.block)
+        hasher = Hasher.checking(entry, src)
         try:
             f = open(src, "rb")
         except FileNotFoundError:

@@ -17,7 +17,7 @@ from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, BinaryIO
 
-from .checksum import Hasher, checksum
+from .checksum import Hasher, algorithm, checksum
 from .errors import InvalidCheckpoint, NotFound
 from .manifest import MANIFEST_NAME, METADATA_NAME, FileEntry, Manifest
 from .signing import BAD, UNSIGNED, SigningKey
@@ -57,7 +57,7 @@ def read_verified(store: Store, step_dir: str, name: str, manifest: Manifest) ->
     where = f"{store.display}/{step_dir}/{name}"
     entry = _entry(where, name, manifest)
     data = store.read_bytes(f"{step_dir}/{name}")
-    _check(where, entry, len(data), checksum(data, entry.block))
+    _check(where, entry, len(data), checksum(data, entry.block, algorithm(entry, where)))
     return data
 
 
@@ -103,7 +103,7 @@ class VerifyingReader:
         self.where = where
         self.entry = entry
         self.pos = 0  # bytes consumed by the caller
-        self._hasher = Hasher(entry.block, self._check_block)
+        self._hasher = Hasher.checking(entry, where, self._check_block)
         self._partial = partial and entry.block > 0 and f.seekable()
         self._ahead = b""  # read and hashed, not consumed yet (peek)
         self._scratch = memoryview(b"")

@@ -24,6 +24,7 @@ from . import catalog
 from ._gc import gc_paused
 from .agreement import Agreement
 from .capture import TrainingState
+from .checksum import BLAKE3
 from .commit import Group, persist
 from .coordinator import Coordinator
 from .data import data_position
@@ -177,6 +178,8 @@ class Checkpointer:
             raise ValueError(f"restore must be 'latest', 'none' or a step number, not {restore!r}")
         self.store = Store(root, storage_options, transfer)
         self._signing_key = SigningKey.resolve(signing_key)
+        if self._signing_key is not None:  # a signature over xxh3 checksums would not cover the data
+            self.store.checksum_algo = BLAKE3
         self._storage_options = storage_options
         data, loader = data_position(data, dataloader)
         self.state = TrainingState.of(model, optimizer, scheduler, scaler, extra, data, loader)

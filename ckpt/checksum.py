@@ -1,23 +1,51 @@
-"""Checksums of checkpoint files: xxh3-64 over a whole file, or per block for large files, so
-that a reader can verify only the blocks it needs."""
+"""Checksums of checkpoint files: over a whole file, or per block for large files, so that a
+reader can verify only the blocks it needs.
+
+Two algorithms: xxh3-64 (fast, not cryptographic: against corruption) and, for a job that
+signs its manifests, BLAKE3 (cryptographic: a signature over the checksums then covers the
+data against tampering too). A manifest entry names its algorithm ("<algorithm>:<hex>"),
+so a reader checks each file the way it was written."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
+import blake3
 import xxhash
 
+from .errors import InvalidCheckpoint
 from .manifest import FileEntry
 
-CHECKSUM_ALGO = "xxh3_64"
+XXH3 = "xxh3_64"
+BLAKE3 = "blake3"
+CHECKSUM_ALGO = XXH3  # what files get unless their manifest is signed
+_NEW: dict[str, Callable[[], Any]] = {
+    XXH3: xxhash.xxh3_64,
+    # Its own threads for large pieces: a signed job's writer is not slowed to one core's 2-3 GB/s.
+    BLAKE3: lambda: blake3.blake3(max_threads=blake3.blake3.AUTO),
+}
+_ONE_SHOT: dict[str, Callable[[Any], Any]] = {XXH3: xxhash.xxh3_64, BLAKE3: blake3.blake3}
 
 # A data file's checksum is kept per block too, so that a restore which needs a few items of
 # another rank's file (a replicated scalar, one side of a reshard) reads and verifies only the
 # blocks holding them. A file has at most BLOCKS_MAX blocks of a power of two bytes, at least
-# BLOCK_MIN; a file of up to two of those has one checksum over all of it.
-BLOCKS_ALGO = "xxh3_64-blocks"  # the xxh3-64 of the block checksums (8 bytes each, in order)
+# BLOCK_MIN; a file of up to two of those has one checksum over all of it. Its checksum is then
+# "<algorithm>-blocks:" and the checksum of the block checksums (their bytes, in order).
+BLOCKS = "-blocks"
+BLOCKS_ALGO = XXH3 + BLOCKS
 BLOCK_MIN = 1 << 20
 BLOCKS_MAX = 64
+
+
+def algorithm(entry: FileEntry, where: str) -> str:
+    """The algorithm `entry`'s checksum was made with; InvalidCheckpoint if this ckpt does not
+    know it (a file written by a newer version, or a manifest that was tampered with)."""
+    algo = entry.checksum.partition(":")[0]
+    algo = algo[: -len(BLOCKS)] if algo.endswith(BLOCKS) else algo
+    if algo not in _NEW:
+        raise InvalidCheckpoint(f"{where}: its checksum is {algo[:40]!r}, which this ckpt cannot check (it knows {', '.join(_NEW)}); written by a newer ckpt?")
+    return algo
 
 
 def block_size(total: int) -> int:
@@ -30,23 +58,29 @@ def block_size(total: int) -> int:
     return block
 
 
-def blocks_digest(blocks: list[str]) -> str:
+def blocks_digest(blocks: list[str], algo: str = XXH3) -> str:
     """A blocked file's checksum, from its block checksums (hex)."""
-    return f"{BLOCKS_ALGO}:{xxhash.xxh3_64(b''.join(bytes.fromhex(b) for b in blocks)).hexdigest()}"
+    return f"{algo}{BLOCKS}:{_ONE_SHOT[algo](b''.join(bytes.fromhex(b) for b in blocks)).hexdigest()}"
 
 
 class Hasher:
     """Running checksum of the bytes that pass through it: one over all of them, or with
     `block`, one per block of that many bytes (`blocks`, hex) and the checksum of those.
-    `on_block(index, hex)` is called as each block completes."""
+    `on_block(index, hex)` is called as each block completes. `algo`: XXH3 or BLAKE3."""
 
-    def __init__(self, block: int = 0, on_block: Callable[[int, str], None] | None = None) -> None:
-        self._h = xxhash.xxh3_64()
+    def __init__(self, block: int = 0, on_block: Callable[[int, str], None] | None = None, algo: str = XXH3) -> None:
+        self.algo = algo
+        self._h = _NEW[algo]()
         self.size = 0
         self.block = block
         self.blocks: list[str] = []
         self._on_block = on_block
         self._in_block = 0  # bytes of the current block hashed
+
+    @classmethod
+    def checking(cls, entry: FileEntry, where: str, on_block: Callable[[int, str], None] | None = None) -> Hasher:
+        """A hasher that makes checksums comparable with `entry`'s (its algorithm, its blocks)."""
+        return cls(entry.block, on_block, algorithm(entry, where))
 
     def update(self, data: bytes | bytearray | memoryview) -> None:
         n = len(data)
@@ -84,9 +118,9 @@ class Hasher:
 
     def hexdigest(self) -> str:
         if not self.block:
-            return f"{CHECKSUM_ALGO}:{self._h.hexdigest()}"
+            return f"{self.algo}:{self._h.hexdigest()}"
         self.end_block()
-        return blocks_digest(self.blocks)
+        return blocks_digest(self.blocks, self.algo)
 
     def entry(self, rank: int) -> FileEntry:
         """The manifest's record of the file that passed through (all of it)."""
@@ -94,9 +128,9 @@ class Hasher:
         return FileEntry(self.size, digest, rank, self.block, tuple(self.blocks))
 
 
-def checksum(data: bytes | memoryview, block: int = 0) -> str:
+def checksum(data: bytes | memoryview, block: int = 0, algo: str = XXH3) -> str:
     if not block:
-        return f"{CHECKSUM_ALGO}:{xxhash.xxh3_64(data).hexdigest()}"
-    hasher = Hasher(block)
+        return f"{algo}:{_ONE_SHOT[algo](data).hexdigest()}"
+    hasher = Hasher(block, algo=algo)
     hasher.update(data)
     return hasher.hexdigest()

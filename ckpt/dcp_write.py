@@ -145,7 +145,7 @@ class Writer(StorageWriter):
         # Nothing that names this save or its directory: the same layout pickles to the same
         # bytes save after save, and a copied checkpoint does not point back at its origin.
         metadata.storage_meta = self.storage_meta()
-        self.metadata, self.metadata_image = metadata, Image(pickle.dumps(metadata))
+        self.metadata, self.metadata_image = metadata, Image(pickle.dumps(metadata), self.store.checksum_algo)
         # Rank 0: DCP's global `.metadata`, written once every rank's data file is durable.
         self.files[METADATA_NAME] = self.metadata_image.write(self.store, f"{self.step_dir}/{METADATA_NAME}")
 

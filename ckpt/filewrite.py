@@ -69,11 +69,11 @@ def write_file(
         with storage_errors(f"writing {store.display}/{rel}"):
             os.makedirs(os.path.dirname(path), exist_ok=True)
             try:
-                return _write_direct(path, runs, pieces, segments, rank, block)
+                return _write_direct(path, runs, pieces, segments, Hasher(block, algo=store.checksum_algo)).entry(rank)
             except _NoDirectIO:
                 pass  # the filesystem refused O_DIRECT: the buffered path below
     with store.open_write(rel) as f:
-        hasher = Hasher(block)
+        hasher = Hasher(block, algo=store.checksum_algo)
         if store.is_local:
             _writev_all(f.fileno(), _views(runs, pieces, segments), hasher)
         else:
@@ -121,8 +121,8 @@ class _NoDirectIO(Exception):
 
 
 def _write_direct(
-    path: str, runs: list[memoryview], pieces: list[Piece], segments: Mapping[int, memoryview], rank: int, block: int
-) -> FileEntry:
+    path: str, runs: list[memoryview], pieces: list[Piece], segments: Mapping[int, memoryview], hasher: Hasher
+) -> Hasher:
     try:
         fd = os.open(
             path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT | os.O_CLOEXEC, 0o644
@@ -132,7 +132,7 @@ def _write_direct(
             raise _NoDirectIO from e
         raise
     try:
-        out = _DirectFile(fd, block)
+        out = _DirectFile(fd, hasher)
         for run in runs:  # page-aligned in memory, each starting on a page of the file
             out.write(run, aligned=True)
         for piece in pieces:
@@ -150,7 +150,7 @@ def _write_direct(
             os.unlink(path)
         raise
     os.close(fd)
-    return out.hasher.entry(rank)
+    return hasher
 
 
 class _DirectFile:
@@ -161,9 +161,9 @@ class _DirectFile:
     system time, from 64 MiB writes 6-10). The last partial page is written with O_DIRECT
     switched off. The caller's memory must hold until `finish` returns."""
 
-    def __init__(self, fd: int, block: int) -> None:
+    def __init__(self, fd: int, hasher: Hasher) -> None:
         self.fd = fd
-        self.hasher = Hasher(block)
+        self.hasher = hasher
         self.bounce = mmap.mmap(-1, _BOUNCE)  # anonymous mappings are page-aligned
         self.base = 0  # bounce bytes before this are queued (whole pages)
         self.fill = 0  # bounce bytes up to this are taken; base..fill wait for a page to end
@@ -291,8 +291,8 @@ class Image:
     fresh page cache a save cost the trainer's background thread ~10 ms of kernel CPU; the
     data files never go through it.) Its entry has the one checksum of the whole file."""
 
-    def __init__(self, data: bytes) -> None:
-        self.entry = FileEntry(len(data), checksum(data), -1)
+    def __init__(self, data: bytes, algo: str) -> None:
+        self.entry = FileEntry(len(data), checksum(data, algo=algo), -1)
         self._prefix = Prefix(_lay_out_runs([data]), {})
 
     def write(self, store: Store, rel: str) -> FileEntry:

@@ -70,6 +70,8 @@ class Handoff:
         self.job = job_key(store)
         self.options = public_options(storage_options)
         self.local = Store(spool.job_dir(self.job)) if spool is not None else None
+        if self.local is not None:  # the files it holds are the root's, checksummed alike
+            self.local.checksum_algo = store.checksum_algo
         self._warned: str | None = None
         # A save's room in the spool: its staged bytes, or what this rank's data files of the
         # last save took if more (headers and padding: with many small tensors several times

@@ -184,7 +184,7 @@ class Layout:
         moved = {i: info for p in placed for i, info in p.items() if self.metadata.storage_data.get(i) != info}
         if moved or self.metadata_image is None:
             self.metadata.storage_data.update(moved)
-            self.metadata_image = Image(pickle.dumps(self.metadata))
+            self.metadata_image = Image(pickle.dumps(self.metadata), store.checksum_algo)
         return self.metadata_image.write(store, f"{step_dir}/{METADATA_NAME}")
 
 

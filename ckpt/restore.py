@@ -21,6 +21,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from . import catalog
 from ._gc import gc_paused
 from .capture import TrainingState
+from .checksum import BLAKE3
 from .commit import Group
 from .dcp_io import SafeLoadPlanner, make_reader
 from .errors import (
@@ -211,6 +212,12 @@ def _try_restore(
         why = key.check(manifest)[1] if key is not None else ""
         if why:
             raise InvalidCheckpoint(f"{store.display}/{rel}: {why}")
+        if key is not None and rank == 0 and (weak := sorted(n for n, e in manifest.files.items() if not e.checksum.startswith(BLAKE3))):
+            log.warning(
+                "%s/%s is signed, but %s carry xxh3-64 checksums (written by an earlier ckpt, or by a rank without "
+                "the key): its signature covers them against corruption, not against a forger",
+                store.display, rel, ", ".join(weak[:3]) + (f" and {len(weak) - 3} more" if len(weak) > 3 else ""),
+            )
         if manifest.step != step:  # IMPORTANT: another step's manifest lists that step's files
             raise InvalidCheckpoint(f"{store.display}/{rel}: manifest is for step {manifest.step}")
         catalog.check_ranks(manifest, f"{store.display}/{rel}")

@@ -23,7 +23,7 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from ._faults import fault_point
-from .checksum import checksum
+from .checksum import CHECKSUM_ALGO, checksum
 from .errors import CheckpointError, DiskFull, NotFound, StorageError
 from .redact import redact, redact_request_logs, remember_secrets
 
@@ -195,6 +195,8 @@ class Store:
         # local walk omits unreadable directories by default: "no checkpoint", then "debris").
         self._strict: dict[str, Any] = {"on_error": "raise"} if self.is_local else {}
         self.transfer = transfer or Transfer()
+        #: The checksum of the files written here (`ckpt.checksum`): BLAKE3 for a signing job.
+        self.checksum_algo = CHECKSUM_ALGO
         self._s3: S3Transfers | None = None  # parallel, retried transfers; others use fsspec's files
         if protocol in ("s3", "s3a"):
             from .s3 import S3Transfers

@@ -96,7 +96,7 @@ class ProcessSink:
         self.store = store
         self.timeout_s = timeout_s
         # Fails here, in the trainer, for options that cannot be sent (a credential callable).
-        init = pickle.dumps(("init", store.root if store.is_local else store.url, dict(storage_options or {}), store.transfer))
+        init = pickle.dumps(("init", store.root if store.is_local else store.url, dict(storage_options or {}), store.transfer, store.checksum_algo))
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         src = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         try:
@@ -286,6 +286,7 @@ def serve(sock: socket.socket) -> None:
         if msg[0] == "init":
             try:
                 store = Store(msg[1], msg[2], msg[3])
+                store.checksum_algo = msg[4]
                 reply: tuple[Any, ...] = ("ok",)
             except Exception as e:  # told to the trainer, which writes in a thread instead
                 reply = ("err", f"{type(e).__name__}: {e}")

@@ -168,6 +168,72 @@ def test_a_signature_survives_json_and_a_copy_but_not_a_change(tmp_path):
         Manifest.from_json(json.dumps({**json.loads(m.to_json()), "signature": "x"}).encode())
 
 
+def test_a_signing_job_checksums_its_files_with_blake3_so_that_the_signature_covers_the_data(tmp_path, monkeypatch, caplog):
+    """xxh3-64 is not cryptographic: a signature over xxh3 checksums would not stop a forger who
+    crafts data with the same checksums. A job with a key checksums every file, per block
+    too, with BLAKE3; checkpoints signed over xxh3 (an earlier ckpt) still restore, with a
+    warning."""
+    import blake3
+
+    monkeypatch.setenv("CKPT_WRITER", "process")  # the writer process must learn the algorithm too
+    root = tmp_path / "root"
+
+    def job(steps: int, key: str | None) -> ckpt.Checkpointer:
+        model = torch.nn.Linear(1024, 768)  # a 3 MB data file: checksummed per block
+        with ckpt.Checkpointer(str(root), model=model, interval=ckpt.Every(steps=1), keep=ckpt.Keep(last=100), signing_key=key) as cp:
+            for _ in range(cp.step, steps):
+                with torch.no_grad():
+                    model.weight.add_(0.5)
+                cp.step_done()
+        return cp
+
+    def algorithms(step: int) -> set[str]:
+        return {e["checksum"].partition(":")[0] for e in manifest_doc(root, step)["files"].values()}
+
+    job(1, None)
+    assert algorithms(1) == {"xxh3_64", "xxh3_64-blocks"}  # without a key, as ever
+    # Step 1 signed as an earlier ckpt signed: over its xxh3 checksums. Trusted, with a warning.
+    write_manifest(root, 1, json.loads(SigningKey(KEY).sign(Manifest.from_json((root / step_dir(1) / "manifest.json").read_bytes())).to_json()))
+    with caplog.at_level(logging.WARNING, logger="ckpt"):
+        assert job(1, KEY).restored_step == 1
+    assert f"{step_dir(1)} is signed, but .metadata, __0_0.distcp carry xxh3-64 checksums" in caplog.text
+
+    assert job(3, KEY).restored_step == 1
+    for step in (2, 3):
+        assert algorithms(step) == {"blake3", "blake3-blocks"}
+        for name, e in manifest_doc(root, step)["files"].items():  # computed here independently
+            data = (root / step_dir(step) / name).read_bytes()
+            if e["block"]:
+                blocks = [blake3.blake3(data[i : i + e["block"]]).hexdigest() for i in range(0, len(data), e["block"])]
+                assert e["blocks"] == blocks and len(blocks) > 2, name
+                assert e["checksum"] == "blake3-blocks:" + blake3.blake3(b"".join(bytes.fromhex(b) for b in blocks)).hexdigest()
+            else:
+                assert e["checksum"] == "blake3:" + blake3.blake3(data).hexdigest(), name
+    # One byte of step 3's second block changed: caught by BLAKE3, and step 2 restores.
+    data_file = root / step_dir(3) / "__0_0.distcp"
+    blob = bytearray(data_file.read_bytes())
+    blob[(1 << 20) + 12345] ^= 0x01
+    data_file.write_bytes(bytes(blob))
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="ckpt"):
+        assert job(3, KEY).restored_step == 2
+    assert "checksum mismatch" in caplog.text and "xxh3" not in caplog.text
+    assert "CORRUPT" in cli("verify", str(root), "--deep", "--step", "3").stdout
+
+
+def test_a_checksum_this_ckpt_cannot_check_is_never_trusted(tmp_path, caplog):
+    root = tmp_path / "root"
+    train(root, 2)
+    doc = manifest_doc(root, 2)
+    doc["files"][".metadata"]["checksum"] = "sha1:" + "0" * 40  # a newer ckpt's, or planted
+    write_manifest(root, 2, doc)
+    with caplog.at_level(logging.WARNING, logger="ckpt"):
+        assert train(root, 2, save_on_exit=False).restored_step == 1
+    assert "its checksum is 'sha1', which this ckpt cannot check (it knows xxh3_64, blake3)" in caplog.text
+    r = cli("verify", str(root), "--step", "2")
+    assert r.returncode == 1 and "'sha1', which this ckpt cannot check" in r.stdout, (r.stdout, r.stderr)
+
+
 def _plant_unsigned(root: Path, like: int, step: int) -> dict:
     """A copy of checkpoint `like` as step `step`, unsigned and dated an hour ahead: the newest
     commit by its manifest, as someone with write access to the root could make it."""
@@ -314,6 +380,8 @@ def test_a_manifest_the_agent_commits_is_signed_though_the_key_never_reaches_the
         agent_log = a.text()
     key = SigningKey(KEY)
     assert key.check(Manifest.from_json((root / step_dir(5) / "manifest.json").read_bytes()))[0] == "signed-ok"
+    handed_off = Manifest.from_json((root / step_dir(5) / "manifest.json").read_bytes()).files.values()
+    assert {e.checksum.partition(":")[0] for e in handed_off} == {"blake3"}  # written to the spool as to the root
     assert key.check(Manifest.from_json((root / step_dir(7) / "manifest.json").read_bytes()))[0] == "signed-ok"
     assert [torch.load(f"{tmp_path / 'out'}.rank{r}.pt", weights_only=True)["restored_step"] for r in range(RANKS)] == [5] * RANKS
     for blob in (spool_bytes, agent_log.encode(), *(p.read_bytes() for p in spool.rglob("*") if p.is_file())):
