@@ -72,6 +72,16 @@ class TrainingState:
         cls, model: Any, optimizer: Any, scheduler: Any, scaler: Any, extra: Any, data: Any = None, loader: Any = None
     ) -> TrainingState:
         state = cls(model, _as_list(optimizer), _as_list(scheduler), scaler, dict(extra or {}), data, loader)
+        # IMPORTANT: checked here, not at the first save (with interval="auto", minutes in).
+        if model is not None and not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module (plain, DDP, FSDP) or a DeepSpeed engine, not {type(model).__name__}")
+        for i, opt in enumerate(state.optimizers):
+            if not (hasattr(opt, "param_groups") and hasattr(opt, "state_dict") and hasattr(opt, "load_state_dict")):
+                raise TypeError(f"optimizer {i} must be a torch.optim.Optimizer, not {type(opt).__name__}")
+        for what, objs in (("scheduler", state.schedulers), ("scaler", [scaler] if scaler is not None else [])):
+            for obj in objs:
+                if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
+                    raise TypeError(f"{what} {type(obj).__name__} has no state_dict/load_state_dict")
         if deepspeed_state.is_engine(model):
             deepspeed_state.check(model)
             if state.optimizers:

@@ -12,7 +12,9 @@ and exits.
 from __future__ import annotations
 
 import functools
+import json
 import logging
+import math
 import os
 import time
 from collections.abc import Callable
@@ -176,6 +178,7 @@ class Checkpointer:
             raise ValueError(f"on_error must be 'raise', 'log' or a number of failed saves in a row (>= 1), not {on_error!r}")
         if not (restore in ("latest", "none") or (isinstance(restore, int) and not isinstance(restore, bool) and restore >= 0)):
             raise ValueError(f"restore must be 'latest', 'none' or a step number, not {restore!r}")
+        _check_options(keep, metadata, timeout_s, host_memory_budget, agree_every_s)
         self.store = Store(root, storage_options, transfer)
         self._signing_key = SigningKey.resolve(signing_key)
         if self._signing_key is not None:  # a signature over xxh3 checksums would not cover the data
@@ -638,3 +641,19 @@ class Checkpointer:
             log.error("preempted at step %d without a checkpoint of it; exiting with status 1", self._step)
             raise SystemExit(1)
         raise SystemExit(self.preempt_exit_code)
+
+
+def _check_options(keep: Any, metadata: Any, timeout_s: Any, budget: Any, agree_every_s: Any) -> None:
+    """The Checkpointer's options that would otherwise fail only at the first save or commit
+    (with interval="auto", minutes into the run)."""
+    if not isinstance(keep, Keep):
+        raise ValueError(f"keep must be ckpt.Keep(last=..., every_steps=...), not {keep!r}")
+    for name, value in (("timeout_s", timeout_s), ("agree_every_s", agree_every_s)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+            raise ValueError(f"{name} must be a positive number of seconds, not {value!r}")
+    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0):
+        raise ValueError(f"host_memory_budget must be a positive number of bytes (or None: the default), not {budget!r}")
+    try:
+        json.dumps(dict(metadata or {}))
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"metadata goes into every manifest, as JSON: {e}") from None

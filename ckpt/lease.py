@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .errors import CheckpointError, LeaseHeld, StorageError
+from .manifest import MANIFEST_NAME
 
 if TYPE_CHECKING:
     from .storage import Store
@@ -404,12 +405,19 @@ class LeaseKeeper:
 
 def take_for_job(store: Store, policy: Lease | None, group: Any) -> LeaseKeeper | None:
     """Rank 0 of `group` (a `ckpt.commit.Group`) takes the root's lease under `policy`
-    (None: no lease); every rank learns the outcome and raises the same error, so that none
-    goes on alone into a collective. Returns rank 0's keeper (None elsewhere)."""
+    (None: no lease), once it saw the root is not a checkpoint's own step directory; every
+    rank learns the outcome and raises the same error, so that none goes on alone into a
+    collective. Returns rank 0's keeper (None elsewhere)."""
     keeper, error = None, None
-    if group.rank == 0 and policy is not None:
+    if group.rank == 0:
         try:
-            keeper = LeaseKeeper.take(store, policy)
+            if store.exists(MANIFEST_NAME):  # a job there would write into a committed checkpoint
+                raise ValueError(
+                    f"{store.display} is a checkpoint (it holds {MANIFEST_NAME}), not a checkpoint root: "
+                    "pass the directory that holds the step-* directories"
+                )
+            if policy is not None:
+                keeper = LeaseKeeper.take(store, policy)
         except Exception as e:  # told to every rank below, not left to hang them
             error = e
     # Always, whatever this rank's settings say: a collective must never depend on them.
@@ -418,7 +426,7 @@ def take_for_job(store: Store, policy: Lease | None, group: Any) -> LeaseKeeper 
         raise error
     if told is not None:
         kind, text = told
-        raise (LeaseHeld if kind == "LeaseHeld" else StorageError if kind == "StorageError" else CheckpointError)(text)
+        raise {"LeaseHeld": LeaseHeld, "StorageError": StorageError, "ValueError": ValueError}.get(kind, CheckpointError)(text)
     return keeper
 
 

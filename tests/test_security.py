@@ -565,6 +565,38 @@ def test_paths_that_escape_the_root_are_refused(tmp_path):
             Manifest.from_json(json.dumps({**doc, "files": {name: {"size": 1, "checksum": "xxh3_64:00", "rank": 0}}}).encode())
 
 
+def test_a_root_that_is_a_checkpoint_is_refused_and_nothing_is_written_into_it(tmp_path):
+    root = tmp_path / "root"
+    train(root, 2)
+    committed = root / step_dir(2)
+    before = {p: p.read_bytes() for p in committed.rglob("*") if p.is_file()}
+    for lease in (ckpt.Lease(), None):
+        with pytest.raises(ValueError, match=f"{step_dir(2)} is a checkpoint .* not a checkpoint root"):
+            train(committed, 3, lease=lease)
+    assert {p: p.read_bytes() for p in committed.rglob("*") if p.is_file()} == before
+
+
+def test_wrong_objects_and_options_are_refused_when_the_checkpointer_is_made_not_at_its_first_save(tmp_path):
+    """With interval="auto" the first save comes minutes into a run: a wrong argument must
+    fail the constructor, with what was wrong, and write nothing."""
+    root = str(tmp_path / "root")
+    model = torch.nn.Linear(2, 2)
+    bad = [
+        (ValueError, "keep must be ckpt.Keep", {"keep": 3}),
+        (TypeError, "model must be a torch.nn.Module", {"model": "m"}),
+        (TypeError, "optimizer 0 must be a torch.optim.Optimizer, not Linear", {"model": model, "optimizer": model}),
+        (TypeError, "scheduler int has no state_dict", {"model": model, "scheduler": 1}),
+        (TypeError, "metadata goes into every manifest, as JSON: Object of type object", {"metadata": {"o": object()}}),
+        (ValueError, "timeout_s must be a positive number", {"timeout_s": 0}),
+        (ValueError, "agree_every_s must be a positive number", {"agree_every_s": float("nan")}),
+        (ValueError, "host_memory_budget must be a positive number of bytes", {"host_memory_budget": -1}),
+    ]
+    for kind, message, kw in bad:
+        with pytest.raises(kind, match=message):
+            ckpt.Checkpointer(root, **kw)
+    assert not os.path.exists(root)
+
+
 def test_every_cli_command_refuses_a_step_that_is_not_a_number_in_one_line(tmp_path):
     root = tmp_path / "root"
     train(root, 1)
