@@ -38,7 +38,7 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
     ex.add_argument("--format", required=True, choices=["safetensors", "torch", "zarr"])
     ex.add_argument("--out", required=True, help="a file (safetensors, torch) or a directory (zarr)")
     ex.add_argument("--model-only", action="store_true", help="the model's tensors only, without the 'model.' prefix")
-    ex.add_argument("--dtype", help="cast floating tensors: bfloat16, float16, float32 (bf16 and fp16 too)")
+    ex.add_argument("--dtype", help="cast floating tensors (not scalars, such as an optimizer's step): bfloat16, float16, float32 (bf16 and fp16 too)")
     ex.add_argument("--progress", action="store_true", default=None)
     ex.set_defaults(func=cmd_export)
 

@@ -44,9 +44,13 @@ def export(
 
     if fmt not in FORMATS:
         raise ValueError(f"format must be one of {', '.join(FORMATS)}, not {fmt!r}")
-    cast = getattr(torch, dtype) if dtype else None
-    if cast is not None and not (isinstance(cast, torch.dtype) and cast.is_floating_point):
+    cast = getattr(torch, dtype, None) if dtype else None
+    if dtype and not (isinstance(cast, torch.dtype) and cast.is_floating_point):
         raise ValueError(f"--dtype must be a floating dtype (bfloat16, float16, float32), not {dtype!r}")
+    if fmt == "zarr" and os.path.exists(out) and not os.path.isdir(out):
+        raise ValueError(f"--out {out} is a file: a zarr export is a directory")
+    if fmt != "zarr" and os.path.isdir(out):
+        raise ValueError(f"--out {out} is a directory: a {fmt} export is one file")
     md = tools.inventory(store, entry)
     keys = sorted(k for k in md.state_dict_metadata if not model_only or k.startswith("model."))
     if not keys:
@@ -56,8 +60,10 @@ def export(
     objects = [k for k in keys if k not in tensor_keys]
 
     def out_dtype(key: str) -> Any:
-        d = md.state_dict_metadata[key].properties.dtype
-        return cast if cast is not None and d.is_floating_point else d
+        # Scalars keep theirs: an optimizer's step count is a float tensor, and bfloat16
+        # counts exactly only to 256.
+        item = md.state_dict_metadata[key]
+        return cast if cast is not None and item.properties.dtype.is_floating_point and len(item.size) > 0 else item.properties.dtype
 
     bar = tools.Progress(sum(tools.tensor_bytes(md.state_dict_metadata[k]) for k in tensor_keys), f"export {fmt}", progress)
     written = 0

@@ -19,7 +19,7 @@ from typing import Any
 
 from . import catalog
 from ._faults import fault_point
-from .errors import CheckpointError
+from .errors import CheckpointError, InvalidCheckpoint, dcp_causes, dcp_failures
 from .manifest import MANIFEST_NAME, METADATA_NAME, Manifest
 from .storage import Store, step_dir_name
 
@@ -124,6 +124,7 @@ def read_whole(store: Store, entry: catalog.Entry, keys: list[str], metadata: An
     """The values of `keys`, full tensors (every shard put together) and objects."""
     import torch
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     from .dcp_io import SafeLoadPlanner, make_reader
@@ -134,7 +135,13 @@ def read_whole(store: Store, entry: catalog.Entry, keys: list[str], metadata: An
         item = metadata.state_dict_metadata[key]
         sd[key] = torch.empty(tuple(item.size), dtype=item.properties.dtype) if isinstance(item, TensorStorageMetadata) else None
     planner = SafeLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
-    dcp.load(sd, storage_reader=make_reader(store, entry.dir, entry.manifest), planner=planner, no_dist=True)
+    try:
+        dcp.load(sd, storage_reader=make_reader(store, entry.dir, entry.manifest), planner=planner, no_dist=True)
+    except CheckpointException as e:  # DCP's wrapper, a BaseException: what it holds, in one line
+        first = dcp_failures(e)[0]
+        if isinstance(first, CheckpointError):
+            raise first from None
+        raise InvalidCheckpoint(f"{store.display}/{entry.dir}: {dcp_causes(e)}") from None
     return sd
 
 

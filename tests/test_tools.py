@@ -128,6 +128,29 @@ def test_export_round_trips_bitwise_and_casts_when_asked(tmp_path, fmt):
     got = read_export(str(full))
     assert torch.equal(got["model.2.weight"], model[2].weight.detach().to(torch.bfloat16))
     assert got["optim.state.0.weight.exp_avg"].dtype == torch.bfloat16  # optimizer state too
+    assert got["optim.state.0.weight.step"].dtype == torch.float32 and got["optim.state.0.weight.step"] == 10  # not scalars
+
+
+def test_export_and_diff_refuse_bad_arguments_and_corrupt_files_in_one_line(tmp_path):
+    root = tmp_path / "root"
+    train(root, 10)
+    (tmp_path / "a_dir").mkdir()
+    (tmp_path / "a_file").write_text("x")
+    for args, rc, says in [
+        (["--format", "torch", "--dtype", "foo", "--out", tmp_path / "x.pt"], 2, "--dtype must be a floating dtype"),
+        (["--format", "torch", "--out", tmp_path / "a_dir"], 2, "is a directory: a torch export is one file"),
+        (["--format", "zarr", "--out", tmp_path / "a_file"], 2, "is a file: a zarr export is a directory"),
+    ]:
+        r = cli("export", root, *args, check=False)
+        assert (r.returncode, r.stderr.count("\n")) == (rc, 1) and says in r.stderr and "Traceback" not in r.stderr, r.stderr
+    data = root / "step-0000000010" / "__0_0.distcp"
+    blob = bytearray(data.read_bytes())
+    blob[len(blob) // 2] ^= 0xFF
+    data.write_bytes(bytes(blob))
+    for r in (cli("export", root, "--format", "torch", "--out", tmp_path / "y.pt", check=False), cli("diff", f"{root}:10", f"{root}:5", check=False)):
+        assert (r.returncode, r.stderr.count("\n")) == (1, 1), r.stderr
+        assert r.stderr.startswith(f"ckpt: {data}: checksum mismatch") and r.stderr.endswith("(corrupt file)\n"), r.stderr
+    assert not (tmp_path / "y.pt").exists()
 
 
 # -- load-test ----------------------------------------------------------------------------------
