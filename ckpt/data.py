@@ -188,5 +188,16 @@ def data_position(data: Any, dataloader: Any) -> tuple[Any, Any]:
             "this DataLoader has no position to save: give it a ckpt.ElasticSampler "
             "(exact on any world size) or use torchdata's StatefulDataLoader"
         )
+    _own_generator(dataloader)
     return data, loader
+
+
+def _own_generator(dataloader: Any) -> None:
+    """Give a DataLoader without a generator one of its own, seeded with torch's initial seed
+    (nothing is drawn). Each `iter(loader)` draws its workers' base seed, from torch's global
+    generator unless the loader has one. A run creates its iterator before its first step, a
+    resumed run after the restore: that one draw would shift every random number after it
+    (dropout), and the resumed run would not be the run it resumes."""
+    if getattr(dataloader, "generator", False) is None:
+        dataloader.generator = torch.Generator().manual_seed(torch.initial_seed())
 

@@ -114,6 +114,44 @@ def test_dataloader_with_an_elastic_sampler_restores_the_position(tmp_path):
     assert sorted(sum(first + rest, [])) == list(range(30))
 
 
+@pytest.mark.parametrize("stateful", [False, True])
+def test_a_resumed_run_with_dropout_is_the_run_it_resumes_bit_for_bit(tmp_path, stateful):
+    """`iter(loader)` draws its workers' base seed: from torch's global generator, the
+    resumed run's draw (after the restore; the first run drew before its first step) would
+    shift every random number after it, and dropout would differ."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    def run(root, steps: int) -> dict:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Dropout(0.5), torch.nn.Linear(16, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        data = TensorDataset(torch.randn(64, 4))
+        loader = (
+            StatefulDataLoader(data, batch_size=4, shuffle=True)
+            if stateful
+            else DataLoader(data, batch_size=4, sampler=ElasticSampler(64, seed=0, global_batch=4))
+        )
+        with ckpt.Checkpointer(root, model=model, optimizer=opt, dataloader=loader, interval=ckpt.Every(steps=5)) as cp:
+            it = iter(loader)
+            while cp.step < steps:
+                try:
+                    (x,) = next(it)
+                except StopIteration:  # an epoch is 16 steps: the resumed run turns one too
+                    it = iter(loader)
+                    (x,) = next(it)
+                model(x).pow(2).mean().backward()
+                opt.step()
+                opt.zero_grad()
+                cp.step_done()
+        return model.state_dict()
+
+    straight = run(tmp_path / "a", 20)
+    run(tmp_path / "b", 7)  # saved at 5, and at 7 on the way out
+    resumed = run(tmp_path / "b", 20)
+    for k, v in straight.items():
+        assert torch.equal(resumed[k], v), k
+
+
 def test_stateful_dataloader_with_its_own_shuffling_resumes_where_it_stopped(tmp_path):
     """A StatefulDataLoader without an ElasticSampler (its RandomSampler's state holds a
     generator tensor) is saved as it is and, at the same world size, resumes exactly."""
