@@ -461,6 +461,8 @@ def cmd_verify(store: Store, args: argparse.Namespace) -> int:
         entries = [catalog.inspect(store, listing, metadata=True, deep=args.deep, key=key)]
     else:
         entries = catalog.scan(store, metadata=True, deep=args.deep, key=key)
+        if not entries:  # "0 ok" would pass a mistyped root, or one that lost everything
+            raise catalog.NotFound(f"no checkpoint under {store.display}: nothing to verify")
     newest = max((e.step for e in entries if e.state == catalog.COMMITTED), default=-1)
     # A directory without a manifest newer than the newest commit may be a save in flight.
     failed = [e for e in entries if e.state == catalog.CORRUPT or (e.state == catalog.INCOMPLETE and args.step is not None)]

@@ -103,11 +103,18 @@ def read_export(path: str) -> dict[str, Any]:
 
     if os.path.isdir(path):
         return _read_zarr(path)
-    if path.endswith(".safetensors"):
+    if path.endswith(".safetensors") or _is_safetensors(path):
         from safetensors.torch import load_file
 
         return load_file(path)
     return torch.load(path, weights_only=True)
+
+
+def _is_safetensors(path: str) -> bool:
+    """By its first bytes: a u64 header size, then the JSON header (a torch file is a zip)."""
+    with open(path, "rb") as f:
+        head = f.read(9)
+    return len(head) == 9 and head[8:9] == b"{" and int.from_bytes(head[:8], "little") < os.path.getsize(path)
 
 
 # -- safetensors, written as the tensors come ----------------------------------------------------

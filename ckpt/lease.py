@@ -470,8 +470,9 @@ def _refusal(store: Store, data: bytes, me: Holder) -> str:
     return (
         f"{store.display} is in use by another job: {holder}. Two jobs on one root overwrite "
         "and delete each other's checkpoints, so this job has read and written nothing there. "
-        f"The same job restarting is never refused (this job's id is {me.job_id!r}, from "
-        f"{' / '.join(JOB_ID_VARS)}). To take the root over anyway, after which the other job's "
+        f"The same job restarting is never refused (this job's id is {me.job_id!r}, "
+        + (f"made up for this process: none of {' / '.join(JOB_ID_VARS)} is set" if me.job_id == _FRESH_JOB_ID else f"from {' / '.join(JOB_ID_VARS)}")
+        + "). To take the root over anyway, after which the other job's "
         "next save fails instead of writing there: pass lease=ckpt.Lease(takeover=True), or set "
         f"CKPT_TAKEOVER=1, or run `ckpt lease {store.display} --break`. Or give this job a root of its own."
     )

@@ -106,6 +106,11 @@ def restore(
                 f"(another model, optimizer, or objects added since it was saved): {why[:500]}"
             )
         problems.append(f"{step_dir_name(step)}: {why}")
+        if isinstance(mode, int):  # the step asked for, or nothing
+            raise RestoreFailed(
+                f"{store.display}/{step_dir_name(step)} could not be restored ({why}); it is left as it is (the model may "
+                "hold partly loaded values). restore='latest' restores the newest checkpoint that loads."
+            )
         log.warning("could not restore %s (%s); falling back to the one before", step_dir_name(step), why)
     if tried:
         raise RestoreFailed(

@@ -385,6 +385,12 @@ def test_missing_step_exits_2_with_one_line(root):
         assert "step 7" in assert_one_line_error(r)
 
 
+def test_verify_of_a_root_without_checkpoints_fails_rather_than_passing_nothing(tmp_path):
+    (tmp_path / "empty").mkdir()
+    (r,) = run_cli([["verify", str(tmp_path / "empty")]], os.environ)
+    assert "no checkpoint under" in assert_one_line_error(r) and "nothing to verify" in r.err
+
+
 def test_nonexistent_local_root_exits_2_with_one_line(tmp_path):
     missing = str(tmp_path / "nothing-here")
     calls = [["ls", missing], ["show", missing]]

@@ -354,8 +354,10 @@ def test_tampered_metadata_is_never_unpickled(root_5_10, tmp_path, caplog):
     assert cp.restored_step == 5
     assert_same(weights(model), seen[5], "weights")
     assert f"{sd(10)}/.metadata: checksum mismatch" in caplog.text
+    caplog.clear()
     with pytest.raises(ckpt.RestoreFailed, match="checksum mismatch"):
         restore(root, restore=10)  # asking for that step by number: refused, not unpickled
+    assert "falling back" not in caplog.text  # a step asked for is that step or nothing
     assert not marker.exists()
 
     # Plain DCP, which trusts the file, would have run it: the test is not vacuous.
@@ -366,6 +368,18 @@ def test_tampered_metadata_is_never_unpickled(root_5_10, tmp_path, caplog):
     except Exception:
         pass
     assert marker.exists()
+
+
+def test_a_step_asked_for_that_does_not_load_fails_the_restore_without_falling_back(root_5_10, caplog):
+    root, _ = root_5_10
+    flip_byte(root / sd(10) / "__0_0.distcp")  # seen only when loading
+    before = tree(root)
+    caplog.set_level(logging.INFO, logger="ckpt")
+    with pytest.raises(ckpt.RestoreFailed, match=rf"{sd(10)} could not be restored \(.*checksum mismatch.*restore='latest'"):
+        restore(root, restore=10)
+    assert "falling back" not in caplog.text  # that step or nothing
+    assert tree(root) == before
+    assert restore(root)[0].restored_step == 5  # 'latest' falls back
 
 
 def test_every_checkpoint_corrupt_raises_restore_failed_and_touches_nothing(root_5_10, tmp_path):

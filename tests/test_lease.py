@@ -493,7 +493,7 @@ def test_who_may_take_a_held_lease():
     assert not judge(reused_pid, me_here, 1010.0, takeover=False, alive=True).take
 
 
-def test_the_job_id_comes_from_the_environment_in_order(monkeypatch):
+def test_the_job_id_comes_from_the_environment_in_order(monkeypatch, tmp_path):
     for var in lease.JOB_ID_VARS:
         monkeypatch.delenv(var, raising=False)
     fresh = lease.job_id()
@@ -506,6 +506,13 @@ def test_the_job_id_comes_from_the_environment_in_order(monkeypatch):
     assert lease.job_id() == "rdzv-7"
     monkeypatch.setenv("CKPT_JOB_ID", "mine")
     assert lease.job_id() == "mine"
+    # A refusal says where this job's id came from: a made-up one is never a restart's.
+    store, other = Store(str(tmp_path / "root")), Holder("job-x", "h", 1, "r", 0.0, 0.0, 60.0).to_json()
+    assert "from CKPT_JOB_ID / TORCHELASTIC_RUN_ID / SLURM_JOB_ID" in lease._refusal(store, other, lease.this_process(60.0))
+    for var in lease.JOB_ID_VARS:
+        monkeypatch.delenv(var, raising=False)
+    said = lease._refusal(store, other, lease.this_process(60.0))
+    assert f"this job's id is {fresh!r}, made up for this process: none of CKPT_JOB_ID" in said
 
 
 def test_a_bad_ttl_and_an_unreadable_lease_get_clear_errors(tmp_path, monkeypatch):
