@@ -445,7 +445,11 @@ def find(store: Store, step: int | None, key: SigningKey | None = None) -> Entry
     if not listings:
         raise NotFound(f"no checkpoints under {store.display}")
     if step is None:
-        good, _ = restore_candidates(store, key)
+        good, skipped = restore_candidates(store, key)
+        passed = [e for e in skipped if e.state == CORRUPT or untrusted(e)]
+        if not good and passed:  # committed once, by their listing: say why none is now
+            why = "; ".join(f"{e.dir}: {e.problem}" for e in passed[:3]) + (f"; and {len(passed) - 3} more" if len(passed) > 3 else "")
+            raise InvalidCheckpoint(f"no checkpoint under {store.display} can be used ({why})")
         if not good:
             raise NotFound(f"no committed checkpoint under {store.display}")
         return good[0]

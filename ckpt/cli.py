@@ -364,7 +364,7 @@ def _lease_line(store: Store) -> str | None:
     except ValueError as e:
         return f"unreadable ({e}); `ckpt lease ROOT --break` replaces it"
     now = time.time()
-    return None if lease.state(holder, now) == "free" else lease.describe(holder, now)
+    return None if lease.state(holder, now) == "free" else lease.describe(holder, now, lease.holder_alive(holder))
 
 
 def cmd_show(store: Store, args: argparse.Namespace) -> int:
@@ -560,9 +560,10 @@ def cmd_lease(store: Store, args: argparse.Namespace) -> int:
             "state": lease.state(holder, now),
             "holder": asdict(holder) if holder else None,
             "expires_in_s": holder.expires - now if holder and holder.released is None else None,
+            "holder_alive": lease.holder_alive(holder),  # null: on another machine, nobody here can tell
         })
     else:
-        print(f"{store.display}: {lease.describe(holder, now)}")
+        print(f"{store.display}: {lease.describe(holder, now, lease.holder_alive(holder))}")
     return EXIT_OK
 
 

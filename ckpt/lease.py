@@ -181,16 +181,27 @@ def judge(held: Holder, me: Holder, now: float, *, takeover: bool, alive: bool |
     return Verdict(False, "held by another live job")
 
 
-def describe(held: Holder | None, now: float) -> str:
-    """The lease's state in a line, for `ckpt lease` and `ckpt ls`."""
+def describe(held: Holder | None, now: float, alive: bool | None = None) -> str:
+    """The lease's state in a line, for `ckpt lease` and `ckpt ls`; `alive`: whether the
+    holder's process still runs (`holder_alive`)."""
     if held is None:
         return "free (no lease)"
     if held.released is not None:
         return f"free (last held by {held.who()}, released at {_clock(held.released)}: {held.released_by or 'by its holder'})"
     timing = f"renewed {_span(now - held.renewed)} ago"
+    if alive is False:
+        return f"held by {held.who()}, whose process is gone from this machine ({timing}): the next job here takes it at once"
     if now > held.expires:
         return f"expired {_span(now - held.expires)} ago: {held.who()}, {timing}; the next job takes it"
     return f"held by {held.who()}, {timing}, expires in {_span(held.expires - now)} unless renewed"
+
+
+def holder_alive(held: Holder | None) -> bool | None:
+    """Whether the holder's process still runs; None when nobody here can tell (another
+    machine, or no holder)."""
+    if held is None or not held.same_machine(this_process(0.0)):
+        return None
+    return process_alive(held.pid, held.pid_start)
 
 
 def state(held: Holder | None, now: float) -> str:

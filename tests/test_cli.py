@@ -385,6 +385,15 @@ def test_missing_step_exits_2_with_one_line(root):
         assert "step 7" in assert_one_line_error(r)
 
 
+def test_show_of_a_root_whose_checkpoints_are_all_corrupt_says_why_each_is(root):
+    train(root, 2)
+    truncate(root, 1)
+    truncate(root, 2)
+    (r,) = root.ckpt_all(["show"])
+    line = assert_one_line_error(r, rc=1)
+    assert "can be used" in line and f"{step_dir(1)}: " in line and f"{step_dir(2)}: " in line
+
+
 def test_verify_of_a_root_without_checkpoints_fails_rather_than_passing_nothing(tmp_path):
     (tmp_path / "empty").mkdir()
     (r,) = run_cli([["verify", str(tmp_path / "empty")]], os.environ)

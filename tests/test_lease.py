@@ -223,6 +223,9 @@ def test_a_sigkilled_holder_on_this_machine_is_replaced_at_once(tmp_path, root):
     a.kill()  # no clean exit: the lease stays, held by a process that is gone
 
     assert holder(root).pid == a.pid and holder(root).released is None
+    shown = cli("lease", root).stdout  # not "expires in 10 min": the next job takes it at once
+    assert f"pid {a.pid}), whose process is gone from this machine" in shown and "the next job here takes it at once" in shown, shown
+    assert json.loads(cli("lease", root, "--json").stdout)["holder_alive"] is False
     b = Job(tmp_path, "job-b", root, "--steps", 4, "--ttl", 600)
     finish(b)
 
@@ -440,7 +443,7 @@ def test_the_cli_shows_the_holder_and_break_frees_the_root_from_a_live_job(tmp_p
     assert shown.returncode == 0, shown.stderr
     assert f"held by job 'job-a' (host {socket.gethostname()}, pid {a.pid})" in shown.stdout and "expires in" in shown.stdout
     doc = json.loads(as_json.stdout)
-    assert doc["state"] == "held" and doc["holder"]["job_id"] == "job-a" and 0 < doc["expires_in_s"] <= TTL
+    assert doc["state"] == "held" and doc["holder"]["job_id"] == "job-a" and 0 < doc["expires_in_s"] <= TTL and doc["holder_alive"] is True
     assert listed.returncode == 0 and "lease: held by job 'job-a'" in listed.stdout.splitlines()[-1]
 
     broke = cli("lease", root, "--break")
