@@ -62,6 +62,9 @@ class TrainingState:
     extra: dict[str, Any] = field(default_factory=dict)
     data: Any = None  # global position: the same on every rank, valid on any world size
     loader: Any = None  # per-rank loader state: valid only on the same world size
+    # The generator ckpt gave a DataLoader that had none (`data.own_generator`): reseeded on
+    # restore, so that its workers' seeds after a resume are not a fresh run's again.
+    loader_generator: torch.Generator | None = None
     _dcp_state: _StateDictCache = field(default_factory=lambda: _StateDictCache())
     _template_model: dict[str, Any] = field(default_factory=dict)  # the model's values in the last template
     # The optimizers' in the last template: each state entry's values, and each group's params.
@@ -78,19 +81,16 @@ class TrainingState:
         for i, opt in enumerate(state.optimizers):
             if not (hasattr(opt, "param_groups") and hasattr(opt, "state_dict") and hasattr(opt, "load_state_dict")):
                 raise TypeError(f"optimizer {i} must be a torch.optim.Optimizer, not {type(opt).__name__}")
-        for what, objs in (("scheduler", state.schedulers), ("scaler", [scaler] if scaler is not None else [])):
-            for obj in objs:
-                if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
-                    raise TypeError(f"{what} {type(obj).__name__} has no state_dict/load_state_dict")
+        stateful = [*((f"scheduler {i}", o) for i, o in enumerate(state.schedulers)), *(("scaler", o) for o in [scaler] if o is not None)]
+        for what, obj in [*stateful, *((f"extra[{name!r}]", o) for name, o in state.extra.items())]:
+            if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
+                raise TypeError(f"{what} ({type(obj).__name__}) has no state_dict/load_state_dict")
         if deepspeed_state.is_engine(model):
             deepspeed_state.check(model)
             if state.optimizers:
                 raise ValueError("a DeepSpeed engine brings its optimizer: pass model=engine alone")
         if state.optimizers and state.model is None:
             raise ValueError("an optimizer needs its model: pass model= as well")
-        for name, obj in state.extra.items():
-            if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
-                raise TypeError(f"extra[{name!r}] has no state_dict/load_state_dict")
         return state
 
     def deferrable(self) -> Callable[[tuple[Any, ...], torch.Tensor], bool]:
@@ -198,6 +198,8 @@ class TrainingState:
             set_rng_state(sd["rng"][f"rank_{rank}"])
         else:
             derive_rng(int(counters["step"]), rank)
+        if self.loader_generator is not None:
+            self.loader_generator.manual_seed(_seed(f"ckpt-loader:{torch.initial_seed()}:{counters['step']}"))
         return counters
 
 
@@ -460,11 +462,15 @@ def derive_rng(step: int, rank: int) -> None:
     """RNG policy for a rank the checkpoint has no streams for (the job grew): every stream is
     seeded from (step, rank), so the new rank's randomness is reproducible and differs from
     every other rank's. Ranks that existed before keep their own streams exactly."""
-    seed = xxhash.xxh64_intdigest(f"ckpt-rng:{step}:{rank}".encode()) & ((1 << 63) - 1)
+    seed = _seed(f"ckpt-rng:{step}:{rank}")
     random.seed(seed)
     np.random.seed(seed % (1 << 32))
     torch.manual_seed(seed)  # seeds every CUDA device too
     log.info("rank %d is new to this checkpoint: its RNG streams are seeded from (step %d, rank %d)", rank, step, rank)
+
+
+def _seed(text: str) -> int:
+    return xxhash.xxh64_intdigest(text.encode()) & ((1 << 63) - 1)
 
 
 def rng_state() -> dict[str, Any]:

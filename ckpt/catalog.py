@@ -300,6 +300,7 @@ def inspect(
             raise InvalidCheckpoint(f"{where}: manifest lists no {METADATA_NAME}")
         check_ranks(manifest, where)
         for name, f in manifest.files.items():
+            algorithm(f, f"{where}/{name}")  # one this ckpt cannot check is never trusted
             size = listing.files.get(name)
             if size is None:
                 raise InvalidCheckpoint(f"{where}/{name}: missing")

@@ -15,6 +15,7 @@ import functools
 import json
 import logging
 import math
+import numbers
 import os
 import time
 from collections.abc import Callable
@@ -29,7 +30,7 @@ from .capture import TrainingState
 from .checksum import BLAKE3
 from .commit import Group, persist
 from .coordinator import Coordinator
-from .data import data_position
+from .data import data_position, own_generator
 from .errors import CheckpointError, SaveFailed, dcp_causes
 from .events import Event, History, error_gist
 from .handoff import Handoff
@@ -186,6 +187,7 @@ class Checkpointer:
         self._storage_options = storage_options
         data, loader = data_position(data, dataloader)
         self.state = TrainingState.of(model, optimizer, scheduler, scaler, extra, data, loader)
+        self.state.loader_generator = own_generator(dataloader)  # after every check: nothing changed if refused
         if interval == "auto":
             interval = Auto()
         if not (interval is None or isinstance(interval, (Every, Auto))):
@@ -219,7 +221,7 @@ class Checkpointer:
         #: Saves that came due while the previous one was still writing, with if_busy="skip".
         self.skipped_saves = 0
         self.overlap = overlap
-        self.host_memory_budget = host_memory_budget if host_memory_budget is not None else default_host_budget()
+        self.host_memory_budget = int(host_memory_budget) if host_memory_budget is not None else default_host_budget()
         self._slot = SaveSlot(self.store, storage_options)
         #: Seconds optimizer steps spent waiting for a staging copy to finish (overlap mode).
         self.staging_wait_s = 0.0
@@ -649,9 +651,9 @@ def _check_options(keep: Any, metadata: Any, timeout_s: Any, budget: Any, agree_
     if not isinstance(keep, Keep):
         raise ValueError(f"keep must be ckpt.Keep(last=..., every_steps=...), not {keep!r}")
     for name, value in (("timeout_s", timeout_s), ("agree_every_s", agree_every_s)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < value < math.inf:
             raise ValueError(f"{name} must be a positive number of seconds, not {value!r}")
-    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0):
+    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, numbers.Real) or not 0 < budget < math.inf):
         raise ValueError(f"host_memory_budget must be a positive number of bytes (or None: the default), not {budget!r}")
     try:
         json.dumps(dict(metadata or {}))

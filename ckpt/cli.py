@@ -461,11 +461,11 @@ def cmd_verify(store: Store, args: argparse.Namespace) -> int:
         entries = [catalog.inspect(store, listing, metadata=True, deep=args.deep, key=key)]
     else:
         entries = catalog.scan(store, metadata=True, deep=args.deep, key=key)
-        if not entries:  # "0 ok" would pass a mistyped root, or one that lost everything
-            raise catalog.NotFound(f"no checkpoint under {store.display}: nothing to verify")
     newest = max((e.step for e in entries if e.state == catalog.COMMITTED), default=-1)
     # A directory without a manifest newer than the newest commit may be a save in flight.
     failed = [e for e in entries if e.state == catalog.CORRUPT or (e.state == catalog.INCOMPLETE and args.step is not None)]
+    if newest < 0 and not failed:  # "0 ok" would pass a mistyped root, or one that lost everything
+        raise catalog.NotFound(f"no committed checkpoint under {store.display}: nothing to verify")
     if args.json:
         docs = [_entry_doc(e) for e in entries]
         _emit_json({"ok": not failed, "deep": args.deep, "signing_key_id": key.key_id if key else None, "checkpoints": docs})
@@ -476,7 +476,8 @@ def cmd_verify(store: Store, args: argparse.Namespace) -> int:
                 note += " (may be a save in progress)"
             signed = f"  {e.signature}" if e.signature else ""
             print(f"{e.dir}  {'ok' if e.state == catalog.COMMITTED else _state(e).upper()}{signed}{note}")
-        print(f"{len(entries) - len(failed)} ok, {len(failed)} failed ({'checksums' if args.deep else 'sizes'})")
+        ok = sum(e.state == catalog.COMMITTED for e in entries)
+        print(f"{ok} ok, {len(failed)} failed ({'checksums' if args.deep else 'sizes'})")
     return EXIT_INVALID if failed else EXIT_OK
 
 

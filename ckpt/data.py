@@ -188,16 +188,22 @@ def data_position(data: Any, dataloader: Any) -> tuple[Any, Any]:
             "this DataLoader has no position to save: give it a ckpt.ElasticSampler "
             "(exact on any world size) or use torchdata's StatefulDataLoader"
         )
-    _own_generator(dataloader)
     return data, loader
 
 
-def _own_generator(dataloader: Any) -> None:
+def own_generator(dataloader: Any) -> torch.Generator | None:
     """Give a DataLoader without a generator one of its own, seeded with torch's initial seed
-    (nothing is drawn). Each `iter(loader)` draws its workers' base seed, from torch's global
-    generator unless the loader has one. A run creates its iterator before its first step, a
-    resumed run after the restore: that one draw would shift every random number after it
-    (dropout), and the resumed run would not be the run it resumes."""
-    if getattr(dataloader, "generator", False) is None:
-        dataloader.generator = torch.Generator().manual_seed(torch.initial_seed())
+    (nothing is drawn), and return it. Each `iter(loader)` draws its workers' base seed, from
+    torch's global generator unless the loader has one. A run creates its iterator before its
+    first step, a resumed run after the restore: that one draw would shift every random number
+    after it (dropout), and the resumed run would not be the run it resumes."""
+    if dataloader is None or getattr(dataloader, "generator", False) is not None:
+        return None
+    generator = torch.Generator().manual_seed(torch.initial_seed())
+    try:
+        dataloader.generator = generator
+    except (AttributeError, ValueError) as e:  # a loader class that will not have it
+        log.warning("cannot give %s a generator of its own (%s): a resumed run's random numbers may differ from the run it resumes", type(dataloader).__name__, e)
+        return None
+    return generator
 

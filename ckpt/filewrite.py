@@ -29,7 +29,7 @@ import mmap
 import os
 from collections.abc import Iterable, Mapping
 
-from .checksum import CHECKSUM_ALGO, Hasher, block_size, checksum
+from .checksum import Hasher, block_size, checksum
 from .manifest import FileEntry
 from .storage import Store, storage_errors
 
@@ -291,7 +291,7 @@ class Image:
     fresh page cache a save cost the trainer's background thread ~10 ms of kernel CPU; the
     data files never go through it.) Its entry has the one checksum of the whole file."""
 
-    def __init__(self, data: bytes, algo: str = CHECKSUM_ALGO) -> None:
+    def __init__(self, data: bytes, algo: str) -> None:
         self.entry = FileEntry(len(data), checksum(data, algo=algo), -1)
         self._prefix = Prefix(_lay_out_runs([data]), {})
 

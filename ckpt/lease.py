@@ -246,6 +246,18 @@ _HELD_LOCK = threading.Lock()  # over _HELD, _TAKING and each keeper's count of 
 _TAKING: dict[str, threading.Lock] = {}  # held through a take of that root: one at a time
 
 
+def _forget_holds() -> None:
+    """In a forked child: the parent's holds are not its own (their renewal threads did not
+    come along), and a lock held at the fork would never be released."""
+    global _HELD_LOCK
+    _HELD.clear()
+    _TAKING.clear()
+    _HELD_LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_holds)
+
+
 class LeaseKeeper:
     """This job's hold on a root (rank 0): taken by `take`, renewed every ttl/3 in a
     background thread until `close`. Losing it (another job took it over, or it was
@@ -422,7 +434,7 @@ def take_for_job(store: Store, policy: Lease | None, group: Any) -> LeaseKeeper 
     keeper, error = None, None
     if group.rank == 0:
         try:
-            if store.exists(MANIFEST_NAME):  # a job there would write into a committed checkpoint
+            if _is_checkpoint(store):  # a job there would write into a committed checkpoint
                 raise ValueError(
                     f"{store.display} is a checkpoint (it holds {MANIFEST_NAME}), not a checkpoint root: "
                     "pass the directory that holds the step-* directories"
@@ -432,13 +444,29 @@ def take_for_job(store: Store, policy: Lease | None, group: Any) -> LeaseKeeper 
         except Exception as e:  # told to every rank below, not left to hang them
             error = e
     # Always, whatever this rank's settings say: a collective must never depend on them.
-    told = group.broadcast(None if error is None else (type(error).__name__, str(error)))
+    try:
+        told = group.broadcast(None if error is None else (type(error).__name__, str(error)))
+    except BaseException:
+        if keeper is not None:  # the job is not starting: nothing may keep renewing its hold
+            keeper.close(release=False)
+        raise
     if error is not None:
         raise error
     if told is not None:
         kind, text = told
         raise {"LeaseHeld": LeaseHeld, "StorageError": StorageError, "ValueError": ValueError}.get(kind, CheckpointError)(text)
     return keeper
+
+
+def _is_checkpoint(store: Store) -> bool:
+    """Whether the root holds a ckpt manifest of its own: it is a step directory."""
+    try:
+        doc = json.loads(store.read_bytes(MANIFEST_NAME))
+    except CheckpointError:
+        return False  # none (or unreadable: the lease take that follows says so)
+    except ValueError:
+        return False  # another tool's manifest.json: not ours to judge
+    return isinstance(doc, dict) and doc.get("format") == "ckpt"
 
 
 # The longest rank 0 waits out another machine's lease at enter (the other ranks wait in a

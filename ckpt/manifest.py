@@ -16,7 +16,8 @@ from typing import Any
 from .errors import InvalidCheckpoint
 
 FORMAT = "ckpt"
-FORMAT_VERSION = 2  # 2: per-block checksums of data files
+FORMAT_VERSION = 3  # 2: per-block checksums of data files; 3: BLAKE3 checksums (a signing job's)
+_XXH3_FORMAT = 2  # what a manifest of xxh3 checksums is still written as: every ckpt since 2 reads it
 MANIFEST_NAME = "manifest.json"
 METADATA_NAME = ".metadata"  # DCP's pickled global metadata, written by rank 0
 
@@ -26,11 +27,11 @@ class FileEntry:
     """One file of a checkpoint, relative to its step directory."""
 
     size: int  # bytes
-    checksum: str  # "<algorithm>:<hex digest>", e.g. "xxh3_64:0f1e..."
+    checksum: str  # "<algorithm>:<hex digest>": "xxh3_64:0f1e...", or "blake3:..." (`ckpt.checksum`)
     rank: int  # the rank that wrote it (-1: written by the coordinator for all)
     # A large file's checksum is also kept per block of `block` bytes (the last may be
     # shorter), so that a reader can verify just the blocks it reads; `checksum` is then
-    # "xxh3_64-blocks:" and the xxh3-64 of the block checksums. 0 and []: one checksum.
+    # "<algorithm>-blocks:" and the checksum of the block checksums. 0 and []: one checksum.
     block: int = 0
     blocks: tuple[str, ...] = ()
 
@@ -60,11 +61,18 @@ class Manifest:
     # blocking and persist times and the MTBF it was chosen from (seconds).
     schedule: dict[str, Any] = field(default_factory=dict)
     format: str = FORMAT
-    format_version: int = FORMAT_VERSION
+    # 0: the lowest its checksums allow (written so, a ckpt that cannot check BLAKE3 says
+    # "upgrade ckpt" rather than "checksum mismatch"); read: as the JSON says.
+    format_version: int = 0
     # With a signing key (`ckpt.signing`): {"alg": "hmac-sha256", "key_id": ..., "mac": hex}
     # over `signed_content()`. Absent from the JSON when unsigned; readers that predate it
     # ignore it, so it needs no new format version.
     signature: dict[str, str] | None = None
+
+    def __post_init__(self) -> None:
+        if not self.format_version:
+            blake3 = any(f.checksum.startswith("blake3") for f in self.files.values())
+            self.format_version = FORMAT_VERSION if blake3 else _XXH3_FORMAT
 
     @property
     def total_bytes(self) -> int:
@@ -166,6 +174,8 @@ def _file_entry(name: str, doc: dict[str, Any]) -> FileEntry:
     if not name or name.startswith("/") or ".." in name.split("/"):
         raise ValueError(f"file name {name!r} is not a path inside the step directory")
     entry = FileEntry(**{**doc, "blocks": tuple(doc.get("blocks", ()))})
+    if not (isinstance(entry.checksum, str) and ":" in entry.checksum and all(isinstance(b, str) for b in entry.blocks)):
+        raise ValueError(f"{name}: its checksum is not '<algorithm>:<hex>'")
     if entry.block < 0 or (entry.block and len(entry.blocks) != -(-entry.size // entry.block)):
         raise ValueError(f"{name}: {len(entry.blocks)} block checksums for {entry.size} bytes in blocks of {entry.block}")
     return entry

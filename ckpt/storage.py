@@ -190,7 +190,8 @@ class Store:
         #: The root as one string (`identity`: with the S3 endpoint), the same for every Store of it.
         self.where = self.root if self.is_local else f"{named}://{self.root}"
         endpoint = options.get("endpoint_url") or (options.get("client_kwargs") or {}).get("endpoint_url")
-        self.identity = self.where if not endpoint else f"{self.where} at {endpoint}"
+        # Through symbolic links: two spellings of one directory are one root.
+        self.identity = os.path.realpath(self.root) if self.is_local else self.where if not endpoint else f"{self.where} at {endpoint}"
         # IMPORTANT: a directory that cannot be read is an error, never an empty listing (a
         # local walk omits unreadable directories by default: "no checkpoint", then "debris").
         self._strict: dict[str, Any] = {"on_error": "raise"} if self.is_local else {}

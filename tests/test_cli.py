@@ -396,8 +396,10 @@ def test_show_of_a_root_whose_checkpoints_are_all_corrupt_says_why_each_is(root)
 
 def test_verify_of_a_root_without_checkpoints_fails_rather_than_passing_nothing(tmp_path):
     (tmp_path / "empty").mkdir()
-    (r,) = run_cli([["verify", str(tmp_path / "empty")]], os.environ)
-    assert "no checkpoint under" in assert_one_line_error(r) and "nothing to verify" in r.err
+    (tmp_path / "first-save-crashed" / "step-0000000001").mkdir(parents=True)  # no manifest
+    for root in ("empty", "first-save-crashed"):
+        (r,) = run_cli([["verify", str(tmp_path / root)]], os.environ)
+        assert "no committed checkpoint under" in assert_one_line_error(r) and "nothing to verify" in r.err
 
 
 def test_nonexistent_local_root_exits_2_with_one_line(tmp_path):

@@ -143,13 +143,18 @@ def test_a_resumed_run_with_dropout_is_the_run_it_resumes_bit_for_bit(tmp_path, 
                 opt.step()
                 opt.zero_grad()
                 cp.step_done()
+        seeds.append(loader.generator.initial_seed())
         return model.state_dict()
 
+    seeds: list[int] = []
     straight = run(tmp_path / "a", 20)
     run(tmp_path / "b", 7)  # saved at 5, and at 7 on the way out
     resumed = run(tmp_path / "b", 20)
     for k, v in straight.items():
         assert torch.equal(resumed[k], v), k
+    # The loader's own generator is reseeded by the restore: the workers' seeds after a resume
+    # are not the fresh run's again (the global generator's draws are not touched by it).
+    assert seeds[0] == seeds[1] == 0 and seeds[2] != 0
 
 
 def test_stateful_dataloader_with_its_own_shuffling_resumes_where_it_stopped(tmp_path):

@@ -176,6 +176,7 @@ def test_a_signing_job_checksums_its_files_with_blake3_so_that_the_signature_cov
     import blake3
 
     monkeypatch.setenv("CKPT_WRITER", "process")  # the writer process must learn the algorithm too
+    caplog.set_level(logging.WARNING, logger="ckpt")
     root = tmp_path / "root"
 
     def job(steps: int, key: str | None) -> ckpt.Checkpointer:
@@ -209,6 +210,7 @@ def test_a_signing_job_checksums_its_files_with_blake3_so_that_the_signature_cov
                 assert e["checksum"] == "blake3-blocks:" + blake3.blake3(b"".join(bytes.fromhex(b) for b in blocks)).hexdigest()
             else:
                 assert e["checksum"] == "blake3:" + blake3.blake3(data).hexdigest(), name
+    assert "cannot start the writer process" not in caplog.text  # written there, not in a thread
     # One byte of step 3's second block changed: caught by BLAKE3, and step 2 restores.
     data_file = root / step_dir(3) / "__0_0.distcp"
     blob = bytearray(data_file.read_bytes())
@@ -574,6 +576,10 @@ def test_a_root_that_is_a_checkpoint_is_refused_and_nothing_is_written_into_it(t
         with pytest.raises(ValueError, match=f"{step_dir(2)} is a checkpoint .* not a checkpoint root"):
             train(committed, 3, lease=lease)
     assert {p: p.read_bytes() for p in committed.rglob("*") if p.is_file()} == before
+    other = tmp_path / "another-tools-dir"  # a manifest.json that is not a ckpt one: not refused
+    other.mkdir()
+    (other / "manifest.json").write_text('{"name": "my-dataset"}')
+    assert train(other, 1).step == 1
 
 
 def test_wrong_objects_and_options_are_refused_when_the_checkpointer_is_made_not_at_its_first_save(tmp_path):
@@ -585,7 +591,8 @@ def test_wrong_objects_and_options_are_refused_when_the_checkpointer_is_made_not
         (ValueError, "keep must be ckpt.Keep", {"keep": 3}),
         (TypeError, "model must be a torch.nn.Module", {"model": "m"}),
         (TypeError, "optimizer 0 must be a torch.optim.Optimizer, not Linear", {"model": model, "optimizer": model}),
-        (TypeError, "scheduler int has no state_dict", {"model": model, "scheduler": 1}),
+        (TypeError, r"scheduler 0 \(int\) has no state_dict", {"model": model, "scheduler": 1}),
+        (TypeError, r"extra\['ema'\] \(str\) has no state_dict", {"extra": {"ema": "x"}}),
         (TypeError, "metadata goes into every manifest, as JSON: Object of type object", {"metadata": {"o": object()}}),
         (ValueError, "timeout_s must be a positive number", {"timeout_s": 0}),
         (ValueError, "agree_every_s must be a positive number", {"agree_every_s": float("nan")}),
@@ -595,6 +602,7 @@ def test_wrong_objects_and_options_are_refused_when_the_checkpointer_is_made_not
         with pytest.raises(kind, match=message):
             ckpt.Checkpointer(root, **kw)
     assert not os.path.exists(root)
+    assert ckpt.Checkpointer(root, host_memory_budget=8e9).host_memory_budget == 8_000_000_000  # a float, as 8e9 is
 
 
 def test_every_cli_command_refuses_a_step_that_is_not_a_number_in_one_line(tmp_path):

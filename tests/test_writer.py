@@ -135,7 +135,7 @@ def test_a_whole_file_image_writes_its_bytes_again_and_again_without_the_page_ca
 
     root = tmp_path if where == "tmp_path" else Path(where)
     data = os.urandom(3 * MB + 1234)  # not a whole number of pages: the tail is written buffered
-    image = Image(data)
+    image = Image(data, "xxh3_64")
     store = Store(root / f"img-{os.getpid()}")
     try:
         for save in range(3):
