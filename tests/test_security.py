@@ -632,7 +632,7 @@ def test_every_cli_command_refuses_a_step_that_is_not_a_number_in_one_line(tmp_p
     verify = cli("verify", str(root))
     assert verify.returncode == 1 and "not a path inside the step directory" in verify.stdout
     copy = cli("cp", str(root), str(tmp_path / "dst"))
-    one_line_error(copy)
+    assert "not a path inside the step directory" in one_line_error(copy, rc=1)  # no usable checkpoint, and why
     assert not (tmp_path / "outside").exists() and not (tmp_path / "dst" / step_dir(1) / "manifest.json").exists()
 
 
