@@ -371,6 +371,11 @@ def commit_order(entries: list[Entry]) -> list[int]:
     return [e.step for e in sorted(done, key=lambda e: (e.manifest.created, e.step))]  # type: ignore[union-attr]
 
 
+def first_few(items: list[str], sep: str, n: int = 3) -> str:
+    """The first `n` of `items` joined, and how many more there are (for one-line messages)."""
+    return sep.join(items[:n]) + (f" and {len(items) - n} more" if len(items) > n else "")
+
+
 def untrusted(entry: Entry) -> bool:
     """Scanned with a signing key, a checkpoint not signed with it (unsigned, or another key's
     or tampered with): never restored, and never counted as committed nor deleted as debris
@@ -449,7 +454,7 @@ def find(store: Store, step: int | None, key: SigningKey | None = None) -> Entry
         good, skipped = restore_candidates(store, key)
         passed = [e for e in skipped if e.state == CORRUPT or untrusted(e)]
         if not good and passed:  # committed once, by their listing: say why none is now
-            why = "; ".join(f"{e.dir}: {e.problem}" for e in passed[:3]) + (f"; and {len(passed) - 3} more" if len(passed) > 3 else "")
+            why = first_few([f"{e.dir}: {e.problem}" for e in passed], "; ")
             raise InvalidCheckpoint(f"no checkpoint under {store.display} can be used ({why})")
         if not good:
             raise NotFound(f"no committed checkpoint under {store.display}")

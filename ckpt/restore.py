@@ -221,7 +221,7 @@ def _try_restore(
             log.warning(
                 "%s/%s is signed, but %s carry xxh3-64 checksums (written by an earlier ckpt, or by a rank without "
                 "the key): its signature covers them against corruption, not against a forger",
-                store.display, rel, ", ".join(weak[:3]) + (f" and {len(weak) - 3} more" if len(weak) > 3 else ""),
+                store.display, rel, catalog.first_few(weak, ", "),
             )
         if manifest.step != step:  # IMPORTANT: another step's manifest lists that step's files
             raise InvalidCheckpoint(f"{store.display}/{rel}: manifest is for step {manifest.step}")
