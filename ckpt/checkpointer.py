@@ -12,10 +12,7 @@ and exits.
 from __future__ import annotations
 
 import functools
-import json
 import logging
-import math
-import numbers
 import os
 import time
 from collections.abc import Callable
@@ -37,6 +34,7 @@ from .handoff import Handoff
 from .lease import Lease, LeaseKeeper, take_for_job
 from .manifest import Manifest
 from .metrics import Metrics, port_from_env
+from .options import OnError, Restore, check_options, checked_interval
 from .policy import Auto, Every, Keep
 from .preempt import Preemption
 from .restore import restore, start_fresh
@@ -46,10 +44,6 @@ from .stage import Copies, default_host_budget
 from .storage import Store, Transfer, step_dir_name
 
 log = logging.getLogger(__name__)
-
-Restore = Literal["latest", "none"] | int
-OnError = Literal["raise", "log"] | int
-
 
 class Checkpointer:
     """Saves and restores the whole training state of this rank, in step with the others.
@@ -175,11 +169,11 @@ class Checkpointer:
         signing_key: bytes | str | None = None,
         lease: Lease | None = Lease(),
     ) -> None:
-        if not (on_error in ("raise", "log") or (type(on_error) is int and on_error >= 1)):
-            raise ValueError(f"on_error must be 'raise', 'log' or a number of failed saves in a row (>= 1), not {on_error!r}")
-        if not (restore in ("latest", "none") or (isinstance(restore, int) and not isinstance(restore, bool) and restore >= 0)):
-            raise ValueError(f"restore must be 'latest', 'none' or a step number, not {restore!r}")
-        _check_options(keep, metadata, timeout_s, host_memory_budget, agree_every_s)
+        check_options(
+            on_error=on_error, restore=restore, keep=keep, if_busy=if_busy, lease=lease, metadata=metadata,
+            timeout_s=timeout_s, budget=host_memory_budget, agree_every_s=agree_every_s,
+        )  # fmt: skip
+        interval = checked_interval(interval)
         self.store = Store(root, storage_options, transfer)
         self._signing_key = SigningKey.resolve(signing_key)
         if self._signing_key is not None:  # a signature over xxh3 checksums would not cover the data
@@ -188,10 +182,6 @@ class Checkpointer:
         data, loader = data_position(data, dataloader)
         self.state = TrainingState.of(model, optimizer, scheduler, scaler, extra, data, loader)
         self.state.loader_generator = own_generator(dataloader)  # after every check: nothing changed if refused
-        if interval == "auto":
-            interval = Auto()
-        if not (interval is None or isinstance(interval, (Every, Auto))):
-            raise ValueError(f"interval must be 'auto', ckpt.Auto(...), ckpt.Every(...) or None, not {interval!r}")
         self.interval = interval
         self._coordinator: Coordinator | None = None  # for Auto, made on enter (needs the world size)
         self.keep = keep
@@ -204,8 +194,6 @@ class Checkpointer:
         self.handle_sigterm = handle_sigterm
         self.preempt_exit_code = preempt_exit_code
         self.timeout_s = timeout_s
-        if if_busy not in ("wait", "skip"):
-            raise ValueError(f"if_busy must be 'wait' or 'skip', not {if_busy!r}")
         self.if_busy = if_busy
         self.metadata = dict(metadata or {})
         #: The user's own counters (epoch, tokens, ...): saved and restored with the step.
@@ -229,8 +217,6 @@ class Checkpointer:
         self.history = History(self.store, 1, enabled=False)  # the real one starts on enter
         self._preempt = Preemption(preempt_file)
         self._spool = spool
-        if not (lease is None or isinstance(lease, Lease)):
-            raise ValueError(f"lease must be a ckpt.Lease(...) or None, not {lease!r}")
         self.lease = lease
         self._lease: LeaseKeeper | None = None  # rank 0's hold on the root, taken on enter
         self._handoff: Handoff | None = None  # the node agent's link, found on enter
@@ -266,7 +252,11 @@ class Checkpointer:
         self._lease = take_for_job(self.store, self.lease, self._ctrl)
         try:
             return self._start()
-        except BaseException:
+        except BaseException as e:
+            # Said in the job's history (`ckpt events`), and to the next run as how this one
+            # ended; not a failure of the machine for the MTBF (a bad checkpoint would count
+            # once per restart).
+            self.history.end(self._step, f"failed to start: {type(e).__name__}: {error_gist(e)}", failure=True, phase="start")
             if self._lease is not None:
                 self._lease.close(release=False)
             raise
@@ -644,18 +634,3 @@ class Checkpointer:
             raise SystemExit(1)
         raise SystemExit(self.preempt_exit_code)
 
-
-def _check_options(keep: Any, metadata: Any, timeout_s: Any, budget: Any, agree_every_s: Any) -> None:
-    """The Checkpointer's options that would otherwise fail only at the first save or commit
-    (with interval="auto", minutes into the run)."""
-    if not isinstance(keep, Keep):
-        raise ValueError(f"keep must be ckpt.Keep(last=..., every_steps=...), not {keep!r}")
-    for name, value in (("timeout_s", timeout_s), ("agree_every_s", agree_every_s)):
-        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < value < math.inf:
-            raise ValueError(f"{name} must be a positive number of seconds, not {value!r}")
-    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, numbers.Real) or not 0 < budget < math.inf):
-        raise ValueError(f"host_memory_budget must be a positive number of bytes (or None: the default), not {budget!r}")
-    try:
-        json.dumps(dict(metadata or {}))
-    except (TypeError, ValueError) as e:
-        raise TypeError(f"metadata goes into every manifest, as JSON: {e}") from None

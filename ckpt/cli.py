@@ -535,7 +535,8 @@ def cmd_events(store: Store, args: argparse.Namespace) -> int:
             lost = "-" if e.steps_lost is None else str(e.steps_lost)
             world = f"{e.world_size_before} -> {e.world_size}"
         else:
-            what, lost, world = f"failed at step {e.step}", "-", str(e.world_size)
+            what = "failed to start" if e.phase == "start" else f"failed at step {e.step}"
+            lost, world = "-", str(e.world_size)
         rows.append([_when(e.time), e.kind, what, lost, world, e.cause or "-"])
     _table(rows, ["TIME", "EVENT", "WHAT", "STEPS LOST", "WORLD", "CAUSE"])
     print(f"{len(runs)} runs, {sum(e.kind == 'restart' for e in evs)} restarts")

@@ -38,7 +38,8 @@ def ranks_per_node() -> int:
 
 def failed(ended: str | None) -> bool:
     """A run that never said how it ended (killed, a lost node) or ended in an error; not a
-    completion, a preemption, or the user's Ctrl-C or sys.exit."""
+    completion, a preemption, the user's Ctrl-C or sys.exit, or a run that "failed to start"
+    (its restore failed: a bad checkpoint would count once per restart)."""
     return ended is None or (ended.startswith("error") and not ended.startswith(_USER_EXITS))
 
 

@@ -58,6 +58,7 @@ class Event:
     steps_lost: int | None = None  # restart: steps the previous run completed past the restored step
     world_size_before: int | None = None
     restored_from: str | None = None
+    phase: str | None = None  # failure: "start" (the restore, before any step), else None (training)
 
 
 def _name(prefix: str, run_id: str, when: float) -> str:
@@ -174,14 +175,14 @@ class History:
         self.record.updated = time.time()
         self._submit(write_run, dataclasses.replace(self.record))
 
-    def end(self, step: int, how: str, failure: bool) -> None:
+    def end(self, step: int, how: str, failure: bool, phase: str | None = None) -> None:
         if not self.enabled:
             return
         self.record.last_step, self.record.ended, self.record.updated = step, how, time.time()
         if failure:
             self._submit(
                 write_event,
-                Event("failure", time.time(), self.record.run_id, step, self.record.world_size, cause=how),
+                Event("failure", time.time(), self.record.run_id, step, self.record.world_size, cause=how, phase=phase),
             )
         self._submit(write_run, dataclasses.replace(self.record))
         assert self._pool is not None

@@ -399,6 +399,16 @@ def test_every_checkpoint_corrupt_raises_restore_failed_and_touches_nothing(root
     assert "restore='none'" in msg  # says how to start fresh on purpose
     assert tree(root) == before
     assert not marker.exists()
+    # The failed start is in the job's history, for `ckpt events` and for the next run.
+    from ckpt.coordinator import failed
+    from ckpt.events import read_all
+
+    runs, events = read_all(Store(str(root)))
+    (failure,) = [e for e in events if e.kind == "failure"]
+    assert failure.phase == "start" and failure.cause.startswith("failed to start: RestoreFailed: ")
+    assert runs[-1].ended == failure.cause and not failed(runs[-1].ended)  # not a machine failure (MTBF)
+    table = subprocess.run([sys.executable, "-m", "ckpt.cli", "events", str(root)], capture_output=True, text=True, check=True).stdout
+    assert "failed to start" in table and "RestoreFailed" in table
 
     model, _ = make_model(seed=99)
     init = weights(model)

@@ -1,0 +1,61 @@
+"""The Checkpointer's options, checked when it is made: a wrong one fails the constructor
+saying what was wrong, never the first save (with interval="auto", minutes into the run)."""
+
+from __future__ import annotations
+
+import json
+import math
+import numbers
+from typing import Any, Literal
+
+from .lease import Lease
+from .policy import Auto, Every, Keep
+
+Restore = Literal["latest", "none"] | int
+OnError = Literal["raise", "log"] | int
+
+
+def checked_interval(interval: Any) -> Every | Auto | None:
+    """The interval as the Checkpointer keeps it ("auto" becomes ``Auto()``)."""
+    if interval == "auto":
+        return Auto()
+    if not (interval is None or isinstance(interval, (Every, Auto))):
+        raise ValueError(f"interval must be 'auto', ckpt.Auto(...), ckpt.Every(...) or None, not {interval!r}")
+    return interval
+
+
+def check_options(
+    *,
+    on_error: Any,
+    restore: Any,
+    keep: Any,
+    if_busy: Any,
+    lease: Any,
+    metadata: Any,
+    timeout_s: Any,
+    budget: Any,
+    agree_every_s: Any,
+) -> None:
+    if not (on_error in ("raise", "log") or (type(on_error) is int and on_error >= 1)):
+        raise ValueError(f"on_error must be 'raise', 'log' or a number of failed saves in a row (>= 1), not {on_error!r}")
+    if not (restore in ("latest", "none") or (isinstance(restore, int) and not isinstance(restore, bool) and restore >= 0)):
+        raise ValueError(f"restore must be 'latest', 'none' or a step number, not {restore!r}")
+    if not isinstance(keep, Keep):
+        raise ValueError(f"keep must be ckpt.Keep(last=..., every_steps=...), not {keep!r}")
+    if if_busy not in ("wait", "skip"):
+        raise ValueError(f"if_busy must be 'wait' or 'skip', not {if_busy!r}")
+    if not (lease is None or isinstance(lease, Lease)):
+        raise ValueError(f"lease must be a ckpt.Lease(...) or None, not {lease!r}")
+    for name, value in (("timeout_s", timeout_s), ("agree_every_s", agree_every_s)):
+        if not _positive(value):
+            raise ValueError(f"{name} must be a positive number of seconds, not {value!r}")
+    if budget is not None and not _positive(budget):
+        raise ValueError(f"host_memory_budget must be a positive number of bytes (or None: the default), not {budget!r}")
+    try:
+        json.dumps(dict(metadata or {}))
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"metadata goes into every manifest, as JSON: {e}") from None
+
+
+def _positive(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, numbers.Real) and 0 < value < math.inf
