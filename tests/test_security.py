@@ -597,6 +597,11 @@ def test_wrong_objects_and_options_are_refused_when_the_checkpointer_is_made_not
         (ValueError, "timeout_s must be a positive number", {"timeout_s": 0}),
         (ValueError, "agree_every_s must be a positive number", {"agree_every_s": float("nan")}),
         (ValueError, "host_memory_budget must be a positive number of bytes", {"host_memory_budget": -1}),
+        (ValueError, "on_error must be 'raise', 'log' or a number", {"on_error": 0}),
+        (ValueError, "restore must be 'latest', 'none' or a step number", {"restore": True}),
+        (ValueError, "if_busy must be 'wait' or 'skip'", {"if_busy": "drop"}),
+        (ValueError, r"lease must be a ckpt.Lease\(...\) or None", {"lease": 60}),
+        (ValueError, "interval must be 'auto', ckpt.Auto", {"interval": 100}),
     ]
     for kind, message, kw in bad:
         with pytest.raises(kind, match=message):
