@@ -256,9 +256,11 @@ class Checkpointer:
             # Said in the job's history (`ckpt events`), and to the next run as how this one
             # ended; not a failure of the machine for the MTBF (a bad checkpoint would count
             # once per restart).
-            self.history.end(self._step, f"failed to start: {type(e).__name__}: {error_gist(e)}", failure=True, phase="start")
-            if self._lease is not None:
-                self._lease.close(release=False)
+            try:
+                self.history.end(self._step, f"failed to start: {type(e).__name__}: {error_gist(e)}", failure=True, phase="start")
+            finally:
+                if self._lease is not None:
+                    self._lease.close(release=False)
             raise
 
     def _start(self) -> Checkpointer:
