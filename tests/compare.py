@@ -2,7 +2,18 @@
 
 from __future__ import annotations
 
+import struct
+
 import torch
+
+
+def bits_equal(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Same dtype, shape and bytes: unlike `torch.equal`, -0.0 is not 0.0 and a NaN equals
+    the same NaN."""
+    if (got.dtype, got.shape) != (want.dtype, want.shape):
+        return False
+    raw = lambda t: t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)  # noqa: E731
+    return torch.equal(raw(got), raw(want))
 
 
 def assert_bitwise_equal(got: object, want: object, where: str = "state") -> None:
@@ -11,7 +22,7 @@ def assert_bitwise_equal(got: object, want: object, where: str = "state") -> Non
         assert isinstance(got, torch.Tensor), f"{where}: {type(got).__name__}, want a tensor"
         assert (got.dtype, got.shape) == (want.dtype, want.shape), f"{where}: {got.dtype}{list(got.shape)} != {want.dtype}{list(want.shape)}"
         diff = (got.double() - want.double()).abs().max().item() if got.numel() else 0.0
-        assert torch.equal(got, want), f"{where}: differs (max abs diff {diff})"
+        assert bits_equal(got, want), f"{where}: differs (max abs diff {diff})"
     elif isinstance(want, dict):
         assert isinstance(got, dict) and got.keys() == want.keys(), f"{where}: keys {sorted(got)} != {sorted(want)}"
         for k in want:
@@ -20,5 +31,7 @@ def assert_bitwise_equal(got: object, want: object, where: str = "state") -> Non
         assert isinstance(got, (list, tuple)) and len(got) == len(want), f"{where}: {got!r} != {want!r}"
         for i, (g, w) in enumerate(zip(got, want, strict=True)):
             assert_bitwise_equal(g, w, f"{where}[{i}]")
+    elif isinstance(want, float) and isinstance(got, float):
+        assert struct.pack("<d", got) == struct.pack("<d", want), f"{where}: {got!r} != {want!r} (bits)"
     else:
         assert got == want, f"{where}: {got!r} != {want!r}"

@@ -389,9 +389,10 @@ def test_a_malicious_pickle_never_runs(tmp_path, where):
     assert not marker.exists()
 
     recommit(step)
-    with pytest.raises(ckpt.RestoreFailed):
+    with pytest.raises(ckpt.RestoreFailed) as refused:
         restore(tmp_path / "root", like)
     assert not marker.exists()
+    assert "weights only" in str(refused.value).lower() or "weights_only" in str(refused.value), refused.value
 
 
 # -- memory -----------------------------------------------------------------------------------
@@ -421,7 +422,8 @@ def test_restoring_a_file_much_larger_than_a_chunk_holds_only_a_few_chunks(tmp_p
     load_step(step, sd)  # warm up (imports, caches)
     target.zero_()
 
-    rss = _peak_rss_reset()
+    if not _peak_rss_reset():
+        pytest.skip("/proc/self/clear_refs cannot be written here: the peak RSS cannot be measured")
     base = _peak_rss()
     tracemalloc.start()
     try:
@@ -431,9 +433,8 @@ def test_restoring_a_file_much_larger_than_a_chunk_holds_only_a_few_chunks(tmp_p
         tracemalloc.stop()
     assert torch.equal(target, w)
     assert peak < 4 << 20, f"python allocations peaked at {peak} bytes for a {size}-byte file"
-    if rss:
-        grew = _peak_rss() - base
-        assert grew < size // 4, f"peak RSS grew by {grew} bytes for a {size}-byte file"
+    grew = _peak_rss() - base
+    assert grew < size // 4, f"peak RSS grew by {grew} bytes for a {size}-byte file"
 
     tracemalloc.start()
     try:
