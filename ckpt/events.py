@@ -13,6 +13,7 @@ import concurrent.futures
 import dataclasses
 import json
 import logging
+import math
 import time
 import uuid
 from dataclasses import asdict, dataclass
@@ -96,6 +97,9 @@ def read_all(store: Store) -> tuple[list[RunRecord], list[Event]]:
             cls = RunRecord if doc.get("kind") == "run" else Event
             known = {f.name for f in dataclasses.fields(cls)}  # newer writers may add fields
             obj = cls(**{k: v for k, v in doc.items() if k in known})
+            times = (obj.started, obj.updated) if isinstance(obj, RunRecord) else (obj.time,)
+            if not all(type(t) in (int, float) and math.isfinite(t) for t in times):
+                continue  # hand-edited or not ours: it cannot be placed in time
             (runs if cls is RunRecord else events).append(obj)  # type: ignore[arg-type]
         except (ValueError, TypeError, AttributeError):
             continue

@@ -140,12 +140,18 @@ class Manifest:
                     f"understands ({FORMAT_VERSION}); upgrade ckpt"
                 )
             files = {name: _file_entry(name, entry) for name, entry in doc["files"].items()}
+            costs = SaveCosts(**doc.get("costs", {}))
+            if not (_is_count(costs.bytes) and all(_is_time(t) for t in (costs.blocking_s, costs.persist_s))):
+                raise ValueError(f"costs {doc.get('costs')!r} are not a byte count and seconds")
+            for key in ("step", "world_size", "created"):
+                if not (_is_time(doc[key]) if key == "created" else _is_count(doc[key])):
+                    raise ValueError(f"{key} is {doc[key]!r}")
             return cls(
-                step=int(doc["step"]),
-                world_size=int(doc["world_size"]),
+                step=doc["step"],
+                world_size=doc["world_size"],
                 created=float(doc["created"]),
                 files=files,
-                costs=SaveCosts(**doc.get("costs", {})),
+                costs=costs,
                 counters=dict(doc.get("counters", {})),
                 versions=dict(doc.get("versions", {})),
                 user=dict(doc.get("user", {})),
@@ -174,8 +180,19 @@ def _file_entry(name: str, doc: dict[str, Any]) -> FileEntry:
     if not name or name.startswith("/") or ".." in name.split("/"):
         raise ValueError(f"file name {name!r} is not a path inside the step directory")
     entry = FileEntry(**{**doc, "blocks": tuple(doc.get("blocks", ()))})
+    if not (_is_count(entry.size) and _is_count(entry.block) and _is_count(entry.rank + 1 if isinstance(entry.rank, int) else None)):
+        raise ValueError(f"{name}: size {entry.size!r}, rank {entry.rank!r} or block {entry.block!r} is not a count")
     if not (isinstance(entry.checksum, str) and ":" in entry.checksum and all(isinstance(b, str) for b in entry.blocks)):
         raise ValueError(f"{name}: its checksum is not '<algorithm>:<hex>'")
     if entry.block < 0 or (entry.block and len(entry.blocks) != -(-entry.size // entry.block)):
         raise ValueError(f"{name}: {len(entry.blocks)} block checksums for {entry.size} bytes in blocks of {entry.block}")
     return entry
+
+
+def _is_count(x: Any) -> bool:
+    return type(x) is int and x >= 0
+
+
+def _is_time(x: Any) -> bool:
+    """A finite non-negative number (a unix time, seconds)."""
+    return type(x) in (int, float) and 0 <= x < 1e15

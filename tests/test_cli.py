@@ -519,6 +519,10 @@ def test_a_long_history_on_s3_is_read_whole_and_a_restart_names_the_run_before(s
     for i in range(60):
         write_run(store, RunRecord(f"run-{i:02d}", 2, t0 + i, t0 + i + 0.5, 10 * i, 10 * i + 7, "error: boom"))
         write_event(store, Event("failure", t0 + i + 0.5, f"run-{i:02d}", 10 * i + 7, 2, cause="error: boom"))
+    # Objects that are not ours, or hand-edited so that they cannot be placed in time: skipped.
+    store.put_atomic("events/junk-time.json", json.dumps({"kind": "failure", "time": "x", "run_id": "j", "step": 1, "world_size": 1}).encode())
+    store.put_atomic("events/run-junk.json", json.dumps({"kind": "run", "run_id": "j", "world_size": 1, "started": None, "updated": 1.0, "first_step": 0, "last_step": 0}).encode())
+    store.put_atomic("events/not-json.json", b"{")
     runs, events = read_all(store)
     assert [r.run_id for r in runs] == [f"run-{i:02d}" for i in range(60)]
     assert [e.step for e in events] == [10 * i + 7 for i in range(60)]

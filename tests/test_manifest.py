@@ -6,6 +6,9 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import pytest
+
+from ckpt.errors import InvalidCheckpoint
 from ckpt.manifest import FileEntry as F
 from ckpt.manifest import Manifest, SaveCosts
 
@@ -61,3 +64,39 @@ def test_the_document_shares_nothing_with_the_manifest():
     doc["files"][".metadata"]["blocks"].append("x")
     doc["schedule"].clear()
     assert json.loads(m.to_json()) == _as_asdict_wrote_it(_manifest())
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        ("files", "__0_0.distcp", "rank", "0"),
+        ("files", "__0_0.distcp", "size", "95000000"),
+        ("files", "__0_0.distcp", "size", None),
+        ("files", "__0_0.distcp", "size", -1),
+        ("files", "__0_0.distcp", "block", 4.5),
+        ("files", ".metadata", "rank", -2),
+        ("step", None, None, "12"),
+        ("step", None, None, 12.7),
+        ("world_size", None, None, True),
+        ("created", None, None, 1e300),
+        ("created", None, None, "now"),
+        ("costs", None, "bytes", "191009879"),
+        ("costs", None, "persist_s", None),
+    ],
+    ids=str,
+)
+def test_a_field_of_the_wrong_type_is_an_invalid_manifest_not_a_crash_later(edit):
+    """Listing, verifying and restoring do arithmetic on these fields: a hand-edited or forged
+    manifest must be refused when read (the step is then corrupt), never fail somewhere later
+    with a TypeError that stops the listing of every other step."""
+    doc = json.loads(_manifest().to_json())
+    top, name, key, value = edit
+    if top == "files":
+        doc["files"][name][key] = value
+    elif key is not None:
+        doc[top][key] = value
+    else:
+        doc[top] = value
+    with pytest.raises(InvalidCheckpoint, match="unreadable manifest"):
+        Manifest.from_json(json.dumps(doc).encode(), "m")
+    assert Manifest.from_json(_manifest().to_json()) == _manifest()
