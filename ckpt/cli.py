@@ -57,6 +57,9 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # `ckpt show ... | head`: the reader left, nothing is wrong
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_OK
+    except OSError as e:  # a local path the command cannot write or read (--out, --to)
+        _error(e)
+        return EXIT_USAGE
 
 
 def _error(e: Exception) -> None:

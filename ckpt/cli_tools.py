@@ -40,6 +40,7 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
     ex.add_argument("--model-only", action="store_true", help="the model's tensors only, without the 'model.' prefix")
     ex.add_argument("--dtype", help="cast floating tensors (not scalars, such as an optimizer's step): bfloat16, float16, float32 (bf16 and fp16 too)")
     ex.add_argument("--progress", action="store_true", default=None)
+    ex.add_argument("--force", action="store_true", help="replace the file --out names if it exists")
     ex.set_defaults(func=cmd_export)
 
     lt = sub.add_parser("load-test", parents=[common], help="what each rank would read to restore on another world size")
@@ -135,7 +136,7 @@ def cmd_export(store: Store, args: argparse.Namespace) -> int:
 
     dtype = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}.get(args.dtype, args.dtype)
     entry = catalog.find(store, args.step)
-    done = export(store, entry, args.format, args.out, model_only=args.model_only, dtype=dtype, progress=args.progress)
+    done = export(store, entry, args.format, args.out, model_only=args.model_only, dtype=dtype, progress=args.progress, force=args.force)
     out = done["objects_left_out"]
     left = f"; {len(out)} objects left out (not tensors: {', '.join(out[:3])}{', ...' if len(out) > 3 else ''})" if out else ""
     print(f"exported {store.display}/{entry.dir} to {args.out} ({args.format}): {done['tensors']} tensors, {done['bytes'] / 1e6:.1f} MB{left}")

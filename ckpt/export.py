@@ -37,9 +37,10 @@ def export(
     model_only: bool = False,
     dtype: str | None = None,
     progress: bool | None = None,
+    force: bool = False,
 ) -> dict[str, Any]:
-    """Write the checkpoint's tensors to `out`. Returns what was written: tensors, bytes, the
-    objects left out."""
+    """Write the checkpoint's tensors to `out`, a new file or directory (`force`: a file there
+    is replaced). Returns what was written: tensors, bytes, the objects left out."""
     import torch
 
     if fmt not in FORMATS:
@@ -47,10 +48,7 @@ def export(
     cast = getattr(torch, dtype, None) if dtype else None
     if dtype and not (isinstance(cast, torch.dtype) and cast.is_floating_point):
         raise ValueError(f"--dtype must be a floating dtype (bfloat16, float16, float32), not {dtype!r}")
-    if fmt == "zarr" and os.path.exists(out) and not os.path.isdir(out):
-        raise ValueError(f"--out {out} is a file: a zarr export is a directory")
-    if fmt != "zarr" and os.path.isdir(out):
-        raise ValueError(f"--out {out} is a directory: a {fmt} export is one file")
+    _check_out(store, fmt, out, force)
     md = tools.inventory(store, entry)
     keys = sorted(k for k in md.state_dict_metadata if not model_only or k.startswith("model."))
     if not keys:
@@ -58,12 +56,12 @@ def export(
     names = {k: k.removeprefix("model.") if model_only else k for k in keys}
     tensor_keys = [k for k in keys if hasattr(md.state_dict_metadata[k], "size")]  # the rest are objects
     objects = [k for k in keys if k not in tensor_keys]
+    if fmt == "zarr":  # before anything is written
+        for k in tensor_keys:
+            _zarr_dtype(out_dtype_of(md.state_dict_metadata[k], cast))
 
     def out_dtype(key: str) -> Any:
-        # Scalars keep theirs: an optimizer's step count is a float tensor, and bfloat16
-        # counts exactly only to 256.
-        item = md.state_dict_metadata[key]
-        return cast if cast is not None and item.properties.dtype.is_floating_point and len(item.size) > 0 else item.properties.dtype
+        return out_dtype_of(md.state_dict_metadata[key], cast)
 
     bar = tools.Progress(sum(tools.tensor_bytes(md.state_dict_metadata[k]) for k in tensor_keys), f"export {fmt}", progress)
     written = 0
@@ -75,7 +73,8 @@ def export(
                     state[names[k]] = v.to(out_dtype(k)) if isinstance(v, torch.Tensor) else v
                     bar.add(tools.tensor_bytes(md.state_dict_metadata[k]))
             os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-            torch.save(state, out)
+            torch.save(state, f"{out}.part")  # IMPORTANT: `out` appears whole or not at all
+            os.replace(f"{out}.part", out)
             written = os.path.getsize(out)
             objects = []
         elif fmt == "safetensors":
@@ -94,6 +93,32 @@ def export(
     finally:
         bar.close()
     return {"tensors": len(tensor_keys), "bytes": written, "objects_left_out": [names[k] for k in objects]}
+
+
+def out_dtype_of(item: Any, cast: Any) -> Any:
+    """What a tensor is exported as: `cast` for a floating one. Scalars keep theirs: an
+    optimizer's step count is a float tensor, and bfloat16 counts exactly only to 256."""
+    return cast if cast is not None and item.properties.dtype.is_floating_point and len(item.size) > 0 else item.properties.dtype
+
+
+def _check_out(store: Store, fmt: str, out: str, force: bool) -> None:
+    """`--out` is a place an export may be written: never inside the checkpoint root (a typo
+    must not overwrite a checkpoint's file), never over what is there unless `force` (a file)."""
+    if not out or (fmt != "zarr" and out.endswith(os.sep)):
+        raise ValueError(f"--out {out!r} is not a {'directory' if fmt == 'zarr' else 'file'} name")
+    if store.is_local:
+        root, where = os.path.realpath(store.root), os.path.realpath(out)
+        if where == root or where.startswith(root + os.sep):
+            raise ValueError(f"--out {out} is inside the checkpoint root {store.display}: export somewhere else")
+    if fmt == "zarr":
+        if os.path.exists(out) and not os.path.isdir(out):
+            raise ValueError(f"--out {out} is a file: a zarr export is a directory")
+        if os.path.isdir(out) and os.listdir(out):
+            raise ValueError(f"--out {out} is a directory that holds files: a zarr export goes to a new or empty one")
+    elif os.path.isdir(out):
+        raise ValueError(f"--out {out} is a directory: a {fmt} export is one file")
+    elif os.path.lexists(out) and not force:
+        raise ValueError(f"--out {out} exists; --force replaces it")
 
 
 def read_export(path: str) -> dict[str, Any]:

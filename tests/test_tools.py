@@ -143,13 +143,29 @@ def test_export_and_diff_refuse_bad_arguments_and_corrupt_files_in_one_line(tmp_
     train(root, 10)
     (tmp_path / "a_dir").mkdir()
     (tmp_path / "a_file").write_text("x")
+    (tmp_path / "full_dir").mkdir()
+    (tmp_path / "full_dir" / "notes.txt").write_text("mine")
+    data_file = root / "step-0000000010" / "__0_0.distcp"
+    data_bytes = data_file.read_bytes()
     for args, rc, says in [
         (["--format", "torch", "--dtype", "foo", "--out", tmp_path / "x.pt"], 2, "--dtype must be a floating dtype"),
         (["--format", "torch", "--out", tmp_path / "a_dir"], 2, "is a directory: a torch export is one file"),
         (["--format", "zarr", "--out", tmp_path / "a_file"], 2, "is a file: a zarr export is a directory"),
+        # Never over what is there: a typo must not destroy a checkpoint's file, nor another file.
+        (["--format", "torch", "--out", data_file], 2, "is inside the checkpoint root"),
+        (["--format", "zarr", "--out", root / "z"], 2, "is inside the checkpoint root"),
+        (["--format", "safetensors", "--out", tmp_path / "a_file"], 2, "exists; --force replaces it"),
+        (["--format", "zarr", "--out", tmp_path / "full_dir"], 2, "a zarr export goes to a new or empty one"),
+        (["--format", "zarr", "--out", ""], 2, "is not a directory name"),
+        (["--format", "torch", "--out", f"{tmp_path}/new_dir/"], 2, "is not a file name"),
+        (["--format", "torch", "--out", tmp_path / "a_file" / "x.pt"], 2, "a_file"),  # an OSError, in one line
     ]:
         r = cli("export", root, *args, check=False)
         assert (r.returncode, r.stderr.count("\n")) == (rc, 1) and says in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert (tmp_path / "a_file").read_text() == "x" and data_file.read_bytes() == data_bytes
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_dir", "a_file", "full_dir", "root"]
+    cli("export", root, "--format", "torch", "--out", tmp_path / "a_file", "--force")  # replaced, whole
+    assert set(read_export(str(tmp_path / "a_file"))) >= {"model.0.weight", "optim.state.0.weight.exp_avg"}
     data = root / "step-0000000010" / "__0_0.distcp"
     blob = bytearray(data.read_bytes())
     blob[len(blob) // 2] ^= 0xFF
