@@ -74,7 +74,7 @@ def _report_copy(done: tools.Copied, src: Store, dst: Store) -> int:
 
     where = f"{dst.display}/{step_dir_name(done.step)}"
     if done.already:
-        print(f"{where} is already there (the same checkpoint); nothing copied")
+        print(f"{where} is already there (the same checkpoint, every file of its size; `ckpt verify --deep` reads them); nothing copied")
     else:
         resumed = f", {done.resumed} already there (verified)" if done.resumed else ""
         print(f"copied {src.display}/{step_dir_name(done.step)} to {where}: {done.files} files, {done.bytes / 1e6:.1f} MB{resumed}; committed")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import re
 import sys
 import time
@@ -68,6 +69,8 @@ def copy(src: Store, dst: Store, step: int | None = None, progress: bool | None 
     Every byte read is checked against the manifest and the manifest is written last: an
     interrupted copy is an incomplete directory at `dst`, and the next copy keeps the files
     that arrived whole (verified again) and copies the rest."""
+    if _within(dst, src):
+        raise ValueError(f"the destination {dst.display} is the source root or inside it: copy somewhere else")
     entry = catalog.find(src, step)
     manifest = entry.manifest
     assert manifest is not None
@@ -77,7 +80,10 @@ def copy(src: Store, dst: Store, step: int | None = None, progress: bool | None 
         theirs = Manifest.from_json(dst.read_bytes(f"{rel}/{MANIFEST_NAME}"), f"{dst.display}/{rel}")
         if {n: f.checksum for n, f in theirs.files.items()} != {n: f.checksum for n, f in manifest.files.items()}:
             raise CheckpointError(f"{dst.display}/{rel} holds another checkpoint of step {entry.step}; not overwriting it")
-        return Copied(entry.step, 0, len(manifest.files), 0, already=True)
+        if all(there.files.get(n) == f.size for n, f in manifest.files.items()):
+            return Copied(entry.step, 0, len(manifest.files), 0, already=True)
+        # The same checkpoint, but a file is missing or cut short there: repaired below (the
+        # files of the right size verified, the rest copied again), the same manifest last.
     bar = Progress(manifest.total_bytes, f"{step_dir_name(entry.step)}", progress)
     copied = resumed = sent = 0
     try:
@@ -101,6 +107,16 @@ def copy(src: Store, dst: Store, step: int | None = None, progress: bool | None 
     finally:
         bar.close()
     return Copied(entry.step, copied, resumed, sent)
+
+
+def _within(inner: Store, outer: Store) -> bool:
+    """Is `inner` the root `outer` or a directory under it (the same endpoint, for S3)?"""
+    if inner.is_local != outer.is_local:
+        return False
+    if inner.is_local:
+        return inner.identity == outer.identity or inner.identity.startswith(outer.identity.rstrip(os.sep) + os.sep)
+    endpoint = inner.identity[len(inner.where) :], outer.identity[len(outer.where) :]
+    return endpoint[0] == endpoint[1] and (inner.where == outer.where or inner.where.startswith(outer.where.rstrip("/") + "/"))
 
 
 def _intact(store: Store, rel: str, name: str, manifest: Manifest) -> bool:

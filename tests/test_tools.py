@@ -62,11 +62,24 @@ def test_cp_to_s3_and_back_is_byte_for_byte_and_an_interrupted_copy_resumes(tmp_
     # Again: the file that arrived is verified and kept, the rest copied, then the commit.
     r = cli("cp", src, s3_root)
     assert "1 files" in r.stdout and "1 already there (verified)" in r.stdout and "committed" in r.stdout
-    assert "already there (the same checkpoint)" in cli("cp", src, s3_root).stdout
+    assert "already there (the same checkpoint, every file of its size" in cli("cp", src, s3_root).stdout
     cli("verify", s3_root, "--deep")
     # Back to a local directory, a step asked for.
     r = cli("restore", s3_root, "--step", 10, "--to", tmp_path / "back")
     assert files_of(tmp_path / "back", 10) == files_of(src, 10)
+    # A copy there with a file cut short or gone is the same checkpoint, repaired.
+    (tmp_path / "back" / "step-0000000010" / "__0_0.distcp").write_bytes(b"cut")
+    (tmp_path / "back" / "step-0000000010" / ".metadata").unlink()
+    r = cli("restore", s3_root, "--step", 10, "--to", tmp_path / "back")
+    assert "2 files" in r.stdout and "committed" in r.stdout, r.stdout
+    assert files_of(tmp_path / "back", 10) == files_of(src, 10)
+    # Never into the source root itself (its step directories would hold the copy).
+    for inside in (src, src / "step-0000000005", src / "new"):
+        r = cli("cp", src, inside, check=False)
+        assert r.returncode == 2 and "is the source root or inside it" in r.stderr and r.stderr.count("\n") == 1, r.stderr
+    assert not (src / "new").exists() and not (src / "step-0000000005" / "step-0000000010").exists()
+    r = cli("cp", s3_root, f"{s3_root}/sub/", check=False)
+    assert r.returncode == 2 and "is the source root or inside it" in r.stderr, r.stderr
     # Another checkpoint of step 10 is never overwritten: one line, and the copy there intact.
     other = tmp_path / "other"
     train(other, 10, seed=1)
