@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import sys
 import time
@@ -185,8 +186,20 @@ def _require_root(store: Store) -> None:
 
 
 def _emit_json(doc: Any) -> None:
-    json.dump(doc, sys.stdout, indent=1, default=str)
+    """Strict JSON (what every parser reads): a number that is not finite, which a manifest's
+    user metadata may hold, is written as the string "inf", "-inf" or "nan"."""
+    json.dump(_finite(doc), sys.stdout, indent=1, default=str, allow_nan=False)
     sys.stdout.write("\n")
+
+
+def _finite(doc: Any) -> Any:
+    if isinstance(doc, float) and not math.isfinite(doc):
+        return str(doc)
+    if isinstance(doc, dict):
+        return {k: _finite(v) for k, v in doc.items()}
+    if isinstance(doc, (list, tuple)):
+        return [_finite(v) for v in doc]
+    return doc
 
 
 def _table(rows: list[list[str]], header: list[str]) -> None:

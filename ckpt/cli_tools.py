@@ -100,11 +100,11 @@ def cmd_diff(store: Store, args: argparse.Namespace) -> int:
                 if x.shape != y.shape or x.dtype != y.dtype:
                     report["differ"].append({"key": key, "why": f"{x.dtype}{list(x.shape)} vs {y.dtype}{list(y.shape)}"})
                     continue
-                if torch.equal(x, y):
+                if _same_bits(x, y):
                     report["equal"] += 1
                     continue
                 d = (x.double() - y.double()).abs()
-                d = torch.nan_to_num(d, nan=math.inf)
+                d = torch.where(x.isnan() & y.isnan(), 0.0, torch.nan_to_num(d, nan=math.inf))  # a NaN on both sides is equal
                 worst = float(d.max()) if d.numel() else 0.0
                 if worst <= args.atol:
                     report["equal"] += 1
@@ -117,7 +117,9 @@ def cmd_diff(store: Store, args: argparse.Namespace) -> int:
                 report["equal"] += 1
     same = not (report["only_a"] or report["only_b"] or report["differ"])
     if args.json:
-        print(json.dumps(report, indent=1))
+        from .cli import _emit_json
+
+        _emit_json(report)
         return EXIT_OK if same else EXIT_DIFFERENT
     print(f"a: {report['a']}\nb: {report['b']}")
     for key in report["only_a"]:
@@ -158,6 +160,14 @@ def cmd_load_test(store: Store, args: argparse.Namespace) -> int:
     worst = max(plans, key=lambda p: p["bytes"])
     print(f"the slowest rank reads {worst['bytes'] / 1e6:.1f} MB ({worst['bytes'] / max(total, 1):.0%} of the checkpoint); all ranks {sum(p['bytes'] for p in plans) / 1e6:.1f} MB")
     return EXIT_OK
+
+
+def _same_bits(x: Any, y: Any) -> bool:
+    """Two tensors of one dtype and shape hold the same bytes (a NaN equals itself)."""
+    import torch
+
+    raw = lambda t: t.detach().contiguous().reshape(-1).view(torch.uint8)  # noqa: E731
+    return torch.equal(raw(x), raw(y))
 
 
 def split_step(spec: str) -> tuple[str, int | None]:

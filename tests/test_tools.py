@@ -122,6 +122,30 @@ def test_diff_names_what_differs_by_how_much_and_what_one_side_lacks(tmp_path):
     assert r.returncode == 1 and "only in b: extra.ema" in r.stdout
 
 
+def _strict(name: str) -> None:
+    raise ValueError(f"{name} is not JSON")
+
+
+def test_diff_takes_a_nan_on_both_sides_as_equal_and_every_json_output_is_strict(tmp_path):
+    roots = [tmp_path / "a", tmp_path / "b"]
+    for at, root in zip((0, 1), roots, strict=True):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 4)
+        with torch.no_grad():
+            model.weight[0, at] = float("nan")
+        with ckpt.Checkpointer(str(root), model=model, interval=None, metadata={"best_loss": float("inf")}, restore="none") as cp:
+            cp.save(blocking=True)
+    a, b = roots
+    same = cli("diff", f"{a}:0", f"{a}:0", "--json")
+    assert json.loads(same.stdout, parse_constant=_strict)["differ"] == []
+    r = cli("diff", f"{a}:0", f"{b}:0", "--json", check=False)
+    assert r.returncode == 1
+    (weight,) = json.loads(r.stdout, parse_constant=_strict)["differ"]
+    assert (weight["key"], weight["max_abs"], weight["elements"]) == ("model.weight", "inf", 2)  # a NaN on one side
+    show = json.loads(cli("show", a, "--json").stdout, parse_constant=_strict)
+    assert show["manifest"]["user"] == {"best_loss": "inf"}
+
+
 def read_export_model(tmp_path: Path, root: Path, step: int) -> dict:
     out = tmp_path / f"model-{step}.safetensors"
     cli("export", root, "--step", step, "--format", "safetensors", "--out", out, "--model-only")
