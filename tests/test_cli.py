@@ -394,6 +394,14 @@ def test_show_of_a_root_whose_checkpoints_are_all_corrupt_says_why_each_is(root)
     assert "can be used" in line and f"{step_dir(1)}: " in line and f"{step_dir(2)}: " in line
 
 
+def test_show_of_an_older_checkpoint_because_the_newest_is_corrupt_says_so(root):
+    train(root, 2)
+    truncate(root, 2)
+    (r,) = root.ckpt_all(["show"])
+    assert r.rc == 0 and f"{step_dir(1)}" in r.out, r.err
+    assert f"ckpt: note: using {step_dir(1)}; newer checkpoints that cannot be used were passed over: {step_dir(2)} (" in r.err, r.err
+
+
 def test_verify_of_a_root_without_checkpoints_fails_rather_than_passing_nothing(tmp_path):
     (tmp_path / "empty").mkdir()
     (tmp_path / "first-save-crashed" / "step-0000000001").mkdir(parents=True)  # no manifest
