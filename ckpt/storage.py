@@ -168,6 +168,9 @@ class Store:
         with storage_errors(f"opening root {self.display}"):
             protocol = fsspec.utils.get_protocol(root)
             options = dict(storage_options or {})
+            for name in ("client_kwargs", "config_kwargs", "s3_additional_kwargs"):
+                if not isinstance(options.get(name) or {}, dict):
+                    raise ValueError(f"storage option {name} must be an object (a dict; JSON on the command line), not a {type(options[name]).__name__}")
             if protocol in ("s3", "s3a"):
                 # IMPORTANT: listings must never come from a cache; another process commits.
                 options.setdefault("use_listings_cache", False)

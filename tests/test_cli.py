@@ -429,6 +429,10 @@ def test_storage_option_without_equals_exits_2_with_one_line(tmp_path):
     (r,) = run_cli([["ls", str(tmp_path), "--storage-option", "endpoint_url"]], os.environ)
 
     assert "KEY=VALUE" in assert_one_line_error(r)
+    # A nested option that is not an object (JSON), without echoing its value (it may be a secret).
+    (r,) = run_cli([["ls", "s3://b/run", "--storage-option", "client_kwargs=aws_secret_access_key=SECRETVALUE"]], os.environ)
+    line = assert_one_line_error(r)
+    assert "client_kwargs must be an object" in line and "SECRETVALUE" not in line
 
 
 def test_s3_bucket_that_does_not_exist_exits_2_with_one_line(s3_env):
