@@ -160,7 +160,8 @@ class Agent:
 
     # -- the loop ---------------------------------------------------------------------------
     def run(self) -> int:
-        self.serve()
+        if self._server is None:
+            self.serve()
         self._heartbeat()
         threading.Thread(target=self._heartbeats, name="ckpt-agent-heartbeat", daemon=True).start()
         log.info("agent %s on spool %s (budget %.2f GB, %d uploads at a time)", __version__, self.spool.path, self._budget / 1e9, self.config.upload_concurrency)
@@ -564,6 +565,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     signal.signal(signal.SIGTERM, lambda *_: agent.stop("SIGTERM"))
     signal.signal(signal.SIGINT, lambda *_: agent.stop("SIGINT"))
+    try:
+        agent.serve()
+    except OSError as e:  # the port taken, an address not of this machine
+        log.error("cannot serve metrics on %s:%d: %s", config.metrics_addr, config.metrics_port, e)
+        return 2
     return agent.run()
 
 

@@ -72,6 +72,8 @@ class Config:
             raise ValueError(f"log_format is text or json, not {config.log_format!r}")
         if min(config.upload_concurrency, config.part_concurrency) < 1 or config.retries < 0:
             raise ValueError("upload_concurrency and part_concurrency must be at least 1, retries at least 0")
+        if not -1 <= config.metrics_port <= 65535:
+            raise ValueError(f"metrics_port is a TCP port (0: any free one; -1: not served), not {config.metrics_port}")
         return config
 
 

@@ -335,6 +335,20 @@ def test_settings_come_from_flags_then_environment_then_the_config_file(tmp_path
     conf.write_text("bogus = 1\n")
     with pytest.raises(ValueError, match="unknown agent settings"):
         Config.load(["--config", str(conf), "--spool", "/s"])
+    with pytest.raises(ValueError, match="metrics_port is a TCP port"):
+        Config.load(["--spool", "/s", "--metrics-port", "99999"])
+
+
+def test_an_agent_that_cannot_serve_its_metrics_says_so_in_one_line_and_exits_2(tmp_path):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        for flags, says in ((["--metrics-port", str(port)], "Address already in use"), (["--metrics-addr", "999.1.1.1"], "cannot serve metrics on 999.1.1.1")):
+            r = subprocess.run([sys.executable, "-m", "ckpt.cli", "agent", "--spool", str(tmp_path / "spool"), *flags], capture_output=True, text=True, timeout=60)
+            assert r.returncode == 2 and r.stderr.count("\n") == 1 and says in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
 def test_a_notice_file_given_to_the_agent_asks_the_ranks_of_the_node_to_stop(tmp_path, monkeypatch):
