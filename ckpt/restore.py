@@ -103,7 +103,8 @@ def restore(
         if worst == 3:
             raise RestoreFailed(
                 f"{store.display}/{step_dir_name(step)} does not hold what this job has "
-                f"(another model, optimizer, or objects added since it was saved): {why[:500]}"
+                f"(another model, optimizer, tensor shapes, or objects added since it was saved): {why[:500]}. "
+                "Nothing was deleted; restore=STEP restores a step that matches, restore='none' starts fresh"
             )
         problems.append(f"{step_dir_name(step)}: {why}")
         if isinstance(mode, int):  # the step asked for, or nothing
@@ -282,7 +283,10 @@ def _outcome(load: Callable[[], Any]) -> tuple[int, str, Any]:
         text = "; ".join(str(c) for c in causes)
         if any(isinstance(c, StorageError) for c in causes):
             return 2, text, None
-        if "Missing key in checkpoint" in text:
+        # The checkpoint is verified: a key it lacks or a shape it disagrees on is this job's
+        # state that changed (another model), which no older checkpoint is likely to mend;
+        # falling back would resume an older step and let retention delete the newer ones.
+        if "Missing key in checkpoint" in text or "Size mismatch between saved" in text:
             return 3, text, None
         return 1, text, None
     except (CheckpointError, RuntimeError, KeyError, ValueError, TypeError) as e:

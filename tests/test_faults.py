@@ -574,3 +574,32 @@ def test_a_fallback_goes_to_the_newest_commit_before_though_its_manifest_was_wri
         os.utime(m, (written, written))
     flip_byte(next((tmp_path / sd(3)).glob("__0_*.distcp")))  # found only when loaded
     assert run(restore_to=3).restored_step == 2
+
+
+def test_a_model_whose_shapes_changed_fails_the_restore_and_never_falls_back_to_an_older_step(tmp_path, caplog):
+    """Step 2 (an embedding of 5 rows), 3 and 4 (grown to 8 rows) are all sound. A job that
+    builds the 5-row model again does not match step 4: a fallback to step 2 would resume
+    two steps back and let retention delete step 4. It must fail, saying why, touching nothing."""
+    root = tmp_path / "root"
+
+    def job(rows: int, steps: int, **kw) -> ckpt.Checkpointer:
+        torch.manual_seed(0)
+        model = torch.nn.Embedding(rows, 4)
+        opt = torch.optim.AdamW(model.parameters())
+        with ckpt.Checkpointer(str(root), model=model, optimizer=opt, interval=ckpt.Every(steps=2), **{"keep": ckpt.Keep(last=1), **kw}) as cp:
+            for _ in range(cp.step, steps):
+                model(torch.tensor([0, 1])).sum().backward()
+                opt.step()
+                opt.zero_grad()
+                cp.step_done()
+        return cp
+
+    job(5, 2)
+    job(8, 4, keep=ckpt.Keep(last=3), restore="none")  # step 2 kept; 3 (2 was taken) and 4 saved
+    before = tree(root)
+    caplog.set_level(logging.INFO, logger="ckpt")
+    with pytest.raises(ckpt.RestoreFailed, match=rf"{sd(4)} does not hold what this job has .*Size mismatch.*restore=STEP"):
+        job(5, 6)
+    assert "falling back" not in caplog.text
+    assert tree(root) == before
+    assert job(5, 6, restore=2).restored_step == 2  # asked for: the step that matches
