@@ -34,7 +34,7 @@ from .handoff import Handoff
 from .lease import Lease, LeaseKeeper, take_for_job
 from .manifest import Manifest
 from .metrics import Metrics, port_from_env
-from .options import OnError, Restore, check_options, checked_interval
+from .options import Counters, OnError, Restore, check_counters, check_options, checked_interval
 from .policy import Auto, Every, Keep
 from .preempt import Preemption
 from .restore import restore, start_fresh
@@ -44,6 +44,11 @@ from .stage import Copies, default_host_budget
 from .storage import Store, Transfer, step_dir_name
 
 log = logging.getLogger(__name__)
+
+_OUTSIDE = (
+    "{}() outside the Checkpointer's `with` block, where nothing is restored or saved: "
+    "`with ckpt.Checkpointer(...) as cp:` around the training loop"
+)
 
 class Checkpointer:
     """Saves and restores the whole training state of this rank, in step with the others.
@@ -197,7 +202,7 @@ class Checkpointer:
         self.if_busy = if_busy
         self.metadata = dict(metadata or {})
         #: The user's own counters (epoch, tokens, ...): saved and restored with the step.
-        self.counters: dict[str, Any] = {}
+        self.counters: dict[str, Any] = Counters()
         #: The step the last restore resumed from, or None for a fresh start.
         self.restored_step: int | None = None
         #: The manifest of the last committed save of this process.
@@ -231,6 +236,7 @@ class Checkpointer:
         #: This rank's Prometheus metrics (``cp.metrics.registry``), served with ``metrics_port``.
         self.metrics = Metrics()
         self._metrics_port = port_from_env(metrics_port)
+        self._entered = False  # inside the `with` block
 
     # -- the loop's four touch points ---------------------------------------------------------
     @property
@@ -245,6 +251,16 @@ class Checkpointer:
         return self._step
 
     def __enter__(self) -> Checkpointer:
+        if self._entered:
+            raise RuntimeError("this Checkpointer is already entered: one `with` block at a time (another Checkpointer of the root may be opened inside it)")
+        self._entered = True
+        try:
+            return self._enter()
+        except BaseException:
+            self._entered = False
+            raise
+
+    def _enter(self) -> Checkpointer:
         # Two groups: the loop's collectives and the background writer's must never interleave.
         self._ctrl = Group.new(self.timeout_s)
         self._io = Group.new(self.timeout_s)
@@ -282,7 +298,7 @@ class Checkpointer:
                 took = time.perf_counter() - began
                 self.metrics.restored(took, restored.read_bytes, restored.manifest, restored.source)
                 log.info("restored step %d in %.2f s, %.1f MB read, mostly from the %s", restored.step, took, restored.read_bytes / 1e6, "node spool" if restored.source == "spool" else "store")
-                self.counters, self.last_commit = restored.counters, restored.manifest
+                self.counters, self.last_commit = Counters(restored.counters), restored.manifest
         else:
             self._taken = start_fresh(self.store, self._ctrl)
         self.history.start(self._step, self.last_commit if self.restored_step is not None else None)
@@ -299,6 +315,8 @@ class Checkpointer:
 
     def step_done(self) -> None:
         """Count one optimizer step; save if due; exit after a checkpoint if preempted."""
+        if not self._entered:
+            raise RuntimeError(_OUTSIDE.format("step_done"))
         self._step += 1
         self.history.progress(self._step)
         # A failed save is reported where every rank learns of it at the same step (each
@@ -390,6 +408,9 @@ class Checkpointer:
     def save(self, blocking: bool = False) -> None:
         """Checkpoint the current step now. Returns once the state is staged in host memory
         (or, with `blocking`, committed). All ranks must call it at the same step."""
+        if not self._entered:
+            raise RuntimeError(_OUTSIDE.format("save"))
+        check_counters(self.counters)  # before anything changes
         # IMPORTANT: decided from what every rank knows alike (never from whether this rank's
         # background save has finished yet), so all ranks take the same branch.
         if self._saved_step == self._step and (self._step > 0 or self.last_commit is not None):
@@ -504,6 +525,7 @@ class Checkpointer:
                 # job's restart (or to expire), and its renewal stops with this block.
                 self._lease.close(release=clean)
                 self._lease = None
+            self._entered = False
 
     def _final_save(self) -> None:
         """Leaving normally: the last step ends committed if it can be. A save of it that

@@ -59,3 +59,60 @@ def check_options(
 
 def _positive(value: Any) -> bool:
     return not isinstance(value, bool) and isinstance(value, numbers.Real) and 0 < value < math.inf
+
+
+class Counters(dict):  # type: ignore[type-arg]
+    """The user's counters (``cp.counters``): JSON values under string keys, checked when set,
+    so that a wrong one fails where it is set, not at the next save (minutes later with
+    interval="auto"). "step" is ckpt's own (``cp.step``)."""
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        _check_counter(key, value)
+        super().__setitem__(key, value)
+
+    def update(self, *args: Any, **kwargs: Any) -> None:  # type: ignore[override]
+        for key, value in dict(*args, **kwargs).items():
+            self[key] = value
+
+    def setdefault(self, key: Any, default: Any = None) -> Any:
+        if key not in self:
+            self[key] = default
+        return self[key]
+
+
+def check_counters(counters: Any) -> None:
+    """Before a save changes anything: ``cp.counters`` as a save can write and a restore give
+    back (a plain dict assigned to it is checked here)."""
+    if not isinstance(counters, dict):
+        raise TypeError(f"cp.counters must be a dict of JSON values, not {type(counters).__name__}")
+    for key, value in counters.items():
+        _check_counter(key, value)
+
+
+def _check_counter(key: Any, value: Any) -> None:
+    if not isinstance(key, str):
+        raise TypeError(f"a counter's name is a string (it is saved as JSON), not {key!r}")
+    if key == "step":
+        raise ValueError("cp.counters['step'] is ckpt's own (cp.step, the steps completed): name the counter otherwise")
+    bad = _not_json(value)
+    if bad is not None:
+        raise TypeError(
+            f"counter {key!r} holds {bad}: counters are saved as JSON (numbers, strings, booleans, "
+            "None, lists, and dicts with string keys) and come back as such"
+        )
+
+
+def _not_json(value: Any) -> str | None:
+    """What in `value` would not come back from JSON as it is (None: all of it would)."""
+    if value is None or isinstance(value, (str, int, float)):
+        return None
+    if type(value) is list:
+        return next((b for b in map(_not_json, value) if b is not None), None)
+    if type(value) is dict:
+        for k, v in value.items():
+            if not isinstance(k, str):
+                return f"a dict key {k!r} (it would come back as a string)"
+            if (b := _not_json(v)) is not None:
+                return b
+        return None
+    return f"a {type(value).__name__} ({repr(value)[:60]})"

@@ -112,6 +112,7 @@ class SaveSlot:
         """After the last save: its thread ends, then its writer."""
         if self._pool is not None:
             self._pool.shutdown(wait=True)
+            self._pool = None
         self.sinks.close()
 
 

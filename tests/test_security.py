@@ -610,6 +610,71 @@ def test_wrong_objects_and_options_are_refused_when_the_checkpointer_is_made_not
     assert ckpt.Checkpointer(root, host_memory_budget=8e9).host_memory_budget == 8_000_000_000  # a float, as 8e9 is
 
 
+def test_the_loop_calls_outside_the_block_or_a_second_enter_are_refused_and_leave_the_object_usable(tmp_path):
+    """step_done() or save() before the `with` (a script that forgot it would train the whole
+    run with nothing saved) or after it, and a nested enter of the same object, are errors
+    that change nothing: the same object then runs a normal block that saves and resumes."""
+    root = str(tmp_path / "root")
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.AdamW(model.parameters())
+    cp = ckpt.Checkpointer(root, model=model, optimizer=opt, interval=ckpt.Every(steps=2))
+
+    def train(steps: int) -> None:
+        for _ in range(steps):
+            model(torch.ones(1, 2)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            cp.step_done()
+
+    for call, name in ((cp.step_done, "step_done"), (cp.save, "save")):
+        with pytest.raises(RuntimeError, match=rf"{name}\(\) outside the Checkpointer's `with` block"):
+            call()
+    assert cp.step == 0 and not os.path.exists(root)
+    with cp:
+        train(3)
+        with pytest.raises(RuntimeError, match="already entered"), cp:
+            pass
+        train(1)
+    assert cp.last_commit.step == 4
+    with pytest.raises(RuntimeError, match="outside the Checkpointer's `with` block"):
+        cp.step_done()
+    with cp:  # the same object, again: it resumes
+        assert cp.restored_step == 4
+        train(2)
+    assert cp.last_commit.step == 6
+
+
+def test_a_counter_that_would_not_come_back_as_it_is_is_refused_where_it_is_set(tmp_path):
+    root = tmp_path / "root"
+    model = torch.nn.Linear(2, 2)
+    with ckpt.Checkpointer(str(root), model=model, interval=None) as cp:
+        for key, value, says in [
+            ("step", 100, "is ckpt's own"),  # it replaced the real step on restore
+            ("t", torch.tensor(1), "holds a Tensor"),
+            ("s", {1, 2}, "holds a set"),
+            ("d", {"a": {1: 2}}, "a dict key 1"),
+            ("u", (1, 2), "holds a tuple"),
+            (3, 1, "a counter's name is a string"),
+        ]:
+            with pytest.raises((TypeError, ValueError), match=says):
+                cp.counters[key] = value
+        with pytest.raises(TypeError, match="holds a object"):
+            cp.counters.update({"x": object()})
+        cp.counters["tokens"] = 5
+        cp.counters.update(epoch=2)
+        cp.counters.setdefault("lr", [1e-3, {"warm": True}])
+        cp.counters = {"step": 3}  # a plain dict: checked when a save starts, before it changes anything
+        with pytest.raises(ValueError, match="is ckpt's own"):
+            cp.save()
+        assert not root.exists() or not list(root.glob("step-*"))
+        cp.counters = {"tokens": 5, "epoch": 2, "lr": [1e-3, {"warm": True}]}
+        cp.save(blocking=True)
+    with ckpt.Checkpointer(str(root), model=model, interval=None) as cp:
+        assert cp.restored_step == 0 and cp.counters == {"tokens": 5, "epoch": 2, "lr": [1e-3, {"warm": True}]}
+        with pytest.raises(TypeError):
+            cp.counters["x"] = object()  # still checked after a restore
+
+
 def test_every_cli_command_refuses_a_step_that_is_not_a_number_in_one_line(tmp_path):
     root = tmp_path / "root"
     train(root, 1)
