@@ -542,6 +542,14 @@ class SafeLoadPlanner(DefaultLoadPlanner):
                 items += [_renamed(item, fqn) for item in done]
         return LoadPlan(items)
 
+    def unasked(self, prefixes: tuple[str, ...]) -> list[str]:
+        """The values under `prefixes` that the checkpoint holds and the state loaded into did
+        not ask for (DCP leaves them unread: an object that builds its state lazily, a layer
+        removed since the save)."""
+        if self.metadata is None:
+            return []
+        return sorted(k for k in self.metadata.state_dict_metadata if k.startswith(prefixes) and k not in self.state_dict)
+
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
         """DCP's lookup, but a DTensor's shard is its local tensor as it is, not through
         `to_local()`, an autograd function that costs more than reading a small tensor: the

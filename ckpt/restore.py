@@ -239,7 +239,8 @@ def _try_restore(
     # agree on the outcome before anything is applied, as applying may take collectives.
     tiered = handoff.reader_store(rel, manifest) if handoff is not None else None
     reader = make_reader(tiered or store, rel, manifest)  # type: ignore[arg-type]
-    loaded = _outcome(lambda: dcp.load(sd, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True))
+    planner = SafeLoadPlanner()
+    loaded = _outcome(lambda: dcp.load(sd, storage_reader=reader, planner=planner, no_dist=True))
     if ctrl.max([loaded[0]])[0]:
         # Rare: every rank's reason, so that rank 0 can say what went wrong where.
         whys = ctrl.gather(loaded[:2]) or [loaded[:2]]  # rank 0 gets all; the others their own
@@ -250,6 +251,12 @@ def _try_restore(
     if applied[0]:
         return (*applied, None)
     counters = cast(dict, applied[2])
+    if rank == 0 and (unasked := planner.unasked(("model.", "extra."))):
+        log.warning(
+            "%s/%s holds values that this job's objects do not ask for, left unrestored: %s (an object that "
+            "builds its state lazily must list it in its state_dict() before the Checkpointer is entered)",
+            store.display, rel, catalog.first_few(unasked, ", "),
+        )  # fmt: skip
     restored = Restored(int(counters.pop("step")), counters, manifest, reader.read_bytes, tiered.source if tiered else "store")
     if tiered is not None:
         log.info("rank %d read %.1f MB of %s from the node spool and %.1f MB from %s", rank, tiered.bytes["spool"] / 1e6, rel, tiered.bytes["store"] / 1e6, store.display)

@@ -246,3 +246,40 @@ def test_a_model_that_does_more_on_load_than_copy_is_loaded_through_it(tmp_path,
 
     bn = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 4))
     assert _restore_through_checkpointer(tmp_path / "batchnorm", bn, monkeypatch) == [True]
+
+
+class _LazyEma:
+    """An EMA whose shadow weights appear at its first update, as many do."""
+
+    def __init__(self) -> None:
+        self.shadow: dict[str, torch.Tensor] = {}
+        self.decay = 0.99
+
+    def state_dict(self) -> dict:
+        return {"shadow": dict(self.shadow), "decay": self.decay}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.shadow, self.decay = dict(sd["shadow"]), sd["decay"]
+
+
+def test_values_saved_that_the_fresh_objects_do_not_ask_for_are_named_not_dropped_silently(tmp_path, caplog):
+    import logging
+
+    import ckpt
+
+    model = torch.nn.Linear(2, 2)
+    ema = _LazyEma()
+    with ckpt.Checkpointer(str(tmp_path), model=model, extra={"ema": ema}, interval=None) as cp:
+        ema.shadow["w"] = torch.ones(3)
+        cp.save(blocking=True)
+    caplog.set_level(logging.WARNING, logger="ckpt")
+    fresh = _LazyEma()
+    with ckpt.Checkpointer(str(tmp_path), model=torch.nn.Linear(2, 2), extra={"ema": fresh}, interval=None) as cp:
+        assert cp.restored_step == 0
+    assert "holds values that this job's objects do not ask for, left unrestored: extra.ema.shadow.w" in caplog.text
+    caplog.clear()
+    ready = _LazyEma()
+    ready.shadow["w"] = torch.zeros(3)  # built before the restore: restored, nothing to say
+    with ckpt.Checkpointer(str(tmp_path), model=torch.nn.Linear(2, 2), extra={"ema": ready}, interval=None):
+        pass
+    assert torch.equal(ready.shadow["w"], torch.ones(3)) and "left unrestored" not in caplog.text
