@@ -41,6 +41,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 from . import deepspeed_state
+from .resave import _plain
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +67,7 @@ class TrainingState:
     # restore, so that its workers' seeds after a resume are not a fresh run's again.
     loader_generator: torch.Generator | None = None
     _dcp_state: _StateDictCache = field(default_factory=lambda: _StateDictCache())
+    _loadable: set[type] = field(default_factory=set)  # types of saved objects a restore loads (`_check_loadable`)
     _template_model: dict[str, Any] = field(default_factory=dict)  # the model's values in the last template
     # The optimizers' in the last template: each state entry's values, and each group's params.
     _template_optim: tuple[dict[str, dict[str, Any]], list[list[Any]]] = field(default_factory=lambda: ({}, []))
@@ -123,6 +125,9 @@ class TrainingState:
             sd["scaler"] = self.scaler.state_dict()
         if self.extra:
             sd["extra"] = {name: obj.state_dict() for name, obj in self.extra.items()}
+        for key in ("scheduler", "scaler", "extra"):  # torch's own dicts hold nothing else
+            if key in sd:
+                _check_loadable(sd[key], key, self._loadable)
         if self.data is not None:
             sd["data"] = _json(self.data.state_dict(), "data")
         if self.loader is not None:
@@ -449,6 +454,36 @@ _SHAPE, _DTYPE = torch.Tensor.shape.__get__, torch.Tensor.dtype.__get__
 def _locals(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """The tensors, a DTensor as its local shard."""
     return [t._local_tensor if isinstance(t, DTensor) else t for t in tensors]
+
+
+def _check_loadable(obj: Any, where: str, known: set[type]) -> None:
+    """Every value of `obj` that is saved as a pickle must load again under `weights_only`
+    (a restore never runs code from a checkpoint): else the save is refused now, rather than
+    every restore of it failing later. Each type is tried once (`known`); tensors and plain
+    values need no trying."""
+    if isinstance(obj, torch.Tensor) or type(obj) in known:
+        return
+    if type(obj) is dict:
+        for k, v in obj.items():
+            _check_loadable(v, f"{where}.{k}", known)
+        return
+    if type(obj) is list:
+        for i, v in enumerate(obj):
+            _check_loadable(v, f"{where}.{i}", known)
+        return
+    if _plain(obj):
+        return
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    try:
+        torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
+    except Exception as e:
+        raise TypeError(
+            f"{where} is a {type(obj).__name__}, which a restore could not load: restores load objects with "
+            f"torch.load(weights_only=True) ({' '.join(str(e).split())[:300]}). Save tensors and plain values "
+            "(numbers, strings, lists, dicts) instead, or allow the class with torch.serialization.add_safe_globals"
+        ) from None
+    known.add(type(obj))
 
 
 def _json(obj: Any, what: str) -> str:

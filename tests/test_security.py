@@ -675,6 +675,42 @@ def test_a_counter_that_would_not_come_back_as_it_is_is_refused_where_it_is_set(
             cp.counters["x"] = object()  # still checked after a restore
 
 
+class _Custom:
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+
+class _Holder:
+    def __init__(self, value: object) -> None:
+        self.value = value
+
+    def state_dict(self) -> dict:
+        return {"v": self.value, "plain": [1, "a", {"b": None}], "t": torch.ones(2)}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.value = sd["v"]
+
+
+def test_an_object_a_restore_could_not_load_is_refused_at_the_save_not_found_at_the_restore(tmp_path):
+    """Restores load pickled objects with weights_only=True: an object of a class torch does
+    not allow saved fine and then failed every restore of every checkpoint holding it."""
+    root = tmp_path / "root"
+    with ckpt.Checkpointer(str(root), model=torch.nn.Linear(2, 2), extra={"h": _Holder(_Custom(7))}, interval=None) as cp:
+        with pytest.raises(TypeError, match=r"extra\.h\.v is a _Custom, which a restore could not load.*add_safe_globals"):
+            cp.save()
+        assert not list(root.glob("step-*"))
+        before = torch.serialization.get_safe_globals()
+        torch.serialization.add_safe_globals([_Custom])  # allowed: saved, and restored
+        try:
+            cp.save(blocking=True)
+            fresh = _Holder(None)
+            with ckpt.Checkpointer(str(root), model=torch.nn.Linear(2, 2), extra={"h": fresh}, interval=None, lease=None):
+                assert isinstance(fresh.value, _Custom) and fresh.value.n == 7
+        finally:
+            torch.serialization.clear_safe_globals()
+            torch.serialization.add_safe_globals(before)
+
+
 def test_every_cli_command_refuses_a_step_that_is_not_a_number_in_one_line(tmp_path):
     root = tmp_path / "root"
     train(root, 1)
