@@ -507,6 +507,7 @@ class Checkpointer:
                     log.error("steps %s were handed off to the node agent but are not committed yet", self._handoff.pending)
             clean = exc_type is None
         finally:
+            self._entered = False
             for hook in self._hooks:
                 hook.remove()
             self.history.end(self._step, how, failure)
@@ -525,7 +526,6 @@ class Checkpointer:
                 # job's restart (or to expire), and its renewal stops with this block.
                 self._lease.close(release=clean)
                 self._lease = None
-            self._entered = False
 
     def _final_save(self) -> None:
         """Leaving normally: the last step ends committed if it can be. A save of it that
