@@ -51,6 +51,7 @@ class Restored:
     manifest: Manifest
     read_bytes: int = 0
     source: str = "store"  # where most of the bytes came from: "store", or "spool" (the node agent's)
+    unasked: tuple[str, ...] = ()  # values under model./extra. the checkpoint holds and this rank did not load
 
 
 @gc_paused  # the restore makes many small objects: a full collection costs more than the read
@@ -97,6 +98,8 @@ def restore(
             outcome, why, restored = _try_restore(store, ctrl, state, step, None, key)
             worst = ctrl.max([outcome])[0]
         if worst == 0:
+            assert restored is not None
+            _say_unasked(ctrl, store, restored)
             return restored, taken
         if worst == 2:
             raise StorageError(f"restoring step {step} from {store.display}: {why}")
@@ -251,13 +254,8 @@ def _try_restore(
     if applied[0]:
         return (*applied, None)
     counters = cast(dict, applied[2])
-    if rank == 0 and (unasked := planner.unasked(("model.", "extra."))):
-        log.warning(
-            "%s/%s holds values that this job's objects do not ask for, left unrestored: %s (an object that "
-            "builds its state lazily must list it in its state_dict() before the Checkpointer is entered)",
-            store.display, rel, catalog.first_few(unasked, ", "),
-        )  # fmt: skip
-    restored = Restored(int(counters.pop("step")), counters, manifest, reader.read_bytes, tiered.source if tiered else "store")
+    source = tiered.source if tiered else "store"
+    restored = Restored(int(counters.pop("step")), counters, manifest, reader.read_bytes, source, tuple(planner.unasked(("model.", "extra."))))
     if tiered is not None:
         log.info("rank %d read %.1f MB of %s from the node spool and %.1f MB from %s", rank, tiered.bytes["spool"] / 1e6, rel, tiered.bytes["store"] / 1e6, store.display)
     if rank == 0 and manifest.world_size != ctrl.world:
@@ -274,6 +272,18 @@ def _try_restore(
             "another world size and it has no ckpt.ElasticSampler; its data starts over",
         )
     return 0, "", restored
+
+
+def _say_unasked(ctrl: Group, store: Store, restored: Restored) -> None:
+    """Warn of the values under model. and extra. that the checkpoint holds and no rank loaded
+    (a rank's own keys, extra.stream.rank_1, are another rank's to load)."""
+    every = ctrl.gather(restored.unasked)
+    if every is not None and (left := sorted(set.intersection(*map(set, every)))):
+        log.warning(
+            "%s/%s holds values that this job's objects do not ask for, left unrestored: %s (an object that "
+            "builds its state lazily must list it in its state_dict() before the Checkpointer is entered)",
+            store.display, step_dir_name(restored.step), catalog.first_few(left, ", "),
+        )  # fmt: skip
 
 
 def _outcome(load: Callable[[], Any]) -> tuple[int, str, Any]:

@@ -28,7 +28,7 @@ from jobs import (
     rank_logs,
     train,
 )
-from launch import HERE, start, wait
+from launch import HERE, run, start, wait
 
 import ckpt
 
@@ -208,3 +208,39 @@ def test_failed_background_save_is_logged_and_training_continues_with_on_error_l
     model2, opt2 = tiny_job()
     with ckpt.Checkpointer(root, model=model2, optimizer=opt2, save_on_exit=False) as cp2:
         assert cp2.step == 2
+
+
+PER_RANK_EXTRA = """
+import sys, torch, torch.distributed as dist, ckpt
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+
+class Stream:  # a per-rank data stream, keyed by rank as the README says to save one
+    pos = 0
+    def state_dict(self):
+        return {f"rank_{rank}": {"pos": torch.tensor(self.pos)}}
+    def load_state_dict(self, sd):
+        self.pos = int(sd[f"rank_{rank}"]["pos"])
+
+stream = Stream()
+with ckpt.Checkpointer(sys.argv[1], model=torch.nn.Linear(2, 2), extra={"stream": stream}, interval=None, handle_sigterm=False) as cp:
+    if cp.restored_step is None:
+        stream.pos = 10 + rank
+        cp.save(blocking=True)
+    print("POS", cp.restored_step, stream.pos, flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_per_rank_extras_restore_on_every_rank_and_no_rank_calls_them_unrestored(tmp_path):
+    """Each rank loads its own `rank_<r>` keys: the other ranks' are not 'left unrestored'."""
+    script = tmp_path / "per_rank.py"
+    script.write_text(PER_RANK_EXTRA)
+    for run_ in ("first", "again"):
+        logs = tmp_path / run_
+        logs.mkdir()
+        assert run(2, script, str(tmp_path / "root"), log_dir=logs) == [0, 0]
+    for rank in range(2):
+        text = (tmp_path / "again" / f"rank{rank}.log").read_text()
+        assert f"POS 0 {10 + rank}" in text, text
+        assert "left unrestored" not in text, text
