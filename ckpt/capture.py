@@ -25,7 +25,7 @@ import itertools
 import json
 import logging
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,7 +41,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 from . import deepspeed_state
-from .resave import _plain
+from .stage import _ATOMS
 
 log = logging.getLogger(__name__)
 
@@ -459,23 +459,23 @@ def _locals(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 def _check_loadable(obj: Any, where: str, known: set[type]) -> None:
     """Every value of `obj` that is saved as a pickle must load again under `weights_only`
     (a restore never runs code from a checkpoint): else the save is refused now, rather than
-    every restore of it failing later. Each type is tried once (`known`); tensors and plain
-    values need no trying."""
+    every restore of it failing later. Containers are walked (DCP flattens mappings and
+    lists), tensors are not pickled, and each other type is tried once (`known`)."""
     if isinstance(obj, torch.Tensor) or type(obj) in known:
         return
-    if type(obj) is dict:
+    if isinstance(obj, Mapping):
         for k, v in obj.items():
             _check_loadable(v, f"{where}.{k}", known)
         return
-    if type(obj) is list:
+    if type(obj) in (list, tuple):
         for i, v in enumerate(obj):
             _check_loadable(v, f"{where}.{i}", known)
         return
-    if _plain(obj):
+    if type(obj) in _ATOMS:
         return
-    buf = io.BytesIO()
-    torch.save(obj, buf)
     try:
+        buf = io.BytesIO()
+        torch.save(obj, buf)
         torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
     except Exception as e:
         raise TypeError(

@@ -71,8 +71,13 @@ class Counters(dict):  # type: ignore[type-arg]
         super().__setitem__(key, value)
 
     def update(self, *args: Any, **kwargs: Any) -> None:  # type: ignore[override]
-        for key, value in dict(*args, **kwargs).items():
-            self[key] = value
+        new = dict(*args, **kwargs)
+        check_counters(new)  # all or nothing
+        super().update(new)
+
+    def __ior__(self, other: Any) -> Counters:  # type: ignore[override]
+        self.update(other)
+        return self
 
     def setdefault(self, key: Any, default: Any = None) -> Any:
         if key not in self:
@@ -98,7 +103,7 @@ def _check_counter(key: Any, value: Any) -> None:
     if bad is not None:
         raise TypeError(
             f"counter {key!r} holds {bad}: counters are saved as JSON (numbers, strings, booleans, "
-            "None, lists, and dicts with string keys) and come back as such"
+            "None, lists or tuples, and dicts with string keys) and come back as such (a tuple as a list)"
         )
 
 
@@ -106,7 +111,7 @@ def _not_json(value: Any) -> str | None:
     """What in `value` would not come back from JSON as it is (None: all of it would)."""
     if value is None or isinstance(value, (str, int, float)):
         return None
-    if type(value) is list:
+    if type(value) in (list, tuple):  # a tuple comes back as a list, which unpacks the same
         return next((b for b in map(_not_json, value) if b is not None), None)
     if type(value) is dict:
         for k, v in value.items():

@@ -8,6 +8,7 @@ Real parts: Checkpointers saving with DCP, 2-rank jobs of tests/worker.py over g
 from __future__ import annotations
 
 import ast
+import collections
 import contextlib
 import json
 import logging
@@ -16,6 +17,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.parse
 import urllib.request
@@ -653,13 +655,17 @@ def test_a_counter_that_would_not_come_back_as_it_is_is_refused_where_it_is_set(
             ("t", torch.tensor(1), "holds a Tensor"),
             ("s", {1, 2}, "holds a set"),
             ("d", {"a": {1: 2}}, "a dict key 1"),
-            ("u", (1, 2), "holds a tuple"),
+            ("u", (1, object()), "holds a object"),
             (3, 1, "a counter's name is a string"),
         ]:
             with pytest.raises((TypeError, ValueError), match=says):
                 cp.counters[key] = value
         with pytest.raises(TypeError, match="holds a object"):
-            cp.counters.update({"x": object()})
+            cp.counters.update({"y": 1, "x": object()})
+        with pytest.raises(TypeError, match="holds a set"):
+            cp.counters |= {"y": 1, "x": {1}}
+        assert cp.counters == {}  # all or nothing
+        cp.counters["best"] = (3, 0.5)  # comes back as [3, 0.5]
         cp.counters["tokens"] = 5
         cp.counters.update(epoch=2)
         cp.counters.setdefault("lr", [1e-3, {"warm": True}])
@@ -667,10 +673,10 @@ def test_a_counter_that_would_not_come_back_as_it_is_is_refused_where_it_is_set(
         with pytest.raises(ValueError, match="is ckpt's own"):
             cp.save()
         assert not root.exists() or not list(root.glob("step-*"))
-        cp.counters = {"tokens": 5, "epoch": 2, "lr": [1e-3, {"warm": True}]}
+        cp.counters = {"tokens": 5, "epoch": 2, "lr": [1e-3, {"warm": True}], "best": (3, 0.5)}
         cp.save(blocking=True)
     with ckpt.Checkpointer(str(root), model=model, interval=None) as cp:
-        assert cp.restored_step == 0 and cp.counters == {"tokens": 5, "epoch": 2, "lr": [1e-3, {"warm": True}]}
+        assert cp.restored_step == 0 and cp.counters == {"tokens": 5, "epoch": 2, "lr": [1e-3, {"warm": True}], "best": [3, 0.5]}
         with pytest.raises(TypeError):
             cp.counters["x"] = object()  # still checked after a restore
 
@@ -698,7 +704,22 @@ def test_an_object_a_restore_could_not_load_is_refused_at_the_save_not_found_at_
     with ckpt.Checkpointer(str(root), model=torch.nn.Linear(2, 2), extra={"h": _Holder(_Custom(7))}, interval=None) as cp:
         with pytest.raises(TypeError, match=r"extra\.h\.v is a _Custom, which a restore could not load.*add_safe_globals"):
             cp.save()
+        # Inside any container, after others of its type passed; and one that cannot be pickled.
+        holder = cp.state.extra["h"]
+        for value, where, what in [
+            ((torch.ones(1), 1), None, None),
+            ((2, _Custom(1)), r"extra\.h\.v\.1", "_Custom"),
+            (collections.OrderedDict(a=collections.OrderedDict(b=_Custom(1))), r"extra\.h\.v\.a\.b", "_Custom"),
+            (threading.Lock(), r"extra\.h\.v", "lock"),
+        ]:
+            holder.value = value
+            if where is None:
+                cp.state.capture({}, 0)
+                continue
+            with pytest.raises(TypeError, match=rf"{where} is a {what}, which a restore could not load"):
+                cp.save()
         assert not list(root.glob("step-*"))
+        holder.value = _Custom(7)
         before = torch.serialization.get_safe_globals()
         torch.serialization.add_safe_globals([_Custom])  # allowed: saved, and restored
         try:
