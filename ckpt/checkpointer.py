@@ -273,7 +273,8 @@ class Checkpointer:
             # ended; not a failure of the machine for the MTBF (a bad checkpoint would count
             # once per restart).
             try:
-                self.history.end(self._step, f"failed to start: {type(e).__name__}: {error_gist(e)}", failure=True, phase="start")
+                # Not waited for: the error is not held up by a store that may be what failed.
+                self.history.end(self._step, f"failed to start: {type(e).__name__}: {error_gist(e)}", failure=True, phase="start", wait=False)
             finally:
                 if self._lease is not None:
                     self._lease.close(release=False)

@@ -179,7 +179,9 @@ class History:
         self.record.updated = time.time()
         self._submit(write_run, dataclasses.replace(self.record))
 
-    def end(self, step: int, how: str, failure: bool, phase: str | None = None) -> None:
+    def end(self, step: int, how: str, failure: bool, phase: str | None = None, wait: bool = True) -> None:
+        """The run ended: its record says how, and a failure is an event too. With `wait`
+        False the writes finish in the background (before the interpreter exits)."""
         if not self.enabled:
             return
         self.record.last_step, self.record.ended, self.record.updated = step, how, time.time()
@@ -190,7 +192,7 @@ class History:
             )
         self._submit(write_run, dataclasses.replace(self.record))
         assert self._pool is not None
-        self._pool.shutdown(wait=True)
+        self._pool.shutdown(wait=wait)
         self._pool, self.enabled = None, False
 
     def flush(self) -> None:

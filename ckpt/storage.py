@@ -15,7 +15,7 @@ import logging
 import os
 import re
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, BinaryIO
 
@@ -169,7 +169,7 @@ class Store:
             protocol = fsspec.utils.get_protocol(root)
             options = dict(storage_options or {})
             for name in ("client_kwargs", "config_kwargs", "s3_additional_kwargs"):
-                if not isinstance(options.get(name) or {}, dict):
+                if not isinstance(options.get(name) or {}, Mapping):
                     raise ValueError(f"storage option {name} must be an object (a dict; JSON on the command line), not a {type(options[name]).__name__}")
             if protocol in ("s3", "s3a"):
                 # IMPORTANT: listings must never come from a cache; another process commits.

@@ -346,7 +346,7 @@ def test_an_agent_that_cannot_serve_its_metrics_says_so_in_one_line_and_exits_2(
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        for flags, says in ((["--metrics-port", str(port)], "Address already in use"), (["--metrics-addr", "999.1.1.1"], "cannot serve metrics on 999.1.1.1")):
+        for flags, says in ((["--metrics-port", str(port)], "Address already in use"), (["--metrics-addr", "192.0.2.1"], "cannot serve metrics on 192.0.2.1")):
             r = subprocess.run([sys.executable, "-m", "ckpt.cli", "agent", "--spool", str(tmp_path / "spool"), *flags], capture_output=True, text=True, timeout=60)
             assert r.returncode == 2 and r.stderr.count("\n") == 1 and says in r.stderr and "Traceback" not in r.stderr, r.stderr
 

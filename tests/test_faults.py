@@ -18,6 +18,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -403,10 +404,17 @@ def test_every_checkpoint_corrupt_raises_restore_failed_and_touches_nothing(root
     from ckpt.coordinator import failed
     from ckpt.events import read_all
 
-    runs, events = read_all(Store(str(root)))
+    deadline = time.monotonic() + 30  # written in the background: the error was not held up for it
+    while True:
+        runs, events = read_all(Store(str(root)))
+        done = any(e.kind == "failure" for e in events) and any((r.ended or "").startswith("failed to start") for r in runs)
+        if done or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
     (failure,) = [e for e in events if e.kind == "failure"]
     assert failure.phase == "start" and failure.cause.startswith("failed to start: RestoreFailed: ")
-    assert runs[-1].ended == failure.cause and not failed(runs[-1].ended)  # not a machine failure (MTBF)
+    (ended,) = [r.ended for r in runs if r.ended.startswith("failed to start")]
+    assert ended == failure.cause and not failed(ended)  # not a machine failure (MTBF)
     table = subprocess.run([sys.executable, "-m", "ckpt.cli", "events", str(root)], capture_output=True, text=True, check=True).stdout
     assert "failed to start" in table and "RestoreFailed" in table
 
