@@ -15,9 +15,11 @@ Keys are the checkpoint's flat keys (`model.0.weight`, `optim.state.0.weight.exp
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import struct
+import tempfile
 from typing import Any
 
 from . import catalog, tools
@@ -73,8 +75,15 @@ def export(
                     state[names[k]] = v.to(out_dtype(k)) if isinstance(v, torch.Tensor) else v
                     bar.add(tools.tensor_bytes(md.state_dict_metadata[k]))
             os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-            torch.save(state, f"{out}.part")  # IMPORTANT: `out` appears whole or not at all
-            os.replace(f"{out}.part", out)
+            fd, part = _new_part(out)
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    torch.save(state, f)
+                os.replace(part, out)  # IMPORTANT: `out` appears whole or not at all
+            except BaseException:
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(part)
+                raise
             written = os.path.getsize(out)
             objects = []
         elif fmt == "safetensors":
@@ -119,6 +128,16 @@ def _check_out(store: Store, fmt: str, out: str, force: bool) -> None:
         raise ValueError(f"--out {out} is a directory: a {fmt} export is one file")
     elif os.path.lexists(out) and not force:
         raise ValueError(f"--out {out} exists; --force replaces it")
+
+
+def _new_part(path: str) -> tuple[int, str]:
+    """A new file of our own beside `path` to write it into, then renamed to it (mode as the
+    umask says, like a file opened for writing)."""
+    fd, part = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".part", dir=os.path.dirname(os.path.abspath(path)))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.fchmod(fd, 0o666 & ~umask)
+    return fd, part
 
 
 def read_export(path: str) -> dict[str, Any]:
@@ -170,9 +189,10 @@ class _SafetensorsWriter:
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)
         self._order = list(tensors)
-        self._path, self._tmp = path, f"{path}.part"
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        self._f = open(self._tmp, "wb")
+        fd, self._tmp = _new_part(path)
+        self._path = path
+        self._f = os.fdopen(fd, "wb")
         self._f.write(struct.pack("<Q", len(raw)) + raw)
         self._pending: dict[str, Any] = {}
 

@@ -465,6 +465,11 @@ class Store:
         # object stores have no directories
 
     # -- deleting ---------------------------------------------------------------------------
+    def remove(self, rel: str) -> None:
+        """Delete one file (gone already: nothing to do)."""
+        with storage_errors(f"deleting {self.display}/{rel}"), contextlib.suppress(FileNotFoundError):
+            self.fs.rm_file(self.path(rel))
+
     def remove_step(self, step: int) -> None:
         """Delete a checkpoint. IMPORTANT: the manifest goes first, so that a crash half-way
         leaves an incomplete directory, never a committed checkpoint with files missing."""

@@ -84,6 +84,9 @@ def copy(src: Store, dst: Store, step: int | None = None, progress: bool | None 
             return Copied(entry.step, 0, len(manifest.files), 0, already=True)
         # The same checkpoint, but a file is missing or cut short there: repaired below (the
         # files of the right size verified, the rest copied again), the same manifest last.
+        # IMPORTANT: uncommitted meanwhile, so that nobody restores it half repaired.
+        dst.remove(f"{rel}/{MANIFEST_NAME}")
+        there = dst.list_step(entry.step)
     bar = Progress(manifest.total_bytes, f"{step_dir_name(entry.step)}", progress)
     copied = resumed = sent = 0
     try:
