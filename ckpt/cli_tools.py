@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 from typing import Any
 
 from . import catalog, tools
@@ -171,8 +172,11 @@ def _same_bits(x: Any, y: Any) -> bool:
 
 
 def split_step(spec: str) -> tuple[str, int | None]:
-    """'ROOT:STEP' -> (ROOT, STEP); 'ROOT' -> (ROOT, None) (s3://b/x stays whole)."""
+    """'ROOT:STEP' -> (ROOT, STEP); 'ROOT' -> (ROOT, None) (s3://b/x stays whole, and so does
+    a local directory whose name ends in ':7')."""
     head, sep, tail = spec.rpartition(":")
+    if os.path.isdir(spec):
+        return spec, None
     if sep and tail.isascii() and tail.isdigit() and head and not head.endswith(":/") and "//" not in tail:
         return head, int(tail)
     return spec, None

@@ -120,6 +120,10 @@ def test_diff_names_what_differs_by_how_much_and_what_one_side_lacks(tmp_path):
     # Another run with an extra object: only on one side.
     r = cli("diff", a, b, check=False)
     assert r.returncode == 1 and "only in b: extra.ema" in r.stdout
+    # A directory whose name ends in ':5' is a root, not a step of another one.
+    shutil.copytree(a, tmp_path / "run:5")
+    r = cli("diff", tmp_path / "run:5", f"{a}:10")
+    assert r.returncode == 0 and "0 different" in r.stdout and f"a: {tmp_path / 'run:5'}/step-0000000010" in r.stdout, r.stdout
 
 
 def _strict(name: str) -> None:
