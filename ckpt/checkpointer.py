@@ -411,7 +411,8 @@ class Checkpointer:
         (or, with `blocking`, committed). All ranks must call it at the same step."""
         if not self._entered:
             raise RuntimeError(_OUTSIDE.format("save"))
-        check_counters(self.counters)  # before anything changes
+        if type(self.counters) is not Counters:  # checked when set; a plain dict assigned is not
+            check_counters(self.counters)  # before anything changes
         # IMPORTANT: decided from what every rank knows alike (never from whether this rank's
         # background save has finished yet), so all ranks take the same branch.
         if self._saved_step == self._step and (self._step > 0 or self.last_commit is not None):
