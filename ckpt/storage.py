@@ -238,7 +238,7 @@ class Store:
             rel = full[len(prefix) :] if full.startswith(prefix) else full
             head, _, tail = rel.partition("/")
             m = STEP_DIR.match(head)
-            if not m:
+            if not m or (not tail and info.get("type") != "directory"):  # an object named like a step: no checkpoint
                 continue
             listing = steps.setdefault(int(m.group(1)), StepListing(int(m.group(1))))
             if tail and info.get("type") != "directory":
@@ -257,13 +257,13 @@ class Store:
                 found = self.fs.find(base, detail=True, **self._strict)
             except FileNotFoundError:
                 return None
-            if not found and not self.fs.exists(base):
+            prefix = base + "/"
+            files = {p[len(prefix):]: int(i.get("size") or 0) for p, i in found.items() if p.startswith(prefix)}
+            # IMPORTANT: a plain file (or object) named like a step directory is no checkpoint,
+            # not even debris: what removes debris (a save's claim, `ckpt rm`) must not touch it.
+            if not files and not self.fs.isdir(base):
                 return None
-        prefix = base + "/"
-        return StepListing(
-            step,
-            {p[len(prefix):]: int(i.get("size") or 0) for p, i in found.items() if p.startswith(prefix)},
-        )
+        return StepListing(step, files)
 
     def check_reachable(self) -> None:
         """Fail now, with a clear error, if the root's bucket (on an object store) does not

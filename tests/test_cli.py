@@ -333,6 +333,21 @@ def test_rm_deletes_one_step_and_leaves_the_others(root):
     assert after == {rel: data for rel, data in before.items() if not rel.startswith(step_dir(2))}
 
 
+def test_a_file_named_like_a_step_directory_is_no_checkpoint_and_rm_and_gc_leave_it(root):
+    train(root, 2)
+    root.write(step_dir(9), b"notes, not a checkpoint")
+    root.fs.invalidate_cache()
+
+    rm, gc, ls = root.ckpt_all(["rm", "--step", "9", "--force"], ["gc", "--keep-last", "1"], ["ls", "--json"])
+
+    assert "no checkpoint at step 9" in assert_one_line_error(rm)
+    assert gc.rc == 0, gc.err
+    assert ls.rc == 0, ls.err
+    assert 9 not in [c["step"] for c in json.loads(ls.out)]
+    assert root.read(step_dir(9)) == b"notes, not a checkpoint"
+    assert root.steps() == {2, 9}  # gc kept the newest; the file is listed by its name alone
+
+
 def test_rm_refuses_the_newest_committed_step_without_force(root):
     train(root, 2)
     leave_crashed_save(root, 3, like=2)  # newer, but not committed: step 2 is what a restart uses
