@@ -7,8 +7,10 @@ exports. Offline and fast: no cluster, no Docker, no Prometheus (promtool is not
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
+import stat
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -377,6 +379,31 @@ def test_trainer_and_agent_share_the_node_spool() -> None:
         assert volume["hostPath"]["path"] == "/var/lib/ckpt-spool"
         assert {"name": volume["name"], "mountPath": spool} in container["volumeMounts"]
     assert {"name": "CKPT_SPOOL", "value": spool} in trainer["env"]
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"), reason="needs root and setpriv to drop to the container's capabilities")
+def test_spool_owner_init_container_hands_the_spool_over_with_only_its_capabilities(tmp_path) -> None:
+    """The init container's own command, run as root with only the capabilities it adds, on
+    a root-owned directory standing for the hostPath: the first start and a restart."""
+    pod = one("DaemonSet", "ckpt-agent")["spec"]["template"]["spec"]
+    (init,) = pod["initContainers"]
+    caps = init["securityContext"]["capabilities"]
+    assert caps["drop"] == ["ALL"]
+    (mount,) = [m["mountPath"] for m in init["volumeMounts"]]
+    spool = tmp_path / "hostpath"
+    spool.mkdir(mode=0o755)
+    shell, flag_c, script = init["command"]
+    assert (shell, flag_c) == ("sh", "-c") and mount in script
+    bounding = ",".join(["-all", *(f"+{c.lower()}" for c in caps["add"])])
+    for start in ("first", "restart"):
+        r = subprocess.run(
+            ["setpriv", f"--bounding-set={bounding}", "--inh-caps=-all", "--", shell, flag_c, script.replace(mount, str(spool))],
+            capture_output=True, text=True, timeout=30, check=False,
+        )  # fmt: skip
+        assert r.returncode == 0, f"{start}: {r.stderr}"
+        st = spool.stat()
+        uid, gid = pod["securityContext"]["runAsUser"], pod["securityContext"]["runAsGroup"]
+        assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (uid, gid, 0o770), start
 
 
 def test_grace_periods_outlast_the_shutdowns_they_wait_for() -> None:
