@@ -13,7 +13,7 @@ so they come out sharded the way they live and reshard on load. The layout of th
     counters              JSON text: step and the user's counters (global, equal on all ranks)
     data                  JSON text: the global data position (an ElasticSampler)
     loader.rank_<r>       bytes: a StatefulDataLoader's own state (torch.save'd), per rank
-    rng.rank_<r>          RNG of python, numpy, torch CPU and every CUDA device, per rank
+    rng.rank_<r>          RNG of python, numpy, torch CPU and the rank's CUDA device, per rank
 
 IMPORTANT: per-rank state is keyed by rank; DCP keeps one copy of equal keys across ranks.
 """
@@ -25,7 +25,7 @@ import itertools
 import json
 import logging
 import random
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -508,6 +508,9 @@ def _seed(text: str) -> int:
     return xxhash.xxh64_intdigest(text.encode()) & ((1 << 63) - 1)
 
 
+CUDA_RNG = "cuda_device"
+
+
 def rng_state() -> dict[str, Any]:
     """Every RNG stream of this process, as tensors and plain values (no pickled objects)."""
     version, internal, gauss = random.getstate()
@@ -528,8 +531,17 @@ def rng_state() -> dict[str, Any]:
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = {str(i): s for i, s in enumerate(torch.cuda.get_rng_state_all())}
+        # The current device's generator, the one this rank draws from: a resume may see more
+        # or fewer devices, or this rank on another index (a checkpoint keyed by index failed
+        # to restore on a node with more GPUs, and gave a rank another device's stream).
+        state[CUDA_RNG] = torch.cuda.get_rng_state()
     return state
+
+
+def optional_in_checkpoint(fqn: str) -> bool:
+    """A value that a checkpoint may lack and the restore then leaves as it is: the CUDA RNG
+    stream, which a process where CUDA was not in use at the save did not have."""
+    return fqn.startswith("rng.") and fqn.endswith(f".{CUDA_RNG}")
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
@@ -546,10 +558,5 @@ def set_rng_state(state: dict[str, Any]) -> None:
         )
     )
     torch.set_rng_state(state["torch"])
-    cuda: dict[str, torch.Tensor] = state.get("cuda") or {}
-    if cuda and torch.cuda.is_available():
-        states: Sequence[torch.Tensor] = [cuda[str(i)] for i in range(len(cuda))]
-        n = min(len(states), torch.cuda.device_count())
-        if n < len(states):
-            log.warning("checkpoint has RNG for %d CUDA devices, %d are visible", len(states), n)
-        torch.cuda.set_rng_state_all(list(states)[:n])
+    if CUDA_RNG in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state[CUDA_RNG])  # the current device's

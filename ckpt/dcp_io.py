@@ -503,7 +503,12 @@ def make_reader(store: Store, step_dir: str, manifest: Manifest) -> _Reader:
 
 class SafeLoadPlanner(DefaultLoadPlanner):
     """DCP's load planner, but pickled values load with `weights_only=True`: checksum-verified
-    bytes may still have been written by someone else, so no code runs from them."""
+    bytes may still have been written by someone else, so no code runs from them. Values for
+    which `optional` says so may be missing from the checkpoint: they are left as they are."""
+
+    def __init__(self, optional: Callable[[str], bool] = lambda fqn: False) -> None:
+        super().__init__()
+        self.optional = optional
 
     def create_local_plan(self) -> LoadPlan:
         """DCP's default local plan (`create_default_local_load_plan`: a read item per piece
@@ -522,7 +527,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         for fqn, obj in self.state_dict.items():
             md = stored.get(fqn)
             if md is None:
-                if self.allow_partial_load:
+                if self.allow_partial_load or self.optional(fqn):
                     continue
                 raise RuntimeError(f"Missing key in checkpoint state_dict: {fqn}.")
             if not (isinstance(md, TensorStorageMetadata) and isinstance(obj, torch.Tensor)):

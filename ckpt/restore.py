@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from . import catalog
 from ._gc import gc_paused
-from .capture import TrainingState
+from .capture import TrainingState, optional_in_checkpoint
 from .checksum import BLAKE3
 from .commit import Group
 from .dcp_io import SafeLoadPlanner, make_reader
@@ -242,7 +242,7 @@ def _try_restore(
     # agree on the outcome before anything is applied, as applying may take collectives.
     tiered = handoff.reader_store(rel, manifest) if handoff is not None else None
     reader = make_reader(tiered or store, rel, manifest)  # type: ignore[arg-type]
-    planner = SafeLoadPlanner()
+    planner = SafeLoadPlanner(optional_in_checkpoint)
     loaded = _outcome(lambda: dcp.load(sd, storage_reader=reader, planner=planner, no_dist=True))
     if ctrl.max([loaded[0]])[0]:
         # Rare: every rank's reason, so that rank 0 can say what went wrong where.
