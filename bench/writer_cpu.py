@@ -7,6 +7,7 @@ bytes", measured where nothing else competes for the cores.
     .venv/bin/python bench/writer_cpu.py --size-mb 100   # the 100 MB state of bench/stall.py
     .venv/bin/python bench/writer_cpu.py --ranks 1
     .venv/bin/python bench/writer_cpu.py --size-mb 100 --signed   # BLAKE3 checksums, as a signing job's
+    .venv/bin/python bench/writer_cpu.py --size-mb 100,1000       # and the cost of each byte added
 
 Each rank builds the model of `bench/stall.py` (FSDP2, AdamW), takes 3 warm-up saves, then
 `--saves` saves in a row (save, optimizer step, wait for the commit). Per save it reports the
@@ -19,6 +20,11 @@ the floor: one `copy_` of every tensor of the state into preallocated buffers, t
 A second control, two seconds of sleep, gives what the process's threads cost by the second
 with nothing to do (gloo's loop threads, one per process group, wake every 10 ms): a save that
 lasts longer than a step is charged that much more above, and a last line takes it off.
+
+With two sizes or more (each run on its own), a last line per rank gives the writer's cost of
+each byte added: the growth of its net CPU from the smallest size to the largest over the
+growth of the floor's copy. A save's fixed work (collectives, the manifest, `.metadata`,
+opening and syncing files) weighs on a small state and not on this.
 
 In `bench/stall.py` the same background work runs while training steps run on the same two
 cores, and its CPU time there reads higher (two busy threads per core slow each other down).
@@ -48,7 +54,7 @@ import stall  # noqa: E402  (the model, the CPU counters and the staging-copy ti
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--size-mb", type=float, default=None, help="state per rank, MB (default: the many-small state)")
+    p.add_argument("--size-mb", default=None, help="state per rank, MB, comma-separated for several (default: the many-small state)")
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--saves", type=int, default=20)
     p.add_argument("--threads", action="store_true", help="also the CPU of each thread of a rank, per save")
@@ -63,19 +69,34 @@ def main(argv: list[str]) -> int:
     if args.worker:
         worker(args)
         return 0
+    sizes: list[float | None] = sorted(float(x) for x in args.size_mb.split(",")) if args.size_mb else [None]
     work = Path(tempfile.mkdtemp(prefix="ckpt-writer-cpu-"))
     try:
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        cmd = [
-            sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.ranks),
-            "--master-port", str(stall.free_port()), __file__, *argv, "--worker", "--dir", str(work),
-        ]  # fmt: skip
-        code = subprocess.run(cmd, env=env, check=False).returncode
-        if code:
-            print(f"[writer_cpu] a rank failed (exit code {code})", file=sys.stderr)
-            return 1
-        for rank in range(args.ranks):
-            print(json.loads((work / f"rank{rank}.json").read_text())["line"])
+        runs = []
+        for i, size in enumerate(sizes):
+            run = work / f"run{i}"  # its own root: a run restores nothing of another
+            run.mkdir()
+            cmd = [
+                sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.ranks),
+                "--master-port", str(stall.free_port()), __file__, *argv, *(["--size-mb", f"{size:g}"] if size else []),  # the last one counts
+                "--worker", "--dir", str(run),
+            ]  # fmt: skip
+            code = subprocess.run(cmd, env=env, check=False).returncode
+            if code:
+                print(f"[writer_cpu] a rank failed (exit code {code})", file=sys.stderr)
+                return 1
+            runs.append([json.loads((run / f"rank{rank}.json").read_text()) for rank in range(args.ranks)])
+            for rec in runs[-1]:
+                print(rec["line"])
+        if len(runs) > 1:
+            for rank, (small, large) in enumerate(zip(runs[0], runs[-1], strict=True)):
+                added = (large["net_s"] - small["net_s"]) / (large["floor_s"] - small["floor_s"])
+                print(
+                    f"rank {rank}: each byte added from {small['mb']:.0f} to {large['mb']:.0f} MB costs the writer "
+                    f"{added:.2f} copies of it ({(large['net_s'] - small['net_s']) * 1e3:.1f} ms more for "
+                    f"{(large['floor_s'] - small['floor_s']) * 1e3:.1f} ms more of the floor's copy)"
+                )
         return 0
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -91,7 +112,7 @@ def worker(args: argparse.Namespace) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     many_small = args.size_mb is None
-    shape = stall.model_shape(args.size_mb or 0, world, many_small)
+    shape = stall.model_shape(float(args.size_mb or 0), world, many_small)
     model, _ = stall.make_model(shape, world, "cpu", shard_blocks=not many_small)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     x = torch.randint(0, 16, (2, 16))
@@ -179,7 +200,8 @@ def worker(args: argparse.Namespace) -> None:
     if args.threads:
         busy = sorted(((v, n) for n, v in by_thread.items() if v >= 0.0002), reverse=True)
         line += "\n  per save, by thread: " + ", ".join(f"{n} {v * 1e3:.1f} ms" for v, n in busy)
-    (Path(args.dir) / f"rank{rank}.json").write_text(json.dumps({"line": line}))
+    record = {"line": line, "mb": nbytes / world / 1e6, "net_s": beyond - always_on, "floor_s": floor}
+    (Path(args.dir) / f"rank{rank}.json").write_text(json.dumps(record))
     dist.destroy_process_group()
 
 
