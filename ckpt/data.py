@@ -120,6 +120,11 @@ class ElasticSampler(Sampler[int]):
         pad = -len(order) % unit
         return order + (order * (pad // len(order) + 1))[:pad]
 
+    def _epoch_len(self) -> int:
+        """len(epoch_sequence(...)), without drawing the permutation."""
+        n, unit = self.dataset_len, self.global_batch or self.world_size
+        return n - n % unit if self.drop_last else n + -n % unit
+
     def _share(self) -> list[int]:
         remaining = self.epoch_sequence(self.epoch)[self._start :]
         w = self.world_size
@@ -127,7 +132,15 @@ class ElasticSampler(Sampler[int]):
         return remaining[self.rank :: w]
 
     def __len__(self) -> int:
-        return len(self._share())
+        """Indices this rank takes in a whole epoch, as DistributedSampler counts them (what
+        `len(loader)` and steps-per-epoch arithmetic expect); after a restore in mid-epoch
+        the first iteration yields only `remaining` of them."""
+        return self._epoch_len() // self.world_size
+
+    @property
+    def remaining(self) -> int:
+        """Indices this rank has still to take in the current epoch."""
+        return (self._epoch_len() - self._start) // self.world_size - self._yielded
 
     def __iter__(self) -> Iterator[int]:
         self._start = self.consumed

@@ -65,6 +65,23 @@ def test_ranks_split_the_epoch_without_overlap_and_pad_or_drop_the_tail():
     assert [len(d) for d in dropped] == [3, 3, 3] and len(set(sum(dropped, []))) == 9
 
 
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_len_is_the_whole_epoch_per_rank_and_remaining_what_a_restored_sampler_has_left(drop_last):
+    whole = [len(list(ElasticSampler(37, seed=0, rank=r, world_size=3, drop_last=drop_last))) for r in range(3)]
+    s = ElasticSampler(37, seed=0, rank=0, world_size=3, drop_last=drop_last)
+    assert len(s) == s.remaining == whole[0]
+    it = iter(s)
+    for _ in range(4):
+        next(it)
+    assert (len(s), s.remaining) == (whole[0], whole[0] - 4)
+    restored = ElasticSampler(37, seed=0, rank=1, world_size=3, drop_last=drop_last)
+    restored.load_state_dict(s.state_dict())  # 12 consumed over the 3 ranks
+    loader = DataLoader(TensorDataset(torch.arange(37)), batch_size=2, sampler=restored)
+    assert len(restored) == whole[1] and len(loader) == -(-whole[1] // 2)  # an epoch, for steps-per-epoch
+    assert restored.remaining == whole[1] - 4 == len(list(restored))
+    assert len(restored) == restored.remaining == whole[1]  # the next epoch, whole
+
+
 def test_unshuffled_sampler_walks_the_dataset_in_order():
     assert list(ElasticSampler(6, shuffle=False, rank=1, world_size=2)) == [1, 3, 5]
 
