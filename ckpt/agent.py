@@ -180,9 +180,8 @@ class Agent:
                     self._beat = now
                 except Exception as e:  # a full disk, a permission: say so, stay up, try again
                     log.error("agent loop: %s: %s", type(e).__name__, redact(str(e)))
-                    pending = 1
+                    pending = 1  # not known: a stopping agent waits out its grace
                     time.sleep(HOUSEKEEPING_S)
-                    continue
                 if self._stop_at is not None and self._drained(pending):
                     log.info("stopping: every hand-off is uploaded and no trainer is left on the node")
                     return 0

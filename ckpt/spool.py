@@ -120,6 +120,12 @@ def read_json(path: str) -> Any:
         return None
 
 
+_FIELD_TYPES: dict[str, tuple[type, ...]] = {
+    "root": (str,), "storage_options": (dict,), "rel": (str,), "step": (int,), "save_id": (str,), "rank": (int,),
+    "world": (int,), "files": (list,), "manifest": (dict,), "started": (int, float),
+}  # fmt: skip
+
+
 @dataclass
 class Request:
     """One rank's hand-off of one save's files."""
@@ -138,9 +144,16 @@ class Request:
 
     @classmethod
     def from_doc(cls, doc: Any) -> Request:
+        """The request a JSON document holds; ValueError for anything else: one malformed
+        file in the spool (another version's, another writer's) must not stop the agent."""
         names = {f.name for f in dataclasses.fields(cls)}
-        if not isinstance(doc, dict) or not names >= set(doc) or not {"root", "rel", "rank", "files", "manifest"} <= set(doc):
+        if not isinstance(doc, dict) or not names >= set(doc) or not set(_FIELD_TYPES) <= set(doc):
             raise ValueError("not a hand-off request")
+        wrong = [k for k, kinds in _FIELD_TYPES.items() if not isinstance(doc[k], kinds) or (isinstance(doc[k], bool) and bool not in kinds)]
+        if "submitted" in doc and (isinstance(doc["submitted"], bool) or not isinstance(doc["submitted"], (int, float))):
+            wrong.append("submitted")
+        if wrong or not all(isinstance(n, str) for n in doc["files"]):
+            raise ValueError(f"not a hand-off request: {', '.join(wrong) or 'files'} of the wrong type")
         return cls(**doc)
 
     def manifest_obj(self) -> Manifest:

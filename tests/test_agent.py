@@ -23,6 +23,7 @@ from pathlib import Path
 
 import boto3
 import pytest
+import torch
 from jobs import RANKS, assert_same_training_state, dumps, rank_logs
 from launch import HERE, REPO, free_port, start, wait
 
@@ -409,6 +410,25 @@ def test_a_stale_hand_off_never_overwrites_a_later_save_of_its_step(tmp_path):
     assert json.loads((root / "step-0000000001" / "manifest.json").read_text()) == committed
     rc = subprocess.run([sys.executable, "-m", "ckpt.cli", "verify", str(root), "--deep"], capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert rc.returncode == 0, rc.stdout + rc.stderr
+
+
+def test_a_malformed_request_in_the_spool_neither_stops_the_agent_nor_fails_its_health(tmp_path):
+    """A request file of the wrong shape (another version's, another writer's) is passed over:
+    the agent goes on serving the node, and its liveness probe (which would restart it, and so
+    preempt every rank of the node) stays green."""
+    spool, root = tmp_path / "spool", tmp_path / "root"
+    bad = spool / "jobs" / "0000000000000000" / "step-0000000003" / ".requests" / "rank-00000.json"
+    bad.parent.mkdir(parents=True)
+    doc = {"root": str(root), "storage_options": {}, "rel": "step-0000000003", "step": 3, "save_id": "s", "rank": 0, "world": 1, "files": None, "manifest": {}, "started": 0.0}
+    bad.write_text(json.dumps(doc))
+    with agent(spool, tmp_path / "agent.log") as a:
+        with ckpt.Checkpointer(str(root), model=torch.nn.Linear(2, 2), interval=None, spool=str(spool)) as cp:
+            cp.step_done()
+            cp.save(blocking=True)
+        until("the agent to commit step 1", lambda: (root / "step-0000000001" / "manifest.json").exists(), logs=a.text)
+        time.sleep(2.5)  # a housekeeping pass or two
+        assert urllib.request.urlopen(f"http://127.0.0.1:{a.port}/healthz", timeout=10).status == 200
+        assert "agent loop" not in a.text()
 
 
 def test_the_agent_refuses_requests_that_name_paths_outside_the_spool(tmp_path):
