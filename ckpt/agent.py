@@ -34,6 +34,7 @@ import threading
 import time
 from typing import Any
 
+import fsspec
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from . import __version__
@@ -414,7 +415,7 @@ class Agent:
             log.error("cannot record that step %d rank %d is %s: %s", request.step, request.rank, state, e)
 
     def _store(self, request: Request) -> Store:
-        if self.config.allowed_roots and not any(request.root.startswith(p) for p in self.config.allowed_roots):
+        if self.config.allowed_roots and not any(within(request.root, p) for p in self.config.allowed_roots):
             raise InvalidCheckpoint(f"{redact(request.root)} is not under the agent's allowed_roots")
         options = {**request.storage_options, **self.config.storage_options}
         key = json.dumps([request.root, options], sort_keys=True, default=str)
@@ -508,6 +509,22 @@ class Agent:
             self._server.shutdown()
             self._server.server_close()
             self._server = None
+
+
+def within(root: str, allowed: str) -> bool:
+    """Is the root `allowed` itself or under it, whole path components compared (s3://team-a
+    does not admit s3://team-a-other)? A local path is resolved first (through `..` and
+    symbolic links); a URL with a `.` or `..` component is under nothing."""
+    def parts(url: str) -> tuple[str, list[str]] | None:
+        protocol = fsspec.utils.get_protocol(url)
+        path = url.split("://", 1)[1] if "://" in url else url
+        if protocol == "file":
+            return protocol, [p for p in os.path.realpath(os.path.expanduser(path)).split("/") if p]
+        names = [p for p in path.split("/") if p]
+        return None if any(p in (".", "..") for p in names) else (protocol, names)
+
+    mine, theirs = parts(root), parts(allowed)
+    return mine is not None and theirs is not None and mine[0] == theirs[0] and mine[1][: len(theirs[1])] == theirs[1]
 
 
 def _load(path: str) -> Request | None:

@@ -448,6 +448,32 @@ def test_the_agent_refuses_requests_that_name_paths_outside_the_spool(tmp_path):
     assert "allowed_roots" in read_json(status_of(str(request)))["why"]
 
 
+def test_allowed_roots_compare_whole_path_components_after_resolving_local_paths(tmp_path):
+    from ckpt.agent import within
+
+    allowed = tmp_path / "allowed"
+    (tmp_path / "elsewhere").mkdir()
+    (allowed / "runs").mkdir(parents=True)
+    (allowed / "runs" / "link").symlink_to(tmp_path / "elsewhere")
+    assert within(str(allowed / "runs" / "a"), str(allowed)) and within(f"file://{allowed}/b", f"{allowed}/")
+    for outside in (f"{allowed}/../elsewhere", f"{allowed}-other/x", str(allowed / "runs" / "link" / "x")):
+        assert not within(outside, str(allowed)), outside
+    assert within("s3://team-a/run", "s3://team-a") and within("s3://team-a", "s3://team-a/")
+    for outside in ("s3://team-a-other/run", "s3://team-a/../team-b/run", "gs://team-a/run", "s3://team-b"):
+        assert not within(outside, "s3://team-a"), outside
+    # The agent itself: a root that only starts with an allowed one's text is refused.
+    spool, root = tmp_path / "spool", f"{allowed}/../elsewhere/root"
+    manifest = {"step": 1, "world_size": 1, "created": 0.0, "files": {"__0_0.distcp": {"size": 1, "checksum": "xxh3_64:00", "rank": 0}}, "format": "ckpt", "format_version": 2}
+    doc = {"root": root, "storage_options": {}, "rel": "step-0000000001", "step": 1, "save_id": "s", "rank": 0, "world": 1, "files": ["__0_0.distcp"], "manifest": manifest, "started": 0.0}
+    request = spool / "jobs" / "0123456789abcdef" / "step-0000000001" / ".requests" / "rank-00000.json"
+    request.parent.mkdir(parents=True)
+    request.write_text(json.dumps(doc))
+    (request.parent.parent / "__0_0.distcp").write_bytes(b"x")
+    Agent(Config(spool=str(spool), metrics_port=-1, allowed_roots=[str(allowed)]))._upload(str(request), Request.from_doc(doc))
+    assert "allowed_roots" in read_json(status_of(str(request)))["why"]
+    assert not (tmp_path / "elsewhere" / "root").exists()
+
+
 def test_only_where_the_store_is_goes_to_the_spool_never_credentials():
     from ckpt.spool import public_options
 
