@@ -53,6 +53,7 @@ from .spool import (
     FAILED,
     REQUESTS_DIR,
     UPLOADING,
+    WRITING_DIR,
     Request,
     Spool,
     check_request,
@@ -447,8 +448,11 @@ class Agent:
                         self._remove(d, "no hand-off (a write that never finished)")
                         used -= size
                 elif all(s == FAILED for s in states):
-                    self._remove(d, "its hand-off failed")
-                    used -= size
+                    # IMPORTANT: not while a later save of the step (a restarted job's) writes
+                    # its files here, its request to come once they are durable.
+                    if not _writing(d) or time.time() - newest > ORPHAN_AFTER_S:
+                        self._remove(d, "its hand-off failed")
+                        used -= size
                 elif all(s in (COMMITTED, FAILED) for s in states):
                     done.append((newest, d, size))
             done.sort()
@@ -539,6 +543,11 @@ def _size(request_path: str, name: str) -> int:
         return os.stat(os.path.join(os.path.dirname(os.path.dirname(request_path)), name)).st_size
     except OSError:
         return 0
+
+
+def _writing(step_dir: str) -> bool:
+    """Is a rank writing a save's files into this step directory (`Handoff.writing`)?"""
+    return bool(listdir(os.path.join(step_dir, WRITING_DIR)))
 
 
 def _du(directory: str) -> tuple[int, float]:

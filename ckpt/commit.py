@@ -216,6 +216,8 @@ def persist(
         raise SaveFailed(f"save of step {step} to {store.display} failed: {group.broadcast(refusal)}")
     replan = agreed == 1
     chosen = handoff.target(need) if handoff is not None else store
+    if handoff is not None:
+        handoff.writing(chosen, rel)
     try:
         mine, layout, target = _write_data(chosen, group, rel, step, staged, sinks, arenas, resaver, None if replan else layout, store)
     except CheckpointException as e:  # DCP's save, which its ranks fail together

@@ -135,9 +135,25 @@ class Handoff:
         goes to the root."""
         self._pass_over = True
 
+    def writing(self, target: Store, rel: str) -> None:
+        """This rank starts writing a save's files into the spool. Until its request names
+        them (`submit`), the agent leaves the step directory alone: an earlier save of the
+        same step may have failed there, and its leftovers go, but not these files."""
+        if target is self.local and self.spool is not None:
+            path = self.spool.writing_path(self.job, rel, self.rank)
+            with contextlib.suppress(OSError):  # the write to come says what is wrong
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                write_json(path, {"pid": os.getpid(), "time": time.time()})
+
+    def _written(self, rel: str) -> None:
+        if self.spool is not None:
+            with contextlib.suppress(OSError):
+                os.remove(self.spool.writing_path(self.job, rel, self.rank))
+
     def discard(self, target: Store, rel: str, names: list[str]) -> None:
         """A save that failed: this rank's files of it leave the spool now (the agent would
         drop them only once they are old, counting them as used meanwhile)."""
+        self._written(rel)
         if target is self.local:
             for name in names:
                 with contextlib.suppress(OSError):
@@ -164,9 +180,11 @@ class Handoff:
                 os.remove(status)  # an earlier try of the same step: not this one's status
             # IMPORTANT: the files are durable in the spool (fsync'd) before the request names them
             write_json(self.spool.request_path(self.job, rel, self.rank), request.__dict__)
+            self._written(rel)
             with self._lock:
                 self._pending.append(_Handed(status, request, manifest))
             return
+        self._written(rel)  # the spool filled under the write: the files went to the root
         mark_durable(self.store, rel, save_id, self.rank, {n: manifest.files[n].checksum for n in files})
         commit_if_complete(self.store, request)
         with self._lock:

@@ -52,6 +52,7 @@ NOTICE_FILE = "preempt"
 DURABLE_DIR = ".durable"
 REQUESTS_DIR = ".requests"
 STATUS_DIR = ".status"
+WRITING_DIR = ".writing"  # a rank writing a save's files here, its request not written yet
 # The agent rewrites its heartbeat every second; one older than this is a dead agent.
 AGENT_STALE_S = 10.0
 CLAIM_NAME = ".claim"  # in a step directory of the root: the save that owns it now
@@ -189,6 +190,9 @@ class Spool:
 
     def request_path(self, job: str, rel: str, rank: int) -> str:
         return os.path.join(self.job_dir(job), rel, REQUESTS_DIR, f"{rank_name(rank)}.json")
+
+    def writing_path(self, job: str, rel: str, rank: int) -> str:
+        return os.path.join(self.job_dir(job), rel, WRITING_DIR, rank_name(rank))
 
     def status_path(self, job: str, rel: str, rank: int) -> str:
         return os.path.join(self.job_dir(job), rel, STATUS_DIR, f"{rank_name(rank)}.json")

@@ -30,6 +30,7 @@ from launch import HERE, REPO, free_port, start, wait
 import ckpt
 from ckpt.agent import Agent
 from ckpt.agent_config import Config, parse_size
+from ckpt.handoff import Handoff
 from ckpt.spool import Request, Spool, job_key, read_json, status_of
 from ckpt.storage import Store
 
@@ -429,6 +430,32 @@ def test_a_malformed_request_in_the_spool_neither_stops_the_agent_nor_fails_its_
         time.sleep(2.5)  # a housekeeping pass or two
         assert urllib.request.urlopen(f"http://127.0.0.1:{a.port}/healthz", timeout=10).status == 200
         assert "agent loop" not in a.text()
+    assert not list(spool.glob("jobs/*/step-*/.writing/*"))  # the save's request was written: no rank is writing
+
+
+def test_the_spool_keeps_a_failed_hand_offs_step_directory_while_a_later_save_of_the_step_writes_there(tmp_path):
+    """A restarted job saves a step again whose earlier hand-off failed (superseded): its
+    files land in the same spool directory before its request does. The agent's retention
+    must not take them for the failed hand-off's leftovers."""
+    spool = Spool(str(tmp_path / "spool"))
+    store = Store(str(tmp_path / "root"))
+    handoff = Handoff(store, spool, 0)
+    rel, job, local = "step-0000000100", handoff.job, handoff.local
+    assert local is not None
+    old = {"root": str(tmp_path / "root"), "storage_options": {}, "rel": rel, "step": 100, "save_id": "old", "rank": 0, "world": 2, "files": ["__0_0.distcp"], "manifest": {}, "started": 0.0}
+    request = spool.request_path(job, rel, 0)
+    os.makedirs(os.path.dirname(request))
+    Path(request).write_text(json.dumps(old))
+    os.makedirs(os.path.dirname(status_of(request)))
+    Path(status_of(request)).write_text(json.dumps({"state": "failed", "save_id": "old"}))
+    handoff.writing(local, rel)  # the new save, as persist starts writing into the spool
+    Path(local.path(rel, "__0_0.distcp")).write_bytes(b"the new save's bytes")
+    agent = Agent(Config(spool=spool.path, metrics_port=-1))
+    agent._prune()
+    assert Path(local.path(rel, "__0_0.distcp")).read_bytes() == b"the new save's bytes"
+    handoff.discard(local, rel, ["__0_0.distcp"])  # the new save failed too: nothing is writing now
+    agent._prune()
+    assert not os.path.exists(os.path.join(spool.job_dir(job), rel))
 
 
 def test_the_agent_refuses_requests_that_name_paths_outside_the_spool(tmp_path):
