@@ -122,7 +122,8 @@ class Agent:
     def __init__(self, config: Config) -> None:
         self.config = config
         self.spool = Spool(config.spool)
-        os.makedirs(os.path.join(self.spool.path, "jobs"), exist_ok=True)
+        for name in ("jobs", "metrics"):  # the trainers write below them (the same group)
+            os.makedirs(os.path.join(self.spool.path, name), exist_ok=True)
         self.registry = r = CollectorRegistry()
         Gauge("ckpt_agent_info", "The agent's version", ["version"], registry=r).labels(__version__).set(1)
         self.queue_depth = Gauge("ckpt_agent_upload_queue_depth", "Hand-offs waiting or uploading", registry=r)
@@ -314,7 +315,7 @@ class Agent:
                     raise Superseded(why)
                 mark_durable(store, request.rel, request.save_id, request.rank, {n: request.manifest["files"][n]["checksum"] for n in request.files})
                 self.uploads.labels("durable").inc()
-                self.upload_time.observe(time.monotonic() - began)
+                self.upload_time.observe(max(0.0, time.time() - request.submitted))  # queued and earlier agents' tries too
                 log.info("step %d rank %d durable in %s (%.1f MB in %.2f s)", request.step, request.rank, store.display, done / 1e6, time.monotonic() - began, extra=where)
                 # IMPORTANT: the commit is tried before the status says durable, so that when
                 # every rank of the node reads durable, the last marker's commit was tried.
@@ -327,11 +328,11 @@ class Agent:
                 self._fail(path, request, str(e), e, where)
                 return
             except Exception as e:
-                self.failures.labels(failure_kind(e)).inc()
                 late = time.time() - request.submitted > self.config.commit_wait
                 if (self.config.retries and attempt >= self.config.retries) or late:
-                    self._fail(path, request, f"{type(e).__name__}: {e}", e, where)
+                    self._fail(path, request, f"{type(e).__name__}: {e}", e, where)  # counts this attempt
                     return
+                self.failures.labels(failure_kind(e)).inc()
                 wait = min(2.0 ** (attempt - 1), 30.0)
                 log.warning("upload of step %d rank %d failed (%s); try %d in %.0f s", request.step, request.rank, redact(str(e)), attempt + 1, wait, extra=where)
                 if self._abandon.wait(wait):

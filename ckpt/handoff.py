@@ -115,7 +115,7 @@ class Handoff:
             return self.store
         # Every rank of the node writes its part at the same time.
         need = max(need, self._last_data) * int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1) + self._last_metadata
-        why = "its agent stopped" if self.spool.agent() is None else self.spool.room(need)
+        why = "its agent stopped" if self.spool.agent() is None else self._unwritable() or self.spool.room(need)
         if why is None:
             self._warned = None
             return self.local
@@ -123,6 +123,18 @@ class Handoff:
             log.warning("the node spool cannot take this save (%s): writing to %s directly", why, self.store.display)
             self._warned = why
         return self.store
+
+    def _unwritable(self) -> str | None:
+        """Why this process cannot write its job's spool directory (a spool made for another
+        user or group), or None."""
+        assert self.local is not None
+        try:
+            os.makedirs(self.local.root, exist_ok=True)
+        except OSError as e:
+            return f"this user cannot create {self.local.root}: {e.strerror}"
+        if not os.access(self.local.root, os.W_OK | os.X_OK):
+            return f"this user (uid {os.getuid()}) cannot write to {self.local.root}"
+        return None
 
     def wrote(self, manifest: Manifest) -> None:
         """A save committed (or handed off): what this rank's files took is the room the

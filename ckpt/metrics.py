@@ -154,8 +154,12 @@ class Metrics:
     def publish(self, path: str, every_s: float = 5.0, before: Callable[[], None] | None = None) -> None:
         """Write the series to `path` now and every `every_s` seconds (calling `before` first)
         until `close`, which removes it: for the node agent to serve (a textfile collector)."""
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+        except OSError as e:  # metrics must never stop training
+            log.warning("this rank's metrics are not published to %s: %s", path, e)
+            return
         stop = self._publishing = threading.Event()
-        os.makedirs(os.path.dirname(path), exist_ok=True)
 
         def loop() -> None:
             while True:

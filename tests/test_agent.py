@@ -13,9 +13,11 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -456,6 +458,38 @@ def test_the_spool_keeps_a_failed_hand_offs_step_directory_while_a_later_save_of
     handoff.discard(local, rel, ["__0_0.distcp"])  # the new save failed too: nothing is writing now
     agent._prune()
     assert not os.path.exists(os.path.join(spool.job_dir(job), rel))
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"), reason="needs root, to run the trainer as another user")
+def test_a_trainer_that_cannot_write_the_spool_writes_to_the_root_and_commits_itself(tmp_path):
+    """A spool the agent made for its own user (a systemd StateDirectory, root's and 0755):
+    a trainer running as another user neither fails to start nor fails its saves; it says
+    why and writes to the root itself."""
+    base = Path(tempfile.mkdtemp(prefix="ckpt-spool-perm-", dir="/tmp"))  # reachable by the other user
+    try:
+        base.chmod(0o755)
+        spool, root = base / "spool", base / "root"
+        spool.mkdir(mode=0o755)
+        root.mkdir()
+        root.chmod(0o777)
+        script = (
+            "import torch, ckpt\n"
+            f"with ckpt.Checkpointer({str(root)!r}, model=torch.nn.Linear(2, 2), interval=None, spool={str(spool)!r}) as cp:\n"
+            "    cp.step_done()\n"
+            "    cp.save(blocking=True)\n"
+            "    print('committed', cp.last_commit.step)\n"
+        )
+        with agent(spool, tmp_path / "agent.log"):
+            r = subprocess.run(
+                ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--", sys.executable, "-c", script],
+                env={**os.environ, "PYTHONPATH": str(REPO), "HOME": str(base)}, capture_output=True, text=True, timeout=120, check=False,
+            )  # fmt: skip
+        assert r.returncode == 0 and "committed 1" in r.stdout, r.stdout + r.stderr
+        assert "this user cannot create" in r.stderr and "writing to" in r.stderr
+        assert (root / "step-0000000001" / "manifest.json").exists()
+        assert not list(spool.glob("jobs/*/step-*"))
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
 
 
 def test_the_agent_refuses_requests_that_name_paths_outside_the_spool(tmp_path):
