@@ -58,16 +58,18 @@ def capture(engine: Any) -> dict[str, Any]:
     """The engine's state dict: `model` (fp32 weights, buffers), `optim`, `engine`."""
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
+    _check_boundary(engine)
     params = _named_params(engine)
-    model: dict[str, Any] = {name: safe_get_full_fp32_param(p).clone() for name, p in params}
+    # Each full tensor goes to the host as it is gathered: on the device only one at a time.
+    model: dict[str, Any] = {name: _on_host(safe_get_full_fp32_param(p)) for name, p in params}
     for name, b in engine.module.named_buffers():
-        model[name] = b.detach().clone()
+        model[name] = _on_host(b.detach())
     sd: dict[str, Any] = {"model": model}
     base = _base_optimizer(engine)
     if base is not None:
         _ensure_optimizer_state(engine, base)  # before the first step too: a restore loads into it
         keys = _state_keys(base)
-        state = {name: {k: safe_get_full_optimizer_state(p, k).clone() for k in keys} for name, p in params}
+        state = {name: {k: _on_host(safe_get_full_optimizer_state(p, k)) for k in keys} for name, p in params}
         steps = [st["step"] for st in base.state.values() if "step" in st]
         step = steps[0] if steps else 0
         sd["optim"] = {
@@ -80,6 +82,45 @@ def capture(engine: Any) -> dict[str, Any]:
     if getattr(engine, "lr_scheduler", None) is not None and hasattr(engine.lr_scheduler, "state_dict"):
         sd["engine"]["lr_scheduler"] = engine.lr_scheduler.state_dict()
     return sd
+
+
+GATHER_BYTES = 256 << 20  # ZeRO-3 parameters gathered at once by a restore, at most (bar one larger)
+
+
+def _gather_groups(params: list[tuple[str, torch.nn.Parameter]]) -> list[list[tuple[str, torch.nn.Parameter]]]:
+    """`params` in runs of at most GATHER_BYTES of full (gathered) parameters, in order."""
+    groups: list[list[tuple[str, torch.nn.Parameter]]] = [[]]
+    size = 0
+    for name, p in params:
+        n = int(getattr(p, "ds_numel", p.numel())) * p.element_size()
+        if groups[-1] and size + n > GATHER_BYTES:
+            groups.append([])
+            size = 0
+        groups[-1].append((name, p))
+        size += n
+    return groups
+
+
+def _on_host(t: torch.Tensor) -> torch.Tensor:
+    """A copy of `t` in host memory (never a view of the engine's own tensors)."""
+    return t.to("cpu", copy=True)
+
+
+def _check_boundary(engine: Any) -> None:
+    """A save between two micro-batches of one optimizer step would leave out the gradients
+    accumulated so far, while the data position counts their samples as consumed: the
+    resumed step would be built from the remaining micro-batches only."""
+    if getattr(engine, "_is_gradient_accumulation_boundary", None) is not None:
+        return  # the caller sets the boundaries itself
+    managed = getattr(engine, "managed_gradient_accumulation", lambda: True)()
+    accumulation = engine.gradient_accumulation_steps()
+    if managed and accumulation > 1 and engine.micro_steps % accumulation:
+        raise ValueError(
+            f"a save in the middle of gradient accumulation (micro-batch {engine.micro_steps % accumulation} of "
+            f"{accumulation}) would lose the gradients accumulated so far: call cp.step_done() once per optimizer "
+            "step, after the engine.step() that ends the accumulation (engine.micro_steps % "
+            "engine.gradient_accumulation_steps() == 0)"
+        )
 
 
 def apply(engine: Any, sd: dict[str, Any]) -> None:
@@ -97,11 +138,13 @@ def apply(engine: Any, sd: dict[str, Any]) -> None:
     for name, p in params:
         safe_set_full_fp32_param(p, model[name])
     # The low-precision copies the forward uses: every rank holds them whole below ZeRO-3;
-    # under ZeRO-3 they are gathered, set, and partitioned again.
-    gathered = deepspeed.zero.GatheredParameters([p for _, p in params], modifier_rank=0) if stage == 3 else contextlib.nullcontext()
-    with gathered, torch.no_grad():
-        for name, p in params:
-            p.data.copy_(model[name].to(p.dtype))
+    # under ZeRO-3 they are gathered, set, and partitioned again, a few at a time (all at
+    # once would put the whole model on each device).
+    for group in _gather_groups(params) if stage == 3 else [params]:
+        gathered = deepspeed.zero.GatheredParameters([p for _, p in group], modifier_rank=0) if stage == 3 else contextlib.nullcontext()
+        with gathered, torch.no_grad():
+            for name, p in group:
+                p.data.copy_(model[name].to(p.dtype))
     for name, b in engine.module.named_buffers():
         if name in model:
             b.data.copy_(model[name])

@@ -44,8 +44,15 @@ def main() -> None:
     p.add_argument("--every", type=int, default=5)
     p.add_argument("--out", required=True)
     p.add_argument("--no-save-on-exit", action="store_true")
+    p.add_argument("--accumulation", type=int, default=1, help="micro-batches per optimizer step")
+    p.add_argument("--gather-bytes", type=int, help="ZeRO-3: parameters gathered at once by a restore")
+    p.add_argument("--count-micro-steps", action="store_true", help="step_done() after every engine.step() (a mistake)")
     args = p.parse_args()
     os.environ.setdefault("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if args.gather_bytes:
+        from ckpt import deepspeed_state
+
+        deepspeed_state.GATHER_BYTES = args.gather_bytes
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(1234)  # the same initial weights on every rank
@@ -55,7 +62,7 @@ def main() -> None:
         zero["offload_optimizer"] = {"device": "cpu"}
     config = {
         "train_micro_batch_size_per_gpu": 4,
-        "gradient_accumulation_steps": 1,
+        "gradient_accumulation_steps": args.accumulation,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
         "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 1e-2, "warmup_num_steps": 8}},
         "zero_optimization": zero,
@@ -67,14 +74,18 @@ def main() -> None:
     with ckpt.Checkpointer(args.root, model=engine, interval=ckpt.Every(steps=args.every), save_on_exit=not args.no_save_on_exit, timeout_s=120) as cp:
         start = {"step": cp.step, **full_state(engine, optimizer=cp.step > 0)}
         for step in range(cp.step, args.steps):
-            # The data depends on the global step and the rank only: a resumed job sees
-            # what the uninterrupted one saw.
-            g = torch.Generator().manual_seed(step * 1000 + rank)
-            x = torch.randn(4, 16, generator=g)
-            loss = engine(x).pow(2).mean()
-            engine.backward(loss)
-            engine.step()
-            cp.step_done()
+            for micro in range(args.accumulation):
+                # The data depends on the global step, the micro-batch and the rank only: a
+                # resumed job sees what the uninterrupted one saw.
+                g = torch.Generator().manual_seed(step * 1000 + micro * 100 + rank)
+                x = torch.randn(4, 16, generator=g)
+                loss = engine(x).pow(2).mean()
+                engine.backward(loss)
+                engine.step()
+                if args.count_micro_steps:
+                    cp.step_done()
+            if not args.count_micro_steps:
+                cp.step_done()  # one optimizer step
     torch.save({"step": cp.step, "restored_step": cp.restored_step, "world": world, "start": start, "end": full_state(engine, optimizer=cp.step > 0)}, f"{args.out}.rank{rank}.pt")
     dist.barrier()
     # Once in a CI run a finished 1-rank job aborted at teardown ("terminate called without

@@ -41,7 +41,8 @@ def assert_same_state(got: dict, want: dict, what: str) -> None:
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_a_zero_engine_resumes_bitwise_on_the_same_and_on_other_world_sizes(tmp_path, stage):
     root = tmp_path / "root"
-    common = ("--stage", stage, "--every", 5)
+    # ZeRO-3's restore gathers a few parameters at a time: here one or two of the model's.
+    common = ("--stage", stage, "--every", 5, *(("--gather-bytes", 4096) if stage == 3 else ()))
     # 2 ranks train 5 steps and stop at their step-5 checkpoint.
     first = ds_job(tmp_path, 2, "first", *common, "--root", root, "--steps", 5, "--no-save-on-exit")
     shutil.copytree(root, tmp_path / "copy")
@@ -73,3 +74,22 @@ def test_zero2_with_the_optimizer_offloaded_resumes_bitwise_and_trains_on_as_dee
     straight = ds_job(tmp_path, 2, "straight", *common, "--root", tmp_path / "straight", "--steps", 10)
     for name, tensor in straight[0]["end"]["params"].items():
         torch.testing.assert_close(resumed[0]["end"]["params"][name], tensor, rtol=1e-4, atol=1e-5)
+
+
+def test_a_save_in_the_middle_of_gradient_accumulation_is_refused_and_one_per_optimizer_step_resumes(tmp_path):
+    """With 2 micro-batches per optimizer step, a loop that counts engine.step() calls would
+    save half-way through one: its accumulated gradients are not part of any checkpoint, while
+    the data position counts their samples. The save is refused, saying how to count; the
+    loop that counts optimizer steps saves on their boundaries and resumes bitwise."""
+    common = ("--stage", 1, "--accumulation", 2)
+    log_dir = tmp_path / "micro"
+    log_dir.mkdir()
+    codes = run(1, WORKER, *map(str, common), "--count-micro-steps", "--every", "1", "--steps", "2", "--root", str(tmp_path / "bad"),
+                "--out", str(log_dir / "out"), env={"DS_ACCELERATOR": "cpu"}, log_dir=log_dir, timeout=300)  # fmt: skip
+    log = (log_dir / "rank0.log").read_text()
+    assert codes != [0] and "a save in the middle of gradient accumulation (micro-batch 1 of 2)" in log, log[-3000:]
+    assert not list((tmp_path / "bad").glob("step-*/manifest.json"))
+    first = ds_job(tmp_path, 1, "first", *common, "--every", 2, "--root", tmp_path / "root", "--steps", 2, "--no-save-on-exit")
+    resumed = ds_job(tmp_path, 1, "resumed", *common, "--every", 2, "--root", tmp_path / "root", "--steps", 3)
+    assert resumed[0]["restored_step"] == 2 and resumed[0]["step"] == 3
+    assert_same_state(resumed[0]["start"], first[0]["end"], "gradient accumulation")

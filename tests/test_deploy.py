@@ -413,6 +413,10 @@ def test_grace_periods_outlast_the_shutdowns_they_wait_for() -> None:
     )
     trainer = trainer_pod()
     assert trainer["terminationGracePeriodSeconds"] >= 180
+    # A node going away stops both at once: a save handed off as the trainer's grace ends
+    # still has two minutes of the agent's to upload.
+    grace = int(flag(agent_container()["args"], "--shutdown-grace"))
+    assert grace >= trainer["terminationGracePeriodSeconds"] + 120
     torchrun = trainer["containers"][0]["command"]
     assert trainer["terminationGracePeriodSeconds"] > int(flag(torchrun, "--shutdown-timeout"))
 
