@@ -140,7 +140,7 @@ class ElasticSampler(Sampler[int]):
     @property
     def remaining(self) -> int:
         """Indices this rank has still to take in the current epoch."""
-        return (self._epoch_len() - self._start) // self.world_size - self._yielded
+        return max(0, (self._epoch_len() - self._start) // self.world_size - self._yielded)
 
     def __iter__(self) -> Iterator[int]:
         self._start = self.consumed

@@ -506,8 +506,8 @@ class SafeLoadPlanner(DefaultLoadPlanner):
     bytes may still have been written by someone else, so no code runs from them. Values for
     which `optional` says so may be missing from the checkpoint: they are left as they are."""
 
-    def __init__(self, optional: Callable[[str], bool] = lambda fqn: False) -> None:
-        super().__init__()
+    def __init__(self, optional: Callable[[str], bool] = lambda fqn: False, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
         self.optional = optional
 
     def create_local_plan(self) -> LoadPlan:

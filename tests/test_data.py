@@ -80,6 +80,15 @@ def test_len_is_the_whole_epoch_per_rank_and_remaining_what_a_restored_sampler_h
     assert len(restored) == whole[1] and len(loader) == -(-whole[1] // 2)  # an epoch, for steps-per-epoch
     assert restored.remaining == whole[1] - 4 == len(list(restored))
     assert len(restored) == restored.remaining == whole[1]  # the next epoch, whole
+    # Saved as the epoch's last index went out, on 3 ranks; resumed on 2, whose epoch pads
+    # to fewer: nothing is left of it, not less than nothing.
+    ended = ElasticSampler(37, seed=0, rank=0, world_size=3, drop_last=drop_last)
+    for _ in ended:
+        pass
+    st = {**ended.state_dict(), "epoch": 0, "consumed": 39 if not drop_last else 36}
+    fewer = ElasticSampler(37, seed=0, rank=0, world_size=2 if not drop_last else 5, drop_last=drop_last)
+    fewer.load_state_dict(st)
+    assert fewer.remaining == 0 == len(list(fewer))
 
 
 def test_unshuffled_sampler_walks_the_dataset_in_order():
