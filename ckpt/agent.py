@@ -444,14 +444,17 @@ class Agent:
                 self._largest = max(self._largest, size)
                 reqs = [os.path.join(d, REQUESTS_DIR, n) for n in listdir(os.path.join(d, REQUESTS_DIR))]
                 states = [r.state(read_json(status_of(p))) if (r := self._request(p)) else FAILED for p in reqs]
+                # IMPORTANT: never while a rank writes a save's files here (its request comes once
+                # they are durable, which may take as long as the slowest rank's write): a later
+                # save of a step whose hand-off failed (a restarted job's) among them. A marker
+                # older than commit_wait is a crashed writer's.
+                writing = _writing(d, self.config.commit_wait)
                 if not states:
-                    if time.time() - newest > ORPHAN_AFTER_S:
+                    if not writing and time.time() - newest > ORPHAN_AFTER_S:
                         self._remove(d, "no hand-off (a write that never finished)")
                         used -= size
                 elif all(s == FAILED for s in states):
-                    # IMPORTANT: not while a later save of the step (a restarted job's) writes
-                    # its files here, its request to come once they are durable.
-                    if not _writing(d) or time.time() - newest > ORPHAN_AFTER_S:
+                    if not writing:
                         self._remove(d, "its hand-off failed")
                         used -= size
                 elif all(s in (COMMITTED, FAILED) for s in states):
@@ -546,9 +549,15 @@ def _size(request_path: str, name: str) -> int:
         return 0
 
 
-def _writing(step_dir: str) -> bool:
-    """Is a rank writing a save's files into this step directory (`Handoff.writing`)?"""
-    return bool(listdir(os.path.join(step_dir, WRITING_DIR)))
+def _writing(step_dir: str, within_s: float) -> bool:
+    """Is a rank writing a save's files into this step directory (`Handoff.writing`): a
+    marker made less than `within_s` seconds ago?"""
+    markers = os.path.join(step_dir, WRITING_DIR)
+    for name in listdir(markers):
+        with contextlib.suppress(OSError):
+            if time.time() - os.stat(os.path.join(markers, name)).st_mtime < within_s:
+                return True
+    return False
 
 
 def _du(directory: str) -> tuple[int, float]:

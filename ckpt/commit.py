@@ -219,40 +219,44 @@ def persist(
     if handoff is not None:
         handoff.writing(chosen, rel)
     try:
-        mine, layout, target = _write_data(chosen, group, rel, step, staged, sinks, arenas, resaver, None if replan else layout, store)
-    except CheckpointException as e:  # DCP's save, which its ranks fail together
-        if handoff is not None and chosen is not store and isinstance(_own_failure(e, group.rank), DiskFull):
-            handoff.spool_filled()  # so that the next save does not fail the same way
-        raise
-    if handoff is not None and target is not chosen:
-        handoff.spool_filled()
-    everyone = group.gather_short(mine) or []
-    if group.rank != 0:
-        fault_point("before_manifest", group.rank, step)
+        try:
+            mine, layout, target = _write_data(chosen, group, rel, step, staged, sinks, arenas, resaver, None if replan else layout, store)
+        except CheckpointException as e:  # DCP's save, which its ranks fail together
+            if handoff is not None and chosen is not store and isinstance(_own_failure(e, group.rank), DiskFull):
+                handoff.spool_filled()  # so that the next save does not fail the same way
+            raise
+        if handoff is not None and target is not chosen:
+            handoff.spool_filled()
+        everyone = group.gather_short(mine) or []
+        if group.rank != 0:
+            fault_point("before_manifest", group.rank, step)
 
-    def commit(everyone: list[Any]) -> Manifest | str:  # rank 0's
-        return _commit(
-            store, target, group, rel, step, everyone, layout, counters=counters, user=user, schedule=schedule,
-            blocking_s=blocking_s, started=started, handoff=handoff, key=key, guard=guard,
-        )  # fmt: skip
+        def commit(everyone: list[Any]) -> Manifest | str:  # rank 0's
+            return _commit(
+                store, target, group, rel, step, everyone, layout, counters=counters, user=user, schedule=schedule,
+                blocking_s=blocking_s, started=started, handoff=handoff, key=key, guard=guard,
+            )  # fmt: skip
 
-    long = [m.n for m in everyone if isinstance(m, TooLong)]
-    # Rank 0's save id travels with the outcome: the other ranks need it only to hand off.
-    outcome, save_id = group.broadcast(((TooLong(max(long)) if long else commit(everyone)), save_id) if group.rank == 0 else None)
-    if isinstance(outcome, TooLong):  # a rank's files did not fit gather_short: all send them again
-        group.fit(outcome.n)
-        everyone = group.gather(mine) or []  # IMPORTANT: on every rank
-        outcome = group.broadcast(commit(everyone) if group.rank == 0 else None)
-    if not isinstance(outcome, Manifest):
-        resaver.layout = None  # the next save is planned afresh, on every rank
-        if handoff is not None and not isinstance(mine, str):
-            handoff.discard(target, rel, [*mine[2], *([METADATA_NAME] if group.rank == 0 else [])])
-        raise SaveFailed(str(outcome))
-    if handoff is not None:
-        _hand_off(handoff, target, group, rel, save_id, outcome, mine, began)
-        handoff.wrote(outcome)
-    fault_point("after_manifest", group.rank, step)
-    return outcome
+        long = [m.n for m in everyone if isinstance(m, TooLong)]
+        # Rank 0's save id travels with the outcome: the other ranks need it only to hand off.
+        outcome, save_id = group.broadcast(((TooLong(max(long)) if long else commit(everyone)), save_id) if group.rank == 0 else None)
+        if isinstance(outcome, TooLong):  # a rank's files did not fit gather_short: all send them again
+            group.fit(outcome.n)
+            everyone = group.gather(mine) or []  # IMPORTANT: on every rank
+            outcome = group.broadcast(commit(everyone) if group.rank == 0 else None)
+        if not isinstance(outcome, Manifest):
+            resaver.layout = None  # the next save is planned afresh, on every rank
+            if handoff is not None and not isinstance(mine, str):
+                handoff.discard(target, rel, [*mine[2], *([METADATA_NAME] if group.rank == 0 else [])])
+            raise SaveFailed(str(outcome))
+        if handoff is not None:
+            _hand_off(handoff, target, group, rel, save_id, outcome, mine, began)
+            handoff.wrote(outcome)
+        fault_point("after_manifest", group.rank, step)
+        return outcome
+    finally:
+        if handoff is not None:
+            handoff.done_writing(rel)  # written into the spool and handed off, or failed
 
 
 def _commit(

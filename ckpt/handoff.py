@@ -155,9 +155,10 @@ class Handoff:
             path = self.spool.writing_path(self.job, rel, self.rank)
             with contextlib.suppress(OSError):  # the write to come says what is wrong
                 os.makedirs(os.path.dirname(path), exist_ok=True)
-                write_json(path, {"pid": os.getpid(), "time": time.time()})
+                write_json(path, {"rank": self.rank, "time": time.time()})  # its age is what counts
 
-    def _written(self, rel: str) -> None:
+    def done_writing(self, rel: str) -> None:
+        """This rank writes no more into the step directory (its request names the files, or the save failed)."""
         if self.spool is not None:
             with contextlib.suppress(OSError):
                 os.remove(self.spool.writing_path(self.job, rel, self.rank))
@@ -165,7 +166,7 @@ class Handoff:
     def discard(self, target: Store, rel: str, names: list[str]) -> None:
         """A save that failed: this rank's files of it leave the spool now (the agent would
         drop them only once they are old, counting them as used meanwhile)."""
-        self._written(rel)
+        self.done_writing(rel)
         if target is self.local:
             for name in names:
                 with contextlib.suppress(OSError):
@@ -192,11 +193,11 @@ class Handoff:
                 os.remove(status)  # an earlier try of the same step: not this one's status
             # IMPORTANT: the files are durable in the spool (fsync'd) before the request names them
             write_json(self.spool.request_path(self.job, rel, self.rank), request.__dict__)
-            self._written(rel)
+            self.done_writing(rel)
             with self._lock:
                 self._pending.append(_Handed(status, request, manifest))
             return
-        self._written(rel)  # the spool filled under the write: the files went to the root
+        self.done_writing(rel)  # the spool filled under the write: the files went to the root
         mark_durable(self.store, rel, save_id, self.rank, {n: manifest.files[n].checksum for n in files})
         commit_if_complete(self.store, request)
         with self._lock:
