@@ -163,6 +163,10 @@ def apply(engine: Any, sd: dict[str, Any]) -> None:
     for key, value in counters.items():
         if hasattr(engine, key):
             setattr(engine, key, value)
+    # On another world size with the same global batch DeepSpeed accumulates over another
+    # number of micro-batches: the next micro-batch starts an optimizer step, as it did.
+    if hasattr(engine, "micro_steps"):
+        engine.micro_steps = int(engine.global_steps) * engine.gradient_accumulation_steps()
     if "lr_scheduler" in sd["engine"]:
         engine.lr_scheduler.load_state_dict(sd["engine"]["lr_scheduler"])
 

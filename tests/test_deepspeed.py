@@ -93,3 +93,8 @@ def test_a_save_in_the_middle_of_gradient_accumulation_is_refused_and_one_per_op
     resumed = ds_job(tmp_path, 1, "resumed", *common, "--every", 2, "--root", tmp_path / "root", "--steps", 3)
     assert resumed[0]["restored_step"] == 2 and resumed[0]["step"] == 3
     assert_same_state(resumed[0]["start"], first[0]["end"], "gradient accumulation")
+    # 2 ranks of one micro-batch a step, resumed on 1 rank of two (the same global batch):
+    # the restored engine starts an optimizer step with its next micro-batch, and saves.
+    ds_job(tmp_path, 2, "two", "--stage", 1, "--every", 3, "--root", tmp_path / "elastic", "--steps", 3, "--no-save-on-exit")
+    one = ds_job(tmp_path, 1, "one", *common, "--every", 1, "--root", tmp_path / "elastic", "--steps", 4)
+    assert one[0]["restored_step"] == 3 and one[0]["step"] == 4
