@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from . import catalog
 from ._gc import gc_paused
-from .capture import TrainingState, optional_in_checkpoint
+from .capture import CUDA_RNG, TrainingState, optional_in_checkpoint
 from .checksum import BLAKE3
 from .commit import Group
 from .dcp_io import SafeLoadPlanner, make_reader
@@ -253,6 +253,7 @@ def _try_restore(
     applied = _outcome(lambda: state.apply(sd, rank))
     if applied[0]:
         return (*applied, None)
+    _say_old_cuda_rng(planner, rank)
     counters = cast(dict, applied[2])
     source = tiered.source if tiered else "store"
     restored = Restored(int(counters.pop("step")), counters, manifest, reader.read_bytes, source, tuple(planner.unasked(("model.", "extra."))))
@@ -272,6 +273,18 @@ def _try_restore(
             "another world size and it has no ckpt.ElasticSampler; its data starts over",
         )
     return 0, "", restored
+
+
+def _say_old_cuda_rng(planner: SafeLoadPlanner, rank: int) -> None:
+    """A checkpoint of an earlier ckpt holds a rank's CUDA streams by device index, which
+    another node may number otherwise: none of them is loaded, and the user is told."""
+    stored = planner.metadata.state_dict_metadata if planner.metadata is not None else {}
+    mine = f"rng.rank_{rank}."
+    if f"{mine}{CUDA_RNG}" in planner.state_dict and f"{mine}{CUDA_RNG}" not in stored and any(k.startswith(f"{mine}cuda.") for k in stored):
+        log.warning(
+            "rank %d: this checkpoint holds its CUDA RNG streams by device index (saved by an earlier ckpt): "
+            "they are not restored, and the current device's stream goes on from where it is", rank,
+        )
 
 
 def _say_unasked(ctrl: Group, store: Store, restored: Restored) -> None:

@@ -285,22 +285,30 @@ def test_values_saved_that_the_fresh_objects_do_not_ask_for_are_named_not_droppe
     assert torch.equal(ready.shadow["w"], torch.ones(3)) and "left unrestored" not in caplog.text
 
 
-def test_a_checkpoint_without_the_cuda_rng_stream_this_process_has_restores_and_leaves_it(tmp_path, monkeypatch):
+def test_a_checkpoint_without_the_cuda_rng_stream_this_process_has_restores_and_leaves_it(tmp_path, monkeypatch, caplog):
     """A rank saves its current CUDA device's stream, if CUDA is in use. A checkpoint saved
     where it was not (the model was still on the CPU) lacks it; a restarted process that has
     one restores everything else and leaves that stream as it is, rather than failing the
-    restore with no fallback ("Missing key")."""
+    restore with no fallback ("Missing key"). One that an earlier ckpt saved with a stream per
+    device index restores too, saying that its CUDA stream is not restored."""
+    import logging
+
     import ckpt
     import ckpt.capture as capture
 
-    with ckpt.Checkpointer(str(tmp_path), model=torch.nn.Linear(2, 2), interval=None) as cp:
-        torch.manual_seed(5)
-        cp.save(blocking=True)
-        after_save = torch.rand(3)
     real = capture.rng_state
     stands_for_cuda = torch.arange(16, dtype=torch.uint8)  # a CUDA generator's state, here on the CPU
-    monkeypatch.setattr(capture, "rng_state", lambda: {**real(), capture.CUDA_RNG: stands_for_cuda.clone()})
-    torch.manual_seed(99)
-    with ckpt.Checkpointer(str(tmp_path), model=torch.nn.Linear(2, 2), interval=None) as cp:
-        assert cp.restored_step == 0
-        assert torch.equal(torch.rand(3), after_save)  # the CPU stream is the saved one
+    caplog.set_level(logging.WARNING, logger="ckpt")
+    for name, saved_with in (("no-cuda", {}), ("by-index", {"cuda": {"0": stands_for_cuda + 1}})):
+        monkeypatch.setattr(capture, "rng_state", lambda extra=saved_with: {**real(), **extra})
+        with ckpt.Checkpointer(str(tmp_path / name), model=torch.nn.Linear(2, 2), interval=None) as cp:
+            torch.manual_seed(5)
+            cp.save(blocking=True)
+            after_save = torch.rand(3)
+        monkeypatch.setattr(capture, "rng_state", lambda: {**real(), capture.CUDA_RNG: stands_for_cuda.clone()})
+        torch.manual_seed(99)
+        caplog.clear()
+        with ckpt.Checkpointer(str(tmp_path / name), model=torch.nn.Linear(2, 2), interval=None) as cp:
+            assert cp.restored_step == 0
+            assert torch.equal(torch.rand(3), after_save)  # the CPU stream is the saved one
+        assert ("CUDA RNG streams by device index" in caplog.text) == (name == "by-index"), caplog.text
