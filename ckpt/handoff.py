@@ -160,8 +160,11 @@ class Handoff:
     def done_writing(self, rel: str) -> None:
         """This rank writes no more into the step directory (its request names the files, or the save failed)."""
         if self.spool is not None:
+            marker = self.spool.writing_path(self.job, rel, self.rank)
             with contextlib.suppress(OSError):
-                os.remove(self.spool.writing_path(self.job, rel, self.rank))
+                os.remove(marker)
+            with contextlib.suppress(OSError):  # the last rank of the node to finish: no trace
+                os.rmdir(os.path.dirname(marker))
 
     def discard(self, target: Store, rel: str, names: list[str]) -> None:
         """A save that failed: this rank's files of it leave the spool now (the agent would
