@@ -68,7 +68,10 @@ def main() -> None:
     if args.loader == "stateful":
         from torchdata.stateful_dataloader import StatefulDataLoader
 
-        loader = StatefulDataLoader(data, batch_size=args.micro_batch, sampler=sampler, num_workers=args.workers)
+        # forkserver, as the README advises: a worker forked from the rank while another of its
+        # threads held a lock hung once in CI (in torch.set_num_threads, pytorch/pytorch#130610).
+        context = "forkserver" if args.workers else None
+        loader = StatefulDataLoader(data, batch_size=args.micro_batch, sampler=sampler, num_workers=args.workers, multiprocessing_context=context)
     else:
         loader = DataLoader(data, batch_size=args.micro_batch, sampler=sampler, num_workers=args.workers)
     accum = ckpt.accumulation_steps(args.global_batch, args.micro_batch, world)
