@@ -196,11 +196,9 @@ class Handoff:
                 os.remove(status)  # an earlier try of the same step: not this one's status
             # IMPORTANT: the files are durable in the spool (fsync'd) before the request names them
             write_json(self.spool.request_path(self.job, rel, self.rank), request.__dict__)
-            self.done_writing(rel)
             with self._lock:
                 self._pending.append(_Handed(status, request, manifest))
             return
-        self.done_writing(rel)  # the spool filled under the write: the files went to the root
         mark_durable(self.store, rel, save_id, self.rank, {n: manifest.files[n].checksum for n in files})
         commit_if_complete(self.store, request)
         with self._lock:

@@ -150,9 +150,8 @@ class Request:
         names = {f.name for f in dataclasses.fields(cls)}
         if not isinstance(doc, dict) or not names >= set(doc) or not set(_FIELD_TYPES) <= set(doc):
             raise ValueError("not a hand-off request")
-        wrong = [k for k, kinds in _FIELD_TYPES.items() if not isinstance(doc[k], kinds) or (isinstance(doc[k], bool) and bool not in kinds)]
-        if "submitted" in doc and (isinstance(doc["submitted"], bool) or not isinstance(doc["submitted"], (int, float))):
-            wrong.append("submitted")
+        kinds_of = {**_FIELD_TYPES, "submitted": (int, float)}  # submitted: optional
+        wrong = [k for k, v in doc.items() if not isinstance(v, kinds_of[k]) or (isinstance(v, bool) and bool not in kinds_of[k])]
         if wrong or not all(isinstance(n, str) for n in doc["files"]):
             raise ValueError(f"not a hand-off request: {', '.join(wrong) or 'files'} of the wrong type")
         return cls(**doc)
