@@ -156,8 +156,9 @@ class _Reader(FileSystemReader):
     (pickled values, any blob the parser does not know) waits until all that was read of the
     file matched the manifest."""
 
-    def __init__(self, store: Store, step_dir: str, manifest: Manifest) -> None:
+    def __init__(self, store: Store, step_dir: str, manifest: Manifest, before_read: Callable[[], None] | None = None) -> None:
         super().__init__(step_dir)
+        self._before_read = before_read
         self.fs = _VerifiedFiles(store, step_dir, manifest)
         self.path = step_dir
         self.store = store
@@ -181,6 +182,8 @@ class _Reader(FileSystemReader):
         return md
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        if self._before_read is not None:
+            self._before_read()
         per_file: dict[str, list[ReadItem]] = {}
         for req in plan.items:
             per_file.setdefault(self.storage_data[req.storage_index].relative_path, []).append(req)
@@ -497,8 +500,9 @@ def _load_blob(blob: bytes, reqs: list[ReadItem], planner: LoadPlanner) -> None:
         planner.commit_tensor(req, target)
 
 
-def make_reader(store: Store, step_dir: str, manifest: Manifest) -> _Reader:
-    return _Reader(store, step_dir, manifest)
+def make_reader(store: Store, step_dir: str, manifest: Manifest, before_read: Callable[[], None] | None = None) -> _Reader:
+    """The reader of one checkpoint; `before_read` is called as it starts to read data."""
+    return _Reader(store, step_dir, manifest, before_read)
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):

@@ -312,6 +312,9 @@ class Tiered:
     def _from(self, rel: str) -> str:
         return "spool" if rel.rsplit("/", 1)[-1] in self.names else "store"
 
+    def local_path(self, rel: str) -> str | None:
+        return self.local.path(rel) if self._from(rel) == "spool" else self.store.local_path(rel)
+
     def read_bytes(self, rel: str) -> bytes:
         if self._from(rel) == "spool":
             with contextlib.suppress(NotFound):

@@ -31,11 +31,12 @@ from .errors import (
     StorageError,
     dcp_failures,
 )
-from .manifest import MANIFEST_NAME, Manifest
+from .manifest import MANIFEST_NAME, METADATA_NAME, Manifest
+from .prefetch import Prefetch
 from .storage import Store, step_dir_name
 
 if TYPE_CHECKING:
-    from .handoff import Handoff
+    from .handoff import Handoff, Tiered
     from .signing import SigningKey
 
 log = logging.getLogger(__name__)
@@ -198,13 +199,6 @@ def _try_restore(
     ends with all ranks knowing its outcome, so no rank enters a collective alone."""
     rel = step_dir_name(step)
     rank = ctrl.rank
-    # Every rank builds its template before the manifest goes round: else the others wait on
-    # rank 0's read of it, and rank 0 then on their templates.
-    base: dict[str, Any] | Exception
-    try:
-        base = state.template(rank)
-    except _PREPARE_ERRORS as e:
-        base = e
     doc: bytes | str = b""
     if rank == 0:  # one read of the manifest, the same for every rank
         try:
@@ -215,6 +209,7 @@ def _try_restore(
     if isinstance(doc, str):
         return (2 if doc.startswith("StorageError") else 1), doc, None
     prep: tuple[int, str] = (0, "")
+    warm = Prefetch()
     try:
         manifest = Manifest.from_json(doc, f"{store.display}/{rel}")
         # IMPORTANT: the manifest read now is the one checked, whatever the listing saw.
@@ -230,18 +225,29 @@ def _try_restore(
         if manifest.step != step:  # IMPORTANT: another step's manifest lists that step's files
             raise InvalidCheckpoint(f"{store.display}/{rel}: manifest is for step {manifest.step}")
         catalog.check_ranks(manifest, f"{store.display}/{rel}")
-        if isinstance(base, Exception):
-            raise base
-        sd = state.fit_template(base, rank, ctrl.world, manifest.world_size)
+        tiered = handoff.reader_store(rel, manifest) if handoff is not None else None
+        # The rank's files come into the page cache while it builds its template and plans
+        # (nothing is read from them before they are verified, as always).
+        warm = Prefetch(_files_to_warm(tiered or store, rel, manifest, rank, ctrl.world))
+        sd = state.fit_template(state.template(rank), rank, ctrl.world, manifest.world_size)
     except _PREPARE_ERRORS as e:
         prep = (1, f"{type(e).__name__}: {e}")
-    if ctrl.max([prep[0]])[0]:
-        return (*prep, None) if prep[0] else (1, "another rank could not prepare the restore", None)
+    with warm:
+        if ctrl.max([prep[0]])[0]:
+            return (*prep, None) if prep[0] else (1, "another rank could not prepare the restore", None)
+        return _load(ctrl, state, store, rel, manifest, sd, tiered, warm.stop)
+
+
+def _load(
+    ctrl: Group, state: TrainingState, store: Store, rel: str, manifest: Manifest, sd: dict[str, Any],
+    tiered: Tiered | None, before_read: Callable[[], None],
+) -> tuple[int, str, Restored | None]:  # fmt: skip
+    """The second half of `_try_restore`: read the step into `sd` and apply it."""
+    rank = ctrl.rank
     # Each rank plans and reads its part alone (DCP's default load planning has no global
     # step: its collectives would only carry the plans around and wait); the ranks then
     # agree on the outcome before anything is applied, as applying may take collectives.
-    tiered = handoff.reader_store(rel, manifest) if handoff is not None else None
-    reader = make_reader(tiered or store, rel, manifest)  # type: ignore[arg-type]
+    reader = make_reader(tiered or store, rel, manifest, before_read)  # type: ignore[arg-type]
     planner = SafeLoadPlanner(optional_in_checkpoint)
     loaded = _outcome(lambda: dcp.load(sd, storage_reader=reader, planner=planner, no_dist=True))
     if ctrl.max([loaded[0]])[0]:
@@ -273,6 +279,15 @@ def _try_restore(
             "another world size and it has no ckpt.ElasticSampler; its data starts over",
         )
     return 0, "", restored
+
+
+def _files_to_warm(store: Store | Tiered, rel: str, manifest: Manifest, rank: int, world: int) -> list[str]:
+    """The local files a rank reads first: .metadata, then, on the world size that saved the
+    checkpoint, its own data files (on another, its plan picks parts of several)."""
+    names = [METADATA_NAME]
+    if manifest.world_size == world:
+        names += sorted(n for n, e in manifest.files.items() if e.rank == rank)
+    return [p for n in names if (p := store.local_path(f"{rel}/{n}")) is not None]
 
 
 def _say_old_cuda_rng(planner: SafeLoadPlanner, rank: int) -> None:

@@ -217,6 +217,10 @@ class Store:
                 raise ValueError(f"path {p!r} escapes the checkpoint root")
         return "/".join([self.root, *parts])
 
+    def local_path(self, rel: str) -> str | None:
+        """The file's path on this machine, or None on an object store."""
+        return self.path(rel) if self.is_local else None
+
     def step_path(self, step: int, name: str | None = None) -> str:
         return self.path(step_dir_name(step), *([name] if name else []))
 

@@ -1,0 +1,160 @@
+"""A restore pulls its own local files into the page cache while it plans, and stops pulling
+as its reader starts: real files and the kernel's page cache, no stand-ins."""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import mmap
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import ckpt
+from ckpt import dcp_io, restore
+from ckpt.handoff import Tiered
+from ckpt.manifest import METADATA_NAME, FileEntry, Manifest
+from ckpt.prefetch import Prefetch
+from ckpt.storage import Store, step_dir_name
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the prefetch uses Linux's sendfile to /dev/null")
+
+
+def resident(path: Path) -> float:
+    """The fraction of the file's pages in the page cache (mmap and mincore; mapping reads
+    nothing in)."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    size = path.stat().st_size
+    pages = -(-size // mmap.PAGESIZE)
+    vec = (ctypes.c_ubyte * pages)()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        at = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        if at in (None, ctypes.c_void_p(-1).value):
+            raise OSError(ctypes.get_errno(), "mmap")
+        try:
+            if libc.mincore(at, size, vec) != 0:
+                raise OSError(ctypes.get_errno(), "mincore")
+        finally:
+            libc.munmap(at, size)
+    finally:
+        os.close(fd)
+    return sum(v & 1 for v in vec) / pages
+
+
+def evicted(path: Path) -> Path:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    return path
+
+
+def a_file(path: Path, mib: int) -> Path:
+    path.write_bytes(os.urandom(mib << 20))
+    return evicted(path)
+
+
+def test_a_prefetch_pulls_its_files_into_the_page_cache_in_order_up_to_its_limit(tmp_path):
+    first, second, third = (a_file(tmp_path / n, 4) for n in ("a", "b", "c"))
+    if resident(first) > 0.5:
+        pytest.skip("this filesystem keeps a file's pages in memory whatever is asked (tmpfs?): nothing to pull in")
+    with Prefetch([str(first), str(second), str(third)], chunk=1 << 20, limit=6 << 20) as p:
+        p.join(60)
+    assert p.warmed == 6 << 20
+    assert resident(first) == 1.0
+    assert resident(second) >= 0.5  # the limit falls in its middle (the kernel's readahead may take the rest)
+    assert resident(third) == 0.0
+
+
+def test_a_stopped_prefetch_pulls_nothing_more_and_a_missing_file_is_passed_over(tmp_path):
+    gate = tmp_path / "gate"
+    os.mkfifo(gate)  # opening it for reading blocks until a writer comes: the test decides when
+    data = a_file(tmp_path / "data", 2)
+    p = Prefetch([str(tmp_path / "missing"), str(gate), str(data)])
+    p.stop()
+    while p._thread.is_alive():  # let the thread on if it waits at the gate (it reads its end of file)
+        try:
+            os.close(os.open(gate, os.O_WRONLY | os.O_NONBLOCK))
+        except OSError as e:  # ENXIO: no reader yet (or the thread stopped before the gate)
+            assert e.errno == errno.ENXIO
+            time.sleep(0.01)
+    p.join(60)
+    assert p.warmed == 0
+    assert not p._thread.is_alive()
+
+    p = Prefetch([str(tmp_path / "missing"), str(data)])
+    p.join(60)
+    assert p.warmed == 2 << 20
+
+
+def manifest(world: int) -> Manifest:
+    files = {METADATA_NAME: FileEntry(10, "xxh3_64:0", -1)}
+    files.update({f"__{r}_0.distcp": FileEntry(10, "xxh3_64:0", r) for r in range(world)})
+    return Manifest(step=3, world_size=world, created=0.0, files=files)
+
+
+def test_a_rank_warms_metadata_and_its_own_files_and_on_another_world_size_only_metadata(tmp_path):
+    store, rel = Store(str(tmp_path / "root")), step_dir_name(3)
+    base = f"{tmp_path}/root/{rel}"
+    assert restore._files_to_warm(store, rel, manifest(2), 1, 2) == [f"{base}/{METADATA_NAME}", f"{base}/__1_0.distcp"]
+    assert restore._files_to_warm(store, rel, manifest(2), 0, 1) == [f"{base}/{METADATA_NAME}"]
+    spool = Store(str(tmp_path / "spool"))
+    tiered = Tiered(store, spool, {"__1_0.distcp"})
+    assert restore._files_to_warm(tiered, rel, manifest(2), 1, 2) == [f"{base}/{METADATA_NAME}", f"{tmp_path}/spool/{rel}/__1_0.distcp"]
+
+
+def test_a_restore_from_an_object_store_warms_nothing(s3_root):
+    assert restore._files_to_warm(Store(s3_root), step_dir_name(3), manifest(2), 1, 2) == []
+
+
+def test_a_restore_stops_its_prefetch_as_its_reader_starts_and_loads_bit_for_bit(tmp_path, monkeypatch):
+    w = torch.randn(512, 1024)
+    model = torch.nn.Linear(1024, 512, bias=False)
+    with torch.no_grad():
+        model.weight.copy_(w)
+    kw = dict(interval=None, save_on_exit=False, handle_sigterm=False)
+    with ckpt.Checkpointer(str(tmp_path), model=model, **kw) as cp:
+        cp.save(blocking=True)
+    with torch.no_grad():
+        model.weight.zero_()
+    events: list[tuple[str, object]] = []
+    made: list[Prefetch] = []
+    real_stop, real_stream = Prefetch.stop, dcp_io._Reader._stream_files
+
+    class Seen(Prefetch):
+        def __init__(self, paths=(), **k):
+            events.append(("prefetch", [os.path.basename(p) for p in paths]))
+            super().__init__(paths, **k)
+            made.append(self)
+
+        def stop(self):
+            events.append(("stop", threading.current_thread() is threading.main_thread()))
+            real_stop(self)
+
+    def stream_files(self, files, planner):  # where the reader's reads of data files start
+        events.append(("read", None))
+        return real_stream(self, files, planner)
+
+    monkeypatch.setattr(restore, "Prefetch", Seen)
+    monkeypatch.setattr(dcp_io._Reader, "_stream_files", stream_files)
+    with ckpt.Checkpointer(str(tmp_path), model=model, restore="latest", **kw) as cp:
+        assert cp.restored_step == 0
+    assert torch.equal(model.weight, w)
+    warmed = [e for e in events if e[0] == "prefetch" and e[1]]
+    assert warmed == [("prefetch", [METADATA_NAME, "__0_0.distcp"])]
+    assert events.index(("stop", True)) < events.index(("read", None))
+    made[-1].join(60)
+    assert not made[-1]._thread.is_alive()
