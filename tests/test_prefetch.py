@@ -73,7 +73,7 @@ def test_a_prefetch_pulls_its_files_into_the_page_cache_in_order_up_to_its_limit
         pytest.skip("this filesystem keeps a file's pages in memory whatever is asked (tmpfs?): nothing to pull in")
     with Prefetch([str(first), str(second), str(third)], chunk=1 << 20, limit=6 << 20) as p:
         p.join(60)
-    assert p.warmed == 6 << 20
+    assert p.covered == 6 << 20
     assert resident(first) == 1.0
     assert resident(second) >= 0.5  # the limit falls in its middle (the kernel's readahead may take the rest)
     assert resident(third) == 0.0
@@ -92,12 +92,25 @@ def test_a_stopped_prefetch_pulls_nothing_more_and_a_missing_file_is_passed_over
             assert e.errno == errno.ENXIO
             time.sleep(0.01)
     p.join(60)
-    assert p.warmed == 0
+    assert p.covered == 0
     assert not p._thread.is_alive()
 
     p = Prefetch([str(tmp_path / "missing"), str(data)])
     p.join(60)
-    assert p.warmed == 2 << 20
+    assert p.covered == 2 << 20
+
+
+def test_chunks_already_in_the_page_cache_are_not_pulled_again(tmp_path):
+    cold, warm = a_file(tmp_path / "cold", 4), tmp_path / "warm"
+    warm.write_bytes(os.urandom(4 << 20))
+    warm.read_bytes()  # in the page cache, as on a restart on the node that saved it
+    if resident(cold) > 0.5:
+        pytest.skip("this filesystem keeps a file's pages in memory whatever is asked (tmpfs?)")
+    with Prefetch([str(warm), str(cold)], chunk=1 << 20) as p:
+        p.join(60)
+    assert p.covered == 8 << 20
+    assert 0 < p.pulled <= 4 << 20  # of the cold one only (the kernel's readahead may pull the rest of it)
+    assert resident(cold) == 1.0
 
 
 def manifest(world: int) -> Manifest:
