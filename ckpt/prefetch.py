@@ -28,15 +28,17 @@ from collections.abc import Sequence
 log = logging.getLogger(__name__)
 
 _CHUNK = 32 << 20  # bytes per sendfile(): few GIL hand-overs; stop() takes effect within one
-# At most this many bytes per restore: a rank whose planning waits long on another rank must
-# not fill the node's page cache (its ranks restore at once) ahead of its own reader.
+# At most this many bytes pulled in per restore: a rank whose planning waits long on another
+# rank must not fill the node's page cache (its ranks restore at once) ahead of its reader.
 _MAX_BYTES = 4 << 30
+_JOIN_S = 5.0  # one chunk from a slow disk
 
 
 class Prefetch:
     """Reads `paths` (local files, in order) into the page cache on a thread of its own
     until `stop()` or the end of the files. A hint, never an error: a file that cannot be
-    opened or read is passed over. Use as a context manager: leaving it stops the thread."""
+    opened or read is passed over, and a thread that cannot start is none. Use as a context
+    manager: leaving it stops the thread and waits for it (the chunk it is reading)."""
 
     def __init__(self, paths: Sequence[str] = (), chunk: int = _CHUNK, limit: int = _MAX_BYTES) -> None:
         self.covered = 0  # bytes of the files gone through: pulled in, or found in the page cache
@@ -45,8 +47,13 @@ class Prefetch:
         self._chunk, self._limit = chunk, limit
         self._thread: threading.Thread | None = None
         if paths and sys.platform.startswith("linux") and hasattr(os, "sendfile"):
-            self._thread = threading.Thread(target=self._run, args=(list(paths),), name="ckpt-prefetch", daemon=True)
-            self._thread.start()
+            thread = threading.Thread(target=self._run, args=(list(paths),), name="ckpt-prefetch", daemon=True)
+            try:
+                thread.start()
+            except RuntimeError as e:  # no thread to be had: this rank plans without one
+                log.debug("no prefetch: %s", e)
+            else:
+                self._thread = thread
 
     def stop(self) -> None:
         """No chunk after the current one; returns at once."""
@@ -64,6 +71,9 @@ class Prefetch:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+        # Not left running behind the restore: a fallback's own prefetch, or a DataLoader
+        # forking its workers next, would find it mid-chunk.
+        self.join(_JOIN_S)
 
     def _run(self, paths: list[str]) -> None:
         try:
@@ -72,9 +82,10 @@ class Prefetch:
             return
         try:
             for path in paths:
-                if self._stopped.is_set() or self.covered >= self._limit:
+                if self._stopped.is_set() or self.pulled >= self._limit:
                     return
-                with contextlib.suppress(OSError):
+                # ValueError: a name the OS cannot take (a NUL byte): the reader says what is wrong.
+                with contextlib.suppress(OSError, ValueError):
                     self._pull(path, null)
         finally:
             os.close(null)
@@ -85,8 +96,8 @@ class Prefetch:
             with contextlib.suppress(OSError):
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
             size, at = os.fstat(fd).st_size, 0
-            while at < size and not self._stopped.is_set() and self.covered < self._limit:
-                n = min(self._chunk, self._limit - self.covered, size - at)
+            while at < size and not self._stopped.is_set() and self.pulled < self._limit:
+                n = min(self._chunk, self._limit - self.pulled, size - at)
                 # Not pulled again: what a restart on the node that saved it finds in memory.
                 if not _cached(fd, at, at + n):
                     n = os.sendfile(null, fd, at, n)

@@ -10,6 +10,7 @@ checkpoints that cannot be trusted are never silently replaced by a fresh start.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -199,6 +200,12 @@ def _try_restore(
     ends with all ranks knowing its outcome, so no rank enters a collective alone."""
     rel = step_dir_name(step)
     rank = ctrl.rank
+    # From a local disk (the root, the node spool) the rank's files come into the page cache
+    # while it builds its template, so the manifest that names them goes round first. From an
+    # object store, where nothing is warmed, every rank builds its template while rank 0
+    # reads the manifest (else they wait for that read, and rank 0 then for their templates).
+    local = store.is_local or (handoff is not None and handoff.local is not None)
+    base = None if local else _template(state, rank)
     doc: bytes | str = b""
     if rank == 0:  # one read of the manifest, the same for every rank
         try:
@@ -209,33 +216,43 @@ def _try_restore(
     if isinstance(doc, str):
         return (2 if doc.startswith("StorageError") else 1), doc, None
     prep: tuple[int, str] = (0, "")
-    warm = Prefetch()
-    try:
-        manifest = Manifest.from_json(doc, f"{store.display}/{rel}")
-        # IMPORTANT: the manifest read now is the one checked, whatever the listing saw.
-        why = key.check(manifest)[1] if key is not None else ""
-        if why:
-            raise InvalidCheckpoint(f"{store.display}/{rel}: {why}")
-        if key is not None and rank == 0 and (weak := sorted(n for n, e in manifest.files.items() if not e.checksum.startswith(BLAKE3))):
-            log.warning(
-                "%s/%s is signed, but %s carry xxh3-64 checksums (written by an earlier ckpt, or by a rank without "
-                "the key): its signature covers them against corruption, not against a forger",
-                store.display, rel, catalog.first_few(weak, ", "),
-            )
-        if manifest.step != step:  # IMPORTANT: another step's manifest lists that step's files
-            raise InvalidCheckpoint(f"{store.display}/{rel}: manifest is for step {manifest.step}")
-        catalog.check_ranks(manifest, f"{store.display}/{rel}")
-        tiered = handoff.reader_store(rel, manifest) if handoff is not None else None
-        # The rank's files come into the page cache while it builds its template and plans
-        # (nothing is read from them before they are verified, as always).
-        warm = Prefetch(_files_to_warm(tiered or store, rel, manifest, rank, ctrl.world))
-        sd = state.fit_template(state.template(rank), rank, ctrl.world, manifest.world_size)
-    except _PREPARE_ERRORS as e:
-        prep = (1, f"{type(e).__name__}: {e}")
-    with warm:
+    with contextlib.ExitStack() as stack:
+        try:
+            manifest = Manifest.from_json(doc, f"{store.display}/{rel}")
+            # IMPORTANT: the manifest read now is the one checked, whatever the listing saw.
+            why = key.check(manifest)[1] if key is not None else ""
+            if why:
+                raise InvalidCheckpoint(f"{store.display}/{rel}: {why}")
+            if key is not None and rank == 0 and (weak := sorted(n for n, e in manifest.files.items() if not e.checksum.startswith(BLAKE3))):
+                log.warning(
+                    "%s/%s is signed, but %s carry xxh3-64 checksums (written by an earlier ckpt, or by a rank without "
+                    "the key): its signature covers them against corruption, not against a forger",
+                    store.display, rel, catalog.first_few(weak, ", "),
+                )
+            if manifest.step != step:  # IMPORTANT: another step's manifest lists that step's files
+                raise InvalidCheckpoint(f"{store.display}/{rel}: manifest is for step {manifest.step}")
+            catalog.check_ranks(manifest, f"{store.display}/{rel}")
+            tiered = handoff.reader_store(rel, manifest) if handoff is not None else None
+            # Stopped as the reader starts (nothing read ahead is trusted before the reader
+            # verified it, as always).
+            warm = stack.enter_context(Prefetch(_files_to_warm(tiered or store, rel, manifest, rank, ctrl.world)))
+            base = _template(state, rank) if base is None else base
+            if isinstance(base, Exception):
+                raise base
+            sd = state.fit_template(base, rank, ctrl.world, manifest.world_size)
+        except _PREPARE_ERRORS as e:
+            prep = (1, f"{type(e).__name__}: {e}")
         if ctrl.max([prep[0]])[0]:
             return (*prep, None) if prep[0] else (1, "another rank could not prepare the restore", None)
         return _load(ctrl, state, store, rel, manifest, sd, tiered, warm.stop)
+
+
+def _template(state: TrainingState, rank: int) -> dict[str, Any] | Exception:
+    """The rank's template, or why it could not be built (said once the manifest was checked)."""
+    try:
+        return state.template(rank)
+    except _PREPARE_ERRORS as e:
+        return e
 
 
 def _load(
