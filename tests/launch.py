@@ -3,7 +3,9 @@ each rank, so a test can kill one of them."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -45,10 +47,21 @@ def start(nprocs: int, script: str | Path, *args: str, env: dict[str, str] | Non
             **(env or {}),
         }
         out = open(log_dir / f"rank{rank}.log", "ab") if log_dir else subprocess.DEVNULL
+        # Each rank leads a process group of its own: a rank that hangs is killed with what it
+        # started (its DataLoader workers, its writer), which would otherwise outlive the test.
         procs.append(
-            subprocess.Popen([sys.executable, str(script), *args], env=penv, stdout=out, stderr=subprocess.STDOUT)
+            subprocess.Popen([sys.executable, str(script), *args], env=penv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         )
     return procs
+
+
+def kill_all(procs: list[subprocess.Popen]) -> None:
+    """SIGKILL every rank and every process of its group (see `start`)."""
+    for q in procs:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(q.pid, signal.SIGKILL)  # its group outlives it while a child is left
+        q.kill()
+        q.wait()
 
 
 def wait(procs: list[subprocess.Popen], timeout: float = 180) -> list[int]:
@@ -57,8 +70,7 @@ def wait(procs: list[subprocess.Popen], timeout: float = 180) -> list[int]:
         try:
             codes.append(p.wait(timeout=timeout))
         except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
+            kill_all(procs)
             raise
     return codes
 

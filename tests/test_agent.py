@@ -27,7 +27,7 @@ import boto3
 import pytest
 import torch
 from jobs import RANKS, assert_same_training_state, dumps, rank_logs
-from launch import HERE, REPO, free_port, start, wait
+from launch import HERE, REPO, free_port, kill_all, start, wait
 
 import ckpt
 from ckpt.agent import Agent
@@ -200,8 +200,7 @@ def test_sigterm_to_the_agent_checkpoints_the_ranks_and_it_exits_once_uploaded(t
             # (60 s here), even though the agent prunes what it committed from the spool.
             assert time.monotonic() - began < 30
         finally:
-            for p in procs:
-                p.kill()
+            kill_all(procs)
         assert codes == [143] * RANKS, f"{codes}\n{rank_logs(tmp_path)}"
         assert a.proc.wait(timeout=60) == 0, a.text()
     stop = dumps(tmp_path / "stopped")[0]["step"]

@@ -28,7 +28,7 @@ from jobs import (
     rank_logs,
     train,
 )
-from launch import HERE, run, start, wait
+from launch import HERE, kill_all, run, start, wait
 
 import ckpt
 
@@ -92,9 +92,7 @@ def stop_after_step_4(procs: list, root: Path, log_dir: Path, ask: Callable[[], 
         ask()
         return wait(procs, timeout=60)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+        kill_all(procs)
 
 
 def test_sigterm_to_one_rank_checkpoints_all_ranks_at_the_same_step_and_exits_143(tmp_path, straight_run):

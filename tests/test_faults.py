@@ -96,10 +96,7 @@ def run_job_with_fault(fault: str, root: Path, log_dir: Path) -> list[int]:
     except subprocess.TimeoutExpired:
         pytest.fail(f"a rank was still running {DIE_WITHIN_S} s after its peer was killed ({fault})")
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        launch.kill_all(procs)  # whatever is left, with what it started
 
 
 def resume_job(root: Path, out: Path, log_dir: Path, *extra: str) -> str:

@@ -164,10 +164,7 @@ def run_job(d: Path, root: Path, report: Path, env: dict[str, str], trial: Trial
                 raise TimeoutError("the job ran for 180 s")
             time.sleep(0.02)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        launch.kill_all(procs)
     if trial is not None and died_at is not None:
         trial.detect_s = time.monotonic() - died_at
     return [p.returncode for p in procs]
