@@ -87,6 +87,9 @@ class _OneTry(S3FileSystem):
     retries = 1  # s3fs's own loop around each call: one pass (a class attribute survives pickling)
 
 
+_DELETE_BATCH = 1000  # keys per DeleteObjects request: S3's limit
+
+
 class S3Transfers:
     """Uploads and reads of the objects of one S3 root."""
 
@@ -130,6 +133,25 @@ class S3Transfers:
                 return None
             raise
         return str(resp["ETag"])
+
+    def delete(self, paths: list[str], where: str) -> None:
+        """Delete the objects `paths` ("bucket/key", taken literally), 1000 per request. A key
+        the store did not delete is an error: DeleteObjects answers 200 and lists it apart
+        (s3fs ignores that list)."""
+        for i in range(0, len(paths), _DELETE_BATCH):
+            by_bucket: dict[str, list[dict[str, str]]] = {}
+            for path in paths[i : i + _DELETE_BATCH]:
+                bucket, key, _ = self.fs.split_path(path)
+                by_bucket.setdefault(bucket, []).append({"Key": key})
+            for bucket, objects in by_bucket.items():
+                resp = self.call(where, "delete_objects", Bucket=bucket, Delete={"Objects": objects, "Quiet": True})
+                failed = [e for e in resp.get("Errors", []) if e.get("Code") != "NoSuchKey"]
+                if failed:
+                    first = failed[0]
+                    raise StorageError(
+                        f"{where}: {len(failed)} of {len(objects)} objects were not deleted "
+                        f"({first.get('Key')}: {first.get('Code')} {first.get('Message', '')})".rstrip()
+                    )
 
     def get_tagged(self, path: str, where: str) -> tuple[bytes, str] | None:
         """The object `path` and its ETag, read in one GET (so they belong together); None

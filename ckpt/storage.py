@@ -14,6 +14,7 @@ import errno
 import logging
 import os
 import re
+import shutil
 import uuid
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -381,7 +382,7 @@ class Store:
                 with contextlib.suppress(Exception):
                     f.close() if self.is_local else f.discard()
                 with contextlib.suppress(Exception):
-                    self.fs.rm(path)
+                    self.fs.rm_file(path)  # the one path: rm() would read it as a glob pattern
                 raise
 
     def put_atomic(self, rel: str, data: bytes) -> None:
@@ -476,15 +477,31 @@ class Store:
 
     def remove_step(self, step: int) -> None:
         """Delete a checkpoint. IMPORTANT: the manifest goes first, so that a crash half-way
-        leaves an incomplete directory, never a committed checkpoint with files missing."""
-        with storage_errors(f"deleting {self.display}/{step_dir_name(step)}"):
+        leaves an incomplete directory, never a committed checkpoint with files missing.
+
+        Paths are taken literally: fsspec's `rm` reads `[`, `*` and `?` as a glob pattern, so
+        that a root named `exp[12]` would delete the steps of `exp1` and `exp2`."""
+        where = f"deleting {self.display}/{step_dir_name(step)}"
+        with storage_errors(where):
             self.fs.invalidate_cache()
-            manifest = self.step_path(step, "manifest.json")
-            if self.fs.exists(manifest):
-                self.fs.rm(manifest)
-            fault_point("retention", 0, step)
             with contextlib.suppress(FileNotFoundError):
-                self.fs.rm(self.step_path(step), recursive=True)
+                self.fs.rm_file(self.step_path(step, "manifest.json"))
+            fault_point("retention", 0, step)
+            base = self.step_path(step)
+            if self.is_local:
+                with contextlib.suppress(FileNotFoundError):
+                    shutil.rmtree(base)
+                return
+            try:
+                keys = sorted(self.fs.find(base, **self._strict))
+            except FileNotFoundError:
+                return
+            if self._s3 is not None:
+                self._s3.delete(keys, where)
+                return
+            for key in keys:
+                with contextlib.suppress(FileNotFoundError):
+                    self.fs.rm_file(key)
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ independent answers asks for them all at once (`Root.ckpt_all`).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -346,6 +347,21 @@ def test_a_file_named_like_a_step_directory_is_no_checkpoint_and_rm_and_gc_leave
     assert 9 not in [c["step"] for c in json.loads(ls.out)]
     assert root.read(step_dir(9)) == b"notes, not a checkpoint"
     assert root.steps() == {2, 9}  # gc kept the newest; the file is listed by its name alone
+
+
+def test_rm_takes_a_root_named_like_a_glob_pattern_literally(root):
+    """fsspec's rm reads `[12]` as a pattern: deleting from `run[12]` must leave `run1` and
+    `run2` alone, and delete the step of `run[12]` itself."""
+    named, one, two = (dataclasses.replace(root, url=root.url + tail) for tail in ("[12]", "1", "2"))
+    for r in (named, one, two):
+        train(r, 2)
+    others = {r.url: r.files() for r in (one, two)}
+
+    rm = named.ckpt("rm", "--step", "1")
+
+    assert rm.rc == 0, rm.err
+    assert named.steps() == {2}
+    assert {r.url: r.files() for r in (one, two)} == others
 
 
 def test_rm_refuses_the_newest_committed_step_without_force(root):
