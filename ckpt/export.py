@@ -61,6 +61,7 @@ def export(
     if fmt == "zarr":  # before anything is written
         for k in tensor_keys:
             _zarr_dtype(out_dtype_of(md.state_dict_metadata[k], cast))
+        _check_zarr_names([names[k] for k in tensor_keys], store, entry)
 
     def out_dtype(key: str) -> Any:
         return out_dtype_of(md.state_dict_metadata[key], cast)
@@ -225,6 +226,24 @@ def _zarr_dtype(dtype: Any) -> str:
     if name not in ("float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool"):
         raise CheckpointError(f"zarr has no {name}")
     return name
+
+
+def _check_zarr_names(names: list[str], store: Store, entry: catalog.Entry) -> None:
+    """Each array is the directory `out/<name>`, replaced if there (tensorstore's
+    `delete_existing`): a name that is absolute or climbs out (`..`, a module named
+    "/etc"), or that holds another array inside it, would write, or delete, outside its own.
+    The names come from `.metadata`, which anyone who can write the root can plant."""
+    given = set(names)
+    for name in names:
+        parts = name.split("/")
+        if name.startswith(("/", os.sep)) or any(p in ("", ".", "..") for p in parts) or "\0" in name:
+            raise CheckpointError(f"{store.display}/{entry.dir}: the tensor {name!r} cannot be a zarr array's path under --out")
+        for i in range(1, len(parts)):
+            if "/".join(parts[:i]) in given:
+                raise CheckpointError(
+                    f"{store.display}/{entry.dir}: the tensors {'/'.join(parts[:i])!r} and {name!r} would be zarr arrays "
+                    "one inside the other: export them as safetensors or torch"
+                )
 
 
 def _write_zarr(path: str, tensor: Any) -> int:

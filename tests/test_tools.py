@@ -179,6 +179,30 @@ def test_export_round_trips_bitwise_and_casts_when_asked(tmp_path, fmt):
     assert got["optim.state.0.weight.step"].dtype == torch.float32 and got["optim.state.0.weight.step"] == 10  # not scalars
 
 
+def test_a_zarr_export_writes_no_array_outside_its_directory_nor_one_inside_another(tmp_path):
+    """A zarr array is the directory `--out/<tensor name>`, replaced if there. A module named
+    like an absolute path (or a planted `.metadata`) must not make the export write, or
+    delete, a directory elsewhere; two tensors whose arrays would nest are refused too."""
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "keep.txt").write_text("mine")
+    for name, module, says in [
+        ("escape", str(victim), "cannot be a zarr array's path under --out"),
+        ("nested", "x/y", "one inside the other"),
+    ]:
+        model = torch.nn.Module()
+        model.register_parameter("x", torch.nn.Parameter(torch.ones(2)))
+        model.add_module(module, torch.nn.Linear(2, 2))
+        root = tmp_path / f"root-{name}"
+        with ckpt.Checkpointer(str(root), model=model, interval=None, restore="none") as cp:
+            cp.save(blocking=True)
+        out = tmp_path / f"z-{name}"
+        r = cli("export", root, "--format", "zarr", "--model-only", "--out", out, check=False)
+        assert r.returncode != 0 and r.stderr.count("\n") == 1 and says in r.stderr and "Traceback" not in r.stderr, r.stderr
+        assert not out.exists() or not any(out.iterdir())
+    assert sorted(p.name for p in victim.iterdir()) == ["keep.txt"]
+
+
 def test_export_and_diff_refuse_bad_arguments_and_corrupt_files_in_one_line(tmp_path):
     root = tmp_path / "root"
     train(root, 10)
