@@ -224,6 +224,8 @@ def persist(
         except CheckpointException as e:  # DCP's save, which its ranks fail together
             if handoff is not None and chosen is not store and isinstance(_own_failure(e, group.rank), DiskFull):
                 handoff.spool_filled()  # so that the next save does not fail the same way
+            if group.rank == 0 and handoff is None:
+                _clear_failed(store, step, guard)
             raise
         if handoff is not None and target is not chosen:
             handoff.spool_filled()
@@ -248,6 +250,8 @@ def persist(
             resaver.layout = None  # the next save is planned afresh, on every rank
             if handoff is not None and not isinstance(mine, str):
                 handoff.discard(target, rel, [*mine[2], *([METADATA_NAME] if group.rank == 0 else [])])
+            if group.rank == 0 and handoff is None:
+                _clear_failed(store, step, guard)
             raise SaveFailed(str(outcome))
         if handoff is not None:
             _hand_off(handoff, target, group, rel, save_id, outcome, mine, began)
@@ -315,6 +319,22 @@ def _commit(
         if isinstance(e, DiskFull) and handoff is not None and target is not store:
             handoff.spool_filled()  # `.metadata` found no room there: the next save goes to the root
         return f"commit of {rel} failed: {type(e).__name__}: {e}"
+
+
+def _clear_failed(store: Store, step: int, guard: Callable[[], None] | None) -> None:
+    """Rank 0, once every rank knows that the save of `step` failed: the files the other
+    ranks wrote go. On a disk that filled they would keep every later save from committing,
+    and nothing but a later commit's retention would ever delete them. A directory with a
+    manifest (a commit whose last step failed) is left, and so is a root this job no longer
+    holds: another job may be writing there now."""
+    try:
+        if guard is not None:
+            guard()
+        listing = store.list_step(step)
+        if listing is not None and not listing.has_manifest:
+            store.remove_step(step)
+    except Exception as e:  # a clean-up: the save's own failure is what is raised
+        log.warning("the files of the failed save of %s stay in %s: %s", step_dir_name(step), store.display, e)
 
 
 def _hand_off(handoff: Handoff, target: Store, group: Group, rel: str, save_id: str, manifest: Manifest, mine: Any, began: float) -> None:
