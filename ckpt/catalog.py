@@ -458,8 +458,8 @@ def find(store: Store, step: int | None, key: SigningKey | None = None) -> Entry
             raise InvalidCheckpoint(f"no checkpoint under {store.display} can be used ({why})")
         if not good:
             raise NotFound(f"no committed checkpoint under {store.display}")
-        newer = [f"{e.dir} ({e.problem})" for e in passed if e.step > good[0].step and not untrusted(e)]
-        if newer:  # untrusted ones are the caller's to name (`ckpt show` with a key does)
+        newer = [f"{e.dir} ({e.problem})" for e in passed if e.step > good[0].step]
+        if newer:
             log.warning("ckpt: note: using %s; newer checkpoints that cannot be used were passed over: %s", good[0].dir, first_few(newer, "; "))
         return good[0]
     if step not in listings:

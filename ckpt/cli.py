@@ -17,6 +17,7 @@ from dataclasses import asdict
 from typing import Any
 
 from . import catalog, cli_tools
+from .cli_tools import key_option, signing_key
 from .errors import CheckpointError, InvalidCheckpoint
 from .manifest import METADATA_NAME
 from .policy import Keep
@@ -92,33 +93,33 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("agent", help="run the node daemon: uploads, spool, metrics (ckpt agent --help)", add_help=False)
     ls = sub.add_parser("ls", parents=[common], help="list checkpoints")
     ls.add_argument("--json", action="store_true")
-    _key_option(ls, "a SIGNATURE column says which checkpoints are signed with it")
+    key_option(ls, "a SIGNATURE column says which checkpoints are signed with it")
     ls.set_defaults(func=cmd_ls)
 
     show = sub.add_parser("show", parents=[common], help="manifest and tensor inventory")
     show.add_argument("--step", type=cli_tools.step_arg, help="default: the newest committed")
     show.add_argument("--json", action="store_true")
-    _key_option(show, "only a checkpoint signed with it is shown (by default the newest such)")
+    key_option(show, "only a checkpoint signed with it is shown (by default the newest such)")
     show.set_defaults(func=cmd_show)
 
     verify = sub.add_parser("verify", parents=[common], help="check files against manifests")
     verify.add_argument("--step", type=cli_tools.step_arg, help="default: every checkpoint")
     verify.add_argument("--deep", action="store_true", help="check every checksum, not only sizes")
     verify.add_argument("--json", action="store_true")
-    _key_option(verify, "an unsigned or wrongly signed checkpoint fails")
+    key_option(verify, "an unsigned or wrongly signed checkpoint fails")
     verify.set_defaults(func=cmd_verify)
 
     rm = sub.add_parser("rm", parents=[common], help="delete one checkpoint")
     rm.add_argument("--step", type=cli_tools.step_arg, required=True)
     rm.add_argument("--force", action="store_true", help="allow deleting the newest committed one")
-    _key_option(rm, "the newest one signed with it is the one protected")
+    key_option(rm, "the newest one signed with it is the one protected")
     rm.set_defaults(func=cmd_rm)
 
     gc = sub.add_parser("gc", parents=[common], help="apply retention")
     gc.add_argument("--keep-last", type=int, required=True)
     gc.add_argument("--keep-every", type=int, help="also keep steps that are multiples of this")
     gc.add_argument("--dry-run", action="store_true")
-    _key_option(gc, "only checkpoints signed with it count; the others are left alone, neither kept in the count nor deleted")
+    key_option(gc, "only checkpoints signed with it count; the others are left alone, neither kept in the count nor deleted")
     gc.set_defaults(func=cmd_gc)
     events = sub.add_parser("events", parents=[common], help="the job's runs, restarts and failures")
     events.add_argument("--json", action="store_true")
@@ -349,7 +350,7 @@ def _dur(s: float) -> str:
 
 
 def cmd_ls(store: Store, args: argparse.Namespace) -> int:
-    key = _signing_key(args)
+    key = signing_key(args)
     _require_root(store)
     entries = catalog.scan(store, key=key)
     if args.json:
@@ -386,7 +387,7 @@ def _lease_line(store: Store) -> str | None:
 def cmd_show(store: Store, args: argparse.Namespace) -> int:
     from .dcp_io import read_verified
 
-    key = _signing_key(args)
+    key = signing_key(args)
     if key is not None and args.step is None:  # the newest trusted: say what newer was passed over
         good, passed = catalog.restore_candidates(store, key)
         entry = good[0] if good else catalog.find(store, None, key)  # none: find says why
@@ -455,20 +456,8 @@ def inventory(metadata_blob: bytes) -> list[dict[str, Any]]:
     return out
 
 
-def _key_option(parser: argparse.ArgumentParser, what: str) -> None:
-    parser.add_argument(
-        "--signing-key-file",
-        help=f"check signatures with the key in this file (default: CKPT_SIGNING_KEY_FILE, else CKPT_SIGNING_KEY): {what}",
-    )
-
-
-def _signing_key(args: argparse.Namespace) -> SigningKey | None:
-    """--signing-key-file's key, else the environment's (CKPT_SIGNING_KEY_FILE, CKPT_SIGNING_KEY)."""
-    return SigningKey.from_file(args.signing_key_file) if args.signing_key_file else SigningKey.resolve()
-
-
 def cmd_verify(store: Store, args: argparse.Namespace) -> int:
-    key = _signing_key(args)
+    key = signing_key(args)
     _require_root(store)
     if args.step is not None:
         listing = store.list_step(args.step)
@@ -502,7 +491,7 @@ def cmd_rm(store: Store, args: argparse.Namespace) -> int:
     if listing is None:
         raise catalog.NotFound(f"no checkpoint at step {args.step} under {store.display}")
     # Newest by commit time, as a restore picks it; with a key, the newest signed with it.
-    committed = catalog.commit_order(catalog.scan(store, key=_signing_key(args)))
+    committed = catalog.commit_order(catalog.scan(store, key=signing_key(args)))
     if committed and args.step == committed[-1] and not args.force:
         raise ValueError(
             f"step {args.step} is the newest committed checkpoint; a restart would lose it. "
@@ -516,7 +505,7 @@ def cmd_rm(store: Store, args: argparse.Namespace) -> int:
 def cmd_gc(store: Store, args: argparse.Namespace) -> int:
     _require_root(store)
     keep = Keep(last=args.keep_last, every_steps=args.keep_every)
-    key = _signing_key(args)
+    key = signing_key(args)
     entries = catalog.scan(store, key=key)
     committed, doomed = catalog.retired(entries, keep)
     for e in entries:

@@ -10,6 +10,7 @@ import os
 from typing import Any
 
 from . import catalog, tools
+from .signing import SigningKey
 from .storage import Store
 
 EXIT_OK, EXIT_DIFFERENT = 0, 1
@@ -20,18 +21,21 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
     cp.add_argument("dst", help="the destination root")
     cp.add_argument("--step", type=step_arg, help="default: the newest committed")
     cp.add_argument("--progress", action="store_true", default=None, help="a progress bar (default: on a terminal)")
+    key_option(cp, "only a checkpoint signed with it is used (by default the newest such)")
     cp.set_defaults(func=cmd_cp)
 
     restore = sub.add_parser("restore", parents=[common], help="copy a checkpoint to a local directory (cp to a local root)")
     restore.add_argument("--step", type=step_arg, help="default: the newest committed")
     restore.add_argument("--to", required=True, help="a local directory: the checkpoint lands in <to>/step-N")
     restore.add_argument("--progress", action="store_true", default=None)
+    key_option(restore, "only a checkpoint signed with it is used (by default the newest such)")
     restore.set_defaults(func=cmd_restore)
 
     diff = sub.add_parser("diff", parents=[common], help="tensors that differ between two checkpoints (ROOT[:STEP] OTHER[:STEP])")
     diff.add_argument("other", help="the other checkpoint: ROOT[:STEP]")
     diff.add_argument("--atol", type=float, default=0.0, help="differences up to this are equal (default 0: bitwise)")
     diff.add_argument("--json", action="store_true")
+    key_option(diff, "only a checkpoint signed with it is used (by default the newest such)")
     diff.set_defaults(func=cmd_diff)
 
     ex = sub.add_parser("export", parents=[common], help="full tensors as safetensors, torch or zarr")
@@ -42,13 +46,27 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
     ex.add_argument("--dtype", help="cast floating tensors (not scalars, such as an optimizer's step): bfloat16, float16, float32 (bf16 and fp16 too)")
     ex.add_argument("--progress", action="store_true", default=None)
     ex.add_argument("--force", action="store_true", help="replace the file --out names if it exists")
+    key_option(ex, "only a checkpoint signed with it is used (by default the newest such)")
     ex.set_defaults(func=cmd_export)
 
     lt = sub.add_parser("load-test", parents=[common], help="what each rank would read to restore on another world size")
     lt.add_argument("--world-size", type=int, required=True)
     lt.add_argument("--step", type=step_arg, help="default: the newest committed")
     lt.add_argument("--json", action="store_true")
+    key_option(lt, "only a checkpoint signed with it is used (by default the newest such)")
     lt.set_defaults(func=cmd_load_test)
+
+
+def key_option(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument(
+        "--signing-key-file",
+        help=f"check signatures with the key in this file (default: CKPT_SIGNING_KEY_FILE, else CKPT_SIGNING_KEY): {what}",
+    )
+
+
+def signing_key(args: argparse.Namespace) -> SigningKey | None:
+    """--signing-key-file's key, else the environment's (CKPT_SIGNING_KEY_FILE, CKPT_SIGNING_KEY)."""
+    return SigningKey.from_file(args.signing_key_file) if args.signing_key_file else SigningKey.resolve()
 
 
 def step_arg(text: str) -> int:
@@ -60,14 +78,14 @@ def step_arg(text: str) -> int:
 
 def cmd_cp(store: Store, args: argparse.Namespace) -> int:
     dst = Store(args.dst, store_options(args))
-    return _report_copy(tools.copy(store, dst, args.step, args.progress), store, dst)
+    return _report_copy(tools.copy(store, dst, args.step, args.progress, signing_key(args)), store, dst)
 
 
 def cmd_restore(store: Store, args: argparse.Namespace) -> int:
     dst = Store(args.to)
     if not dst.is_local:
         raise ValueError("--to is a local directory; use `ckpt cp` between object stores")
-    return _report_copy(tools.copy(store, dst, args.step, args.progress), store, dst)
+    return _report_copy(tools.copy(store, dst, args.step, args.progress, signing_key(args)), store, dst)
 
 
 def _report_copy(done: tools.Copied, src: Store, dst: Store) -> int:
@@ -88,7 +106,8 @@ def cmd_diff(store: Store, args: argparse.Namespace) -> int:
     root_b, step_b = split_step(args.other)
     store_b = Store(root_b, store_options(args))
     root_a_step = getattr(args, "root_step", None)
-    a, b = catalog.find(store, root_a_step), catalog.find(store_b, step_b)
+    key = signing_key(args)
+    a, b = catalog.find(store, root_a_step, key), catalog.find(store_b, step_b, key)
     md_a, md_b = tools.inventory(store, a), tools.inventory(store_b, b)
     keys_a, keys_b = set(md_a.state_dict_metadata), set(md_b.state_dict_metadata)
     report: dict[str, Any] = {"a": f"{store.display}/{a.dir}", "b": f"{store_b.display}/{b.dir}", "only_a": sorted(keys_a - keys_b), "only_b": sorted(keys_b - keys_a), "differ": [], "equal": 0}
@@ -138,7 +157,7 @@ def cmd_export(store: Store, args: argparse.Namespace) -> int:
     from .export import export
 
     dtype = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}.get(args.dtype, args.dtype)
-    entry = catalog.find(store, args.step)
+    entry = catalog.find(store, args.step, signing_key(args))
     done = export(store, entry, args.format, args.out, model_only=args.model_only, dtype=dtype, progress=args.progress, force=args.force)
     out = done["objects_left_out"]
     left = f"; {len(out)} objects left out (not tensors: {', '.join(out[:3])}{', ...' if len(out) > 3 else ''})" if out else ""
@@ -149,7 +168,7 @@ def cmd_export(store: Store, args: argparse.Namespace) -> int:
 def cmd_load_test(store: Store, args: argparse.Namespace) -> int:
     if args.world_size < 1:
         raise ValueError("--world-size must be at least 1")
-    entry = catalog.find(store, args.step)
+    entry = catalog.find(store, args.step, signing_key(args))
     plans = tools.plan_reads(store, entry, args.world_size)
     total = entry.manifest.total_bytes if entry.manifest else 0
     if args.json:

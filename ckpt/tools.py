@@ -16,13 +16,16 @@ import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import catalog
 from ._faults import fault_point
 from .errors import CheckpointError, InvalidCheckpoint, dcp_causes, dcp_failures
 from .manifest import MANIFEST_NAME, METADATA_NAME, Manifest
 from .storage import Store, step_dir_name
+
+if TYPE_CHECKING:
+    from .signing import SigningKey
 
 log = logging.getLogger(__name__)
 
@@ -64,14 +67,15 @@ class Copied:
     already: bool = False  # the destination held this checkpoint committed already
 
 
-def copy(src: Store, dst: Store, step: int | None = None, progress: bool | None = None) -> Copied:
-    """Copy a committed checkpoint (the newest when `step` is None) from `src` to `dst`.
+def copy(src: Store, dst: Store, step: int | None = None, progress: bool | None = None, key: SigningKey | None = None) -> Copied:
+    """Copy a committed checkpoint (the newest when `step` is None; with `key`, signed with
+    it) from `src` to `dst`.
     Every byte read is checked against the manifest and the manifest is written last: an
     interrupted copy is an incomplete directory at `dst`, and the next copy keeps the files
     that arrived whole (verified again) and copies the rest."""
     if _within(dst, src):
         raise ValueError(f"the destination {dst.display} is the source root or inside it: copy somewhere else")
-    entry = catalog.find(src, step)
+    entry = catalog.find(src, step, key)
     manifest = entry.manifest
     assert manifest is not None
     rel = entry.dir

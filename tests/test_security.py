@@ -321,6 +321,34 @@ def test_ckpt_verify_reports_signed_ok_bad_and_unsigned_and_fails_on_untrusted(t
         assert KEY not in r.stdout + r.stderr
 
 
+def test_with_a_key_cp_restore_export_and_diff_use_only_a_checkpoint_signed_with_it(tmp_path, signed_root):
+    """The verbs that read a whole checkpoint trust what `show` trusts: with a key, the newest
+    signed one (saying which newer ones they passed over), and a step not signed with it is
+    refused (exit 1); without one, the newest by commit, as before."""
+    root, key_file = signed_root
+    keyed = ("--signing-key-file", str(key_file))
+    copied = cli("cp", str(root), str(tmp_path / "copy"), *keyed)
+    assert copied.returncode == 0 and step_dir(2) in copied.stdout, copied.stdout + copied.stderr
+    assert f"{step_dir(3)} (" in copied.stderr  # passed over, said
+    assert sorted(p.name for p in (tmp_path / "copy").glob("step-*")) == [step_dir(2)]
+    restored = cli("restore", str(root), "--to", str(tmp_path / "to"), env={"CKPT_SIGNING_KEY_FILE": str(key_file)})
+    assert restored.returncode == 0 and sorted(p.name for p in (tmp_path / "to").glob("step-*")) == [step_dir(2)], restored.stderr
+    exported = cli("export", str(root), "--format", "torch", "--out", str(tmp_path / "x.pt"), *keyed)
+    assert exported.returncode == 0 and step_dir(2) in exported.stdout, exported.stdout + exported.stderr
+    for refused in (
+        cli("cp", str(root), str(tmp_path / "copy3"), "--step", "3", *keyed),
+        cli("export", str(root), "--step", "3", "--format", "torch", "--out", str(tmp_path / "y.pt"), *keyed),
+        cli("diff", f"{root}:2", f"{root}:3", *keyed),
+        cli("load-test", str(root), "--world-size", "2", "--step", "3", *keyed),
+    ):
+        assert "step 3 is untrusted: " in one_line_error(refused, rc=1), refused.stderr
+    assert not (tmp_path / "copy3").exists() and not (tmp_path / "y.pt").exists()
+    keyless = cli("cp", str(root), str(tmp_path / "copy-any"))
+    assert keyless.returncode == 0 and sorted(p.name for p in (tmp_path / "copy-any").glob("step-*")) == [step_dir(3)]
+    for r in (copied, restored, exported, keyless):
+        assert KEY not in r.stdout + r.stderr
+
+
 def test_ckpt_ls_and_show_say_whose_signature_a_checkpoint_carries_and_with_a_key_whether_it_holds(tmp_path, signed_root):
     root, key_file = signed_root
     kid = SigningKey(KEY).key_id
