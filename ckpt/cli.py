@@ -372,6 +372,18 @@ def cmd_ls(store: Store, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _live_job(store: Store) -> str | None:
+    """Who holds the root's lease, while it is live (an unreadable lease counts: the job that
+    wrote it may be live); None when no job does."""
+    from . import lease
+
+    try:
+        holder = lease.read(store)
+    except ValueError as e:
+        return f"its lease is unreadable: {e}"
+    return holder.who() if lease.state(holder, time.time()) == "held" else None
+
+
 def _lease_line(store: Store) -> str | None:
     """The root's lease in a line while a job holds it (expired too); None when it is free."""
     from . import lease
@@ -497,6 +509,11 @@ def cmd_rm(store: Store, args: argparse.Namespace) -> int:
             f"step {args.step} is the newest committed checkpoint; a restart would lose it. "
             "Pass --force to delete it anyway."
         )
+    if not listing.has_manifest and not args.force and (job := _live_job(store)):
+        raise ValueError(
+            f"step {args.step} is not committed and a job holds the root ({job}): it may be writing it now. "
+            "Pass --force to delete it anyway."
+        )
     store.remove_step(args.step)
     print(f"deleted {store.display}/{step_dir_name(args.step)}")
     return EXIT_OK
@@ -511,6 +528,12 @@ def cmd_gc(store: Store, args: argparse.Namespace) -> int:
     for e in entries:
         if catalog.untrusted(e):
             print(f"left alone (not counted, not deleted): {e.problem}")
+    job = _live_job(store)
+    if job:  # its saves in progress (and a node agent's uploads) look like debris from here
+        writing = [s for s in doomed if s not in committed]
+        doomed = [s for s in doomed if s in committed]
+        for step in writing:
+            print(f"left alone (not committed, and a job holds the root: it may be writing it): {store.display}/{step_dir_name(step)}")
     if key is None and any(e.manifest is not None and e.manifest.signature for e in entries):
         print(
             "ckpt: note: this root holds signed checkpoints but no signing key was given: unsigned "

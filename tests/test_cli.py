@@ -406,6 +406,25 @@ def test_gc_dry_run_deletes_nothing_and_gc_keeps_exactly_the_newest_n(root):
     }
 
 
+def test_while_a_job_holds_the_root_gc_and_rm_leave_its_uncommitted_steps_alone(root):
+    """An uncommitted directory below the newest commit is debris to a scan, but while a job
+    holds the root's lease it may be that job's save in progress (after a restore of an older
+    step) or a node agent's upload: gc leaves it, rm refuses it without --force. Once the job
+    left (its lease released), gc deletes it."""
+    train(root, 3)
+    root.fs.rm_file(f"{root.path}/{step_dir(1)}/manifest.json")  # uncommitted, below the newest
+    before = root.files()
+    with ckpt.Checkpointer(root.url, model=new_model(), interval=None, restore="none", save_on_exit=False, storage_options=root.storage_options):
+        gc, rm = root.ckpt_all(["gc", "--keep-last", "5"], ["rm", "--step", "1"])
+        assert gc.rc == 0, gc.err
+        assert f"left alone (not committed, and a job holds the root: it may be writing it): {root.url}/{step_dir(1)}" in gc.out
+        assert "may be writing it now" in assert_one_line_error(rm) and "--force" in rm.err
+        assert root.files() == before
+    gc = root.ckpt("gc", "--keep-last", "5")
+    assert gc.rc == 0 and f"deleted {root.url}/{step_dir(1)}" in gc.out, gc.out + gc.err
+    assert root.steps() == {2, 3}
+
+
 # -- user mistakes and unreachable storage: exit 2, one line, no traceback ------------------------
 
 
