@@ -28,6 +28,7 @@ from .checksum import BLAKE3
 from .commit import Group, persist
 from .coordinator import Coordinator
 from .data import data_position, own_generator
+from .deepspeed_state import MidAccumulation
 from .errors import CheckpointError, SaveFailed, dcp_causes
 from .events import Event, History, error_gist
 from .handoff import Handoff
@@ -399,7 +400,12 @@ class Checkpointer:
     def _renew_io_group(self) -> None:
         """After a failed save, on every rank at the same step: a failed collective can leave
         the writers' group unusable (gloo closes its pairs on a timeout), so replace it together."""
-        self._io = Group.new(self.timeout_s) if self._io.pg is not None else self._io
+        if self._io.pg is not None:
+            group = Group.new(self.timeout_s)
+            # DCP keeps its cached plans per key and never lets go of them: one key per run,
+            # or a job whose saves fail now and then keeps every failed group's plans.
+            group.plan_key = self._io.plan_key
+            self._io = group
 
     def _busy_somewhere(self) -> bool:
         """Is the previous save still writing on any rank? Asked of all ranks together, since
@@ -545,7 +551,16 @@ class Checkpointer:
             log.warning("the save of step %d failed; trying it once more before leaving", self._step)
             self._saved_step = -1
             self._renew_io_group()
-        self.save(blocking=True)
+        try:
+            self.save(blocking=True)
+        except MidAccumulation as e:  # equal on every rank: the engines step together
+            # A data set whose micro-batches do not fill the last optimizer step: DeepSpeed
+            # drops that partial step too, and the last checkpoint stands.
+            last = f"step {self.last_commit.step}" if self.last_commit is not None else "none"
+            log.warning(
+                "step %d is not saved on leaving: the loop ended in the middle of gradient accumulation (micro-batch "
+                "%d of %d), which no checkpoint can hold; the last checkpoint is %s", self._step, e.micro, e.accumulation, last,
+            )  # fmt: skip
 
     # -- background ---------------------------------------------------------------------------
     def _counted(self, save: Callable[[], Manifest]) -> Manifest:
@@ -559,7 +574,10 @@ class Checkpointer:
             self.metrics.committed(manifest, self._io.rank)
         else:
             self.metrics.handed_off(manifest, self._io.rank)
-            self._learn_commits()
+            try:
+                self._learn_commits()
+            except CheckpointError as e:  # the save is handed off: a store that flakes now fails nothing
+                log.warning("could not learn which hand-offs are committed: %s", e)
         if self._coordinator is not None and self._io.rank == 0:
             self.metrics.schedule(self._coordinator.schedule)
         return manifest

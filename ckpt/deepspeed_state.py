@@ -106,6 +106,18 @@ def _on_host(t: torch.Tensor) -> torch.Tensor:
     return t.to("cpu", copy=True)
 
 
+class MidAccumulation(ValueError):
+    """A save asked for between two micro-batches of one optimizer step."""
+
+    def __init__(self, micro: int, accumulation: int) -> None:
+        self.micro, self.accumulation = micro, accumulation
+        super().__init__(
+            f"a save in the middle of gradient accumulation (micro-batch {micro} of {accumulation}) would lose the "
+            "gradients accumulated so far: call cp.step_done() once per optimizer step, after the engine.step() "
+            "that ends the accumulation (engine.micro_steps % engine.gradient_accumulation_steps() == 0)"
+        )
+
+
 def _check_boundary(engine: Any) -> None:
     """A save between two micro-batches of one optimizer step would leave out the gradients
     accumulated so far, while the data position counts their samples as consumed: the
@@ -115,12 +127,7 @@ def _check_boundary(engine: Any) -> None:
     managed = getattr(engine, "managed_gradient_accumulation", lambda: True)()
     accumulation = engine.gradient_accumulation_steps()
     if managed and accumulation > 1 and engine.micro_steps % accumulation:
-        raise ValueError(
-            f"a save in the middle of gradient accumulation (micro-batch {engine.micro_steps % accumulation} of "
-            f"{accumulation}) would lose the gradients accumulated so far: call cp.step_done() once per optimizer "
-            "step, after the engine.step() that ends the accumulation (engine.micro_steps % "
-            "engine.gradient_accumulation_steps() == 0)"
-        )
+        raise MidAccumulation(engine.micro_steps % accumulation, accumulation)
 
 
 def apply(engine: Any, sd: dict[str, Any]) -> None:

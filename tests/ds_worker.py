@@ -47,6 +47,7 @@ def main() -> None:
     p.add_argument("--accumulation", type=int, default=1, help="micro-batches per optimizer step")
     p.add_argument("--gather-bytes", type=int, help="ZeRO-3: parameters gathered at once by a restore")
     p.add_argument("--count-micro-steps", action="store_true", help="step_done() after every engine.step() (a mistake)")
+    p.add_argument("--trailing-micro", type=int, default=0, help="micro-batches after the last optimizer step (the data ran out)")
     args = p.parse_args()
     os.environ.setdefault("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", "1"))
     if args.gather_bytes:
@@ -86,6 +87,10 @@ def main() -> None:
                     cp.step_done()
             if not args.count_micro_steps:
                 cp.step_done()  # one optimizer step
+        for micro in range(args.trailing_micro):
+            loss = engine(torch.randn(4, 16, generator=torch.Generator().manual_seed(micro))).pow(2).mean()
+            engine.backward(loss)
+            engine.step()
     torch.save({"step": cp.step, "restored_step": cp.restored_step, "world": world, "start": start, "end": full_state(engine, optimizer=cp.step > 0)}, f"{args.out}.rank{rank}.pt")
     dist.barrier()
     # Once in a CI run a finished 1-rank job aborted at teardown ("terminate called without

@@ -98,3 +98,10 @@ def test_a_save_in_the_middle_of_gradient_accumulation_is_refused_and_one_per_op
     ds_job(tmp_path, 2, "two", "--stage", 1, "--every", 3, "--root", tmp_path / "elastic", "--steps", 3, "--no-save-on-exit")
     one = ds_job(tmp_path, 1, "one", *common, "--every", 1, "--root", tmp_path / "elastic", "--steps", 4)
     assert one[0]["restored_step"] == 3 and one[0]["step"] == 4
+    # A loop whose data ends one micro-batch into an optimizer step leaves cleanly: the save on
+    # leaving is passed over, saying so, and the last checkpoint stands.
+    ds_job(tmp_path, 1, "trailing", *common, "--every", 2, "--root", tmp_path / "trailing", "--steps", 3, "--trailing-micro", 1)
+    log = (tmp_path / "trailing" / "rank0.log").read_text()
+    assert "step 3 is not saved on leaving: the loop ended in the middle of gradient accumulation (micro-batch 1 of 2)" in log, log[-3000:]
+    assert "the last checkpoint is step 2" in log
+    assert sorted(p.parent.name for p in (tmp_path / "trailing").glob("step-*/manifest.json")) == ["step-0000000002"]
