@@ -396,6 +396,10 @@ class Store:
             if not self.is_local:
                 self.fs.pipe_file(path, data)
                 return
+            # IMPORTANT: the directory entries of the files it commits (every rank's, here) are
+            # durable before it is: a journal orders them, a filesystem without one may not.
+            with contextlib.suppress(FileNotFoundError):
+                fsync_dir(os.path.dirname(path))
             write_atomic(path, data)
             fsync_dir(os.path.dirname(os.path.dirname(path)))  # and the step directory's own entry
 

@@ -184,7 +184,10 @@ class ProcessSink:
             self.proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             self.proc.kill()
-            self.proc.wait()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:  # in the kernel, on a disk that stopped answering
+                log.error("the writer process %d does not die (stuck in I/O?): left behind", self.proc.pid)
 
     def _exit_status(self) -> str:
         try:
