@@ -497,15 +497,21 @@ class Store:
                     shutil.rmtree(base)
                 return
             try:
-                keys = sorted(self.fs.find(base, **self._strict))
+                found = self.fs.find(base, withdirs=True, detail=True, **self._strict)
             except FileNotFoundError:
                 return
+            keys = sorted(p for p, d in found.items() if d.get("type") != "directory")
             if self._s3 is not None:
                 self._s3.delete(keys, where)
                 return
             for key in keys:
                 with contextlib.suppress(FileNotFoundError):
                     self.fs.rm_file(key)
+            # A store with real directories (sftp, hdfs, memory://) keeps them otherwise, and
+            # the step would still be listed: the deepest first, the step's own last.
+            for d in [*sorted((p for p, x in found.items() if x.get("type") == "directory"), key=len, reverse=True), base]:
+                with contextlib.suppress(OSError):
+                    self.fs.rmdir(d)
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ import re
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +25,7 @@ import torch
 
 import ckpt
 from ckpt.cli import human_bytes
+from ckpt.storage import Store
 
 sys.path.insert(0, os.path.dirname(__file__))
 from launch import free_port  # noqa: E402
@@ -362,6 +364,19 @@ def test_rm_takes_a_root_named_like_a_glob_pattern_literally(root):
     assert rm.rc == 0, rm.err
     assert named.steps() == {2}
     assert {r.url: r.files() for r in (one, two)} == others
+
+
+def test_a_step_removed_from_a_store_with_real_directories_is_no_longer_listed():
+    """fsspec stores with directories of their own (sftp, hdfs; memory:// here) keep them when
+    their files go: the step's directories go too, or it is listed again and again."""
+    store = Store(f"memory://ckpt-{uuid.uuid4().hex[:8]}/run")
+    store.fs.makedirs(store.path(step_dir(3), "sub"))  # as sftp or hdfs would make them
+    for name in ("manifest.json", "__0_0.distcp", "sub/part"):
+        store.fs.pipe_file(store.path(step_dir(3), name), b"x")
+    store.fs.pipe_file(store.path(step_dir(4), "manifest.json"), b"{}")
+    assert sorted(store.scan()) == [3, 4]
+    store.remove_step(3)
+    assert sorted(store.scan()) == [4] and store.list_step(3) is None
 
 
 def test_rm_refuses_the_newest_committed_step_without_force(root):
