@@ -25,7 +25,7 @@ from ._gc import gc_paused
 from .agreement import Agreement
 from .capture import TrainingState
 from .checksum import BLAKE3
-from .commit import Group, persist
+from .commit import Group, forget_plans, persist
 from .coordinator import Coordinator
 from .data import data_position, own_generator
 from .deepspeed_state import MidAccumulation
@@ -401,11 +401,11 @@ class Checkpointer:
         """After a failed save, on every rank at the same step: a failed collective can leave
         the writers' group unusable (gloo closes its pairs on a timeout), so replace it together."""
         if self._io.pg is not None:
-            group = Group.new(self.timeout_s)
-            # DCP keeps its cached plans per key and never lets go of them: one key per run,
-            # or a job whose saves fail now and then keeps every failed group's plans.
-            group.plan_key = self._io.plan_key
-            self._io = group
+            # A fresh plan key too: a failed save may have left DCP's plan cache half updated
+            # (rank 0 caches the global plan before the other ranks cache theirs). The old
+            # key's plans go, or a job whose saves fail now and then keeps every one's.
+            forget_plans(self._io.plan_key)
+            self._io = Group.new(self.timeout_s)
 
     def _busy_somewhere(self) -> bool:
         """Is the previous save still writing on any rank? Asked of all ranks together, since

@@ -28,6 +28,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.planner import SavePlanner
 
 from ._faults import fault_point
 from .arena import Arena
@@ -155,6 +156,13 @@ def _length(framed: torch.Tensor) -> int:
     return int.from_bytes(framed.numpy()[:8].tobytes(), "little")
 
 
+def forget_plans(key: str) -> None:
+    """Drop what DCP cached for `key` (`Group.plan_key`): DCP keeps its save plans per key in
+    class-level dicts and never lets go of them."""
+    for cache in ("_cached_save_plan", "_cached_final_save_plan", "_cached_all_plans", "_cached_global_plan", "_cached_metadata"):
+        getattr(SavePlanner, cache, {}).pop(key, None)
+
+
 def claim_step_dir(store: Store, step: int) -> str | None:
     """Rank 0: make sure step's directory is fresh. Returns why not, or None when it is.
 
@@ -233,10 +241,12 @@ def persist(
         if group.rank != 0:
             fault_point("before_manifest", group.rank, step)
 
+        tried: list[bool] = []  # rank 0 sent the manifest: it may have landed though it failed
+
         def commit(everyone: list[Any]) -> Manifest | str:  # rank 0's
             return _commit(
                 store, target, group, rel, step, everyone, layout, counters=counters, user=user, schedule=schedule,
-                blocking_s=blocking_s, started=started, handoff=handoff, key=key, guard=guard,
+                blocking_s=blocking_s, started=started, handoff=handoff, key=key, guard=guard, tried=tried,
             )  # fmt: skip
 
         long = [m.n for m in everyone if isinstance(m, TooLong)]
@@ -250,7 +260,7 @@ def persist(
             resaver.layout = None  # the next save is planned afresh, on every rank
             if handoff is not None and not isinstance(mine, str):
                 handoff.discard(target, rel, [*mine[2], *([METADATA_NAME] if group.rank == 0 else [])])
-            if group.rank == 0 and handoff is None:
+            if group.rank == 0 and handoff is None and not tried:  # else the next claim of the step decides
                 _clear_failed(store, step, guard)
             raise SaveFailed(str(outcome))
         if handoff is not None:
@@ -280,6 +290,7 @@ def _commit(
     handoff: Handoff | None,
     key: SigningKey | None,
     guard: Callable[[], None] | None,
+    tried: list[bool],
 ) -> Manifest | str:
     """Rank 0: check what every rank wrote (`everyone`), write `.metadata` and the manifest
     (the commit; with `handoff`, only draft it). The manifest, or why the save failed."""
@@ -313,6 +324,7 @@ def _commit(
             if guard is not None:
                 guard()  # another job may have taken the root while the files were written
             # IMPORTANT: the commit. Written last, after every rank's files are durable.
+            tried.append(True)
             store.put_atomic(f"{rel}/{MANIFEST_NAME}", manifest.to_json())
         return manifest
     except Exception as e:  # reported to every rank, not left to hang them
