@@ -373,15 +373,18 @@ def cmd_ls(store: Store, args: argparse.Namespace) -> int:
 
 
 def _live_job(store: Store) -> str | None:
-    """Who holds the root's lease, while it is live (an unreadable lease counts: the job that
-    wrote it may be live); None when no job does."""
+    """Who holds the root's lease unless it was released: a job whose renewals stalled past
+    its ttl (an expired lease) may still be writing, and so may the job that wrote a lease
+    that does not read. None when no job does (`ckpt lease ROOT --break` makes it so)."""
     from . import lease
 
     try:
         holder = lease.read(store)
     except ValueError as e:
         return f"its lease is unreadable: {e}"
-    return holder.who() if lease.state(holder, time.time()) == "held" else None
+    if holder is None or lease.state(holder, time.time()) == "free":
+        return None
+    return holder.who() + ("" if lease.state(holder, time.time()) == "held" else ", its lease expired; `ckpt lease ROOT --break` frees the root")
 
 
 def _lease_line(store: Store) -> str | None:
@@ -530,8 +533,9 @@ def cmd_gc(store: Store, args: argparse.Namespace) -> int:
             print(f"left alone (not counted, not deleted): {e.problem}")
     job = _live_job(store)
     if job:  # its saves in progress (and a node agent's uploads) look like debris from here
-        writing = [s for s in doomed if s not in committed]
-        doomed = [s for s in doomed if s in committed]
+        incomplete = {e.step for e in entries if e.state == catalog.INCOMPLETE}
+        writing = [s for s in doomed if s in incomplete]
+        doomed = [s for s in doomed if s not in incomplete]
         for step in writing:
             print(f"left alone (not committed, and a job holds the root: it may be writing it): {store.display}/{step_dir_name(step)}")
     if key is None and any(e.manifest is not None and e.manifest.signature for e in entries):

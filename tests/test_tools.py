@@ -11,6 +11,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -179,15 +180,17 @@ def test_export_round_trips_bitwise_and_casts_when_asked(tmp_path, fmt):
     assert got["optim.state.0.weight.step"].dtype == torch.float32 and got["optim.state.0.weight.step"] == 10  # not scalars
 
 
-def test_a_zarr_export_writes_no_array_outside_its_directory_nor_one_inside_another(tmp_path):
+def test_a_zarr_export_writes_no_array_outside_its_directory_nor_one_inside_another(tmp_path, request):
     """A zarr array is the directory `--out/<tensor name>`, replaced if there. A module named
     like an absolute path (or a planted `.metadata`) must not make the export write, or
     delete, a directory elsewhere; two tensors whose arrays would nest are refused too."""
-    victim = tmp_path / "victim"
-    victim.mkdir()
+    # A module name holds no ".": the victim's path must not either (pytest's may: a user
+    # named first.last).
+    victim = Path(tempfile.mkdtemp(prefix="ckpt_victim_", dir="/tmp"))
     (victim / "keep.txt").write_text("mine")
+    request.addfinalizer(lambda: shutil.rmtree(victim, ignore_errors=True))
     for name, module, says in [
-        ("escape", str(victim), "cannot be a zarr array's path under --out"),
+        ("escape", str(victim / "escaped"), "cannot be a zarr array's path under --out"),  # arrays escaped.weight, escaped.bias
         ("nested", "x/y", "one inside the other"),
     ]:
         model = torch.nn.Module()
