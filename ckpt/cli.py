@@ -73,7 +73,11 @@ class _Parser(argparse.ArgumentParser):
     """Usage errors as one line and exit 2, like every other mistake (subcommands too)."""
 
     def error(self, message: str) -> None:  # type: ignore[override]
-        self.exit(EXIT_USAGE, f"ckpt: {message} (see {self.prog} --help)\n")
+        head, sep, args = message.partition("unrecognized arguments: ")
+        if sep:  # a mistyped option's value may be a credential: only the options are echoed
+            names = [a for a in args.split() if a.startswith("-")]
+            message = f"{head}unrecognized arguments: {' '.join(names) or '(values not shown)'}"
+        self.exit(EXIT_USAGE, f"ckpt: {redact(message)} (see {self.prog} --help)\n")
 
 
 def _parser() -> argparse.ArgumentParser:

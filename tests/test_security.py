@@ -791,6 +791,17 @@ def test_every_cli_command_refuses_a_step_that_is_not_a_number_in_one_line(tmp_p
     assert not (tmp_path / "outside").exists() and not (tmp_path / "dst" / step_dir(1) / "manifest.json").exists()
 
 
+def test_a_mistyped_cli_option_is_named_but_its_value_never_echoed(tmp_path):
+    """argparse says "unrecognized arguments: --storage-options key=..." with the value: one
+    that is a credential must not reach the terminal (or a CI log)."""
+    secret = "wJalrXUtnFEMIxK7MDENGbPxRfiCYzEXAMPLEKEY"
+    for typo in (["--storage-options", f"aws_secret_access_key={secret}"], ["--storage-optoin", f"token={secret}"], [secret]):
+        r = cli("ls", str(tmp_path), *typo)
+        line = one_line_error(r)
+        assert "unrecognized arguments" in line and secret not in r.stdout + r.stderr, line
+        assert typo[0] in line or typo[0] == secret
+
+
 def test_the_agent_refuses_requests_for_step_directories_that_are_not_one(tmp_path):
     spool, root = tmp_path / "spool", tmp_path / "root"
     manifest = {"step": 1, "world_size": 1, "created": 0.0, "files": {"__0_0.distcp": {"size": 1, "checksum": "xxh3_64:00", "rank": 0}}, "format": "ckpt", "format_version": 2}
