@@ -134,6 +134,21 @@ class S3Transfers:
             raise
         return str(resp["ETag"])
 
+    def bucket_exists(self, bucket: str, where: str) -> bool:
+        """Whether `bucket` exists (HEAD, retried): False only when the store says so (404); a
+        store that cannot be reached is a StorageError that says so. A HEAD refused (403: a
+        policy that allows listing under a prefix only) counts as there: what is done under
+        the prefix then says whether it is."""
+        try:
+            self.call(f"checking {where}", "head_bucket", Bucket=bucket)
+        except StorageError as e:
+            if is_code(e.__cause__, "404", "NoSuchBucket", "NotFound"):
+                return False
+            if is_code(e.__cause__, "403", "AccessDenied", "Forbidden"):
+                return True
+            raise
+        return True
+
     def delete(self, paths: list[str], where: str) -> None:
         """Delete the objects `paths` ("bucket/key", taken literally), 1000 per request. A key
         the store did not delete is an error: DeleteObjects answers 200 and lists it apart

@@ -278,7 +278,10 @@ class Store:
         bucket = self.root.split("/", 1)[0]
         with storage_errors(f"checking {self.display}"):
             self.fs.invalidate_cache()
-            if not self.fs.exists(bucket):
+            # On S3 a HEAD that tells "no such bucket" from "cannot reach the store" (s3fs's
+            # exists() answers False to both).
+            found = self._s3.bucket_exists(bucket, self.display) if self._s3 is not None else self.fs.exists(bucket)
+            if not found:
                 raise StorageError(f"{self.display}: bucket {bucket!r} does not exist (or is not visible with these credentials)")
 
     def list_dir(self, rel: str) -> list[str]:
@@ -294,6 +297,8 @@ class Store:
     def exists(self, rel: str) -> bool:
         with storage_errors(f"checking {self.display}/{rel}"):
             self.fs.invalidate_cache()
+            if self._s3 is not None and "/" not in self.path(rel).strip("/"):  # a bucket: see check_reachable
+                return self._s3.bucket_exists(self.path(rel).strip("/"), self.display)
             return self.fs.exists(self.path(rel))
 
     def each(self, fn: Callable[[Any], Any], items: list[Any], name: str = "ckpt-read") -> list[Any]:

@@ -501,20 +501,19 @@ def test_storage_option_without_equals_exits_2_with_one_line(tmp_path):
 
 
 def test_s3_bucket_that_does_not_exist_exits_2_with_one_line(s3_env):
-    (r,) = run_cli([["ls", "s3://no-such-bucket-for-ckpt/run"]], os.environ)
+    for r in run_cli([["ls", "s3://no-such-bucket-for-ckpt/run"], ["ls", "s3://no-such-bucket-for-ckpt"]], os.environ):
+        assert "s3://no-such-bucket-for-ckpt" in assert_one_line_error(r) and "does not exist" in r.err
 
-    assert "s3://no-such-bucket-for-ckpt/run" in assert_one_line_error(r)
 
-
-def test_s3_endpoint_nobody_listens_on_exits_2_quickly(s3_env):
+def test_s3_endpoint_nobody_listens_on_exits_2_quickly_and_is_never_a_missing_bucket(s3_env):
     # One attempt: botocore's default retries with backoff would take 10 s to say the same.
     env = {**os.environ, "AWS_MAX_ATTEMPTS": "1"}
     dead = f"http://127.0.0.1:{free_port()}"
 
-    (r,) = run_cli([["ls", "s3://bucket/run", "--storage-option", f"endpoint_url={dead}"]], env)
-
-    assert "s3://bucket/run" in assert_one_line_error(r)
-    assert r.seconds < 20
+    for r in run_cli([["ls", root, "--storage-option", f"endpoint_url={dead}"] for root in ("s3://bucket/run", "s3://bucket")], env):
+        line = assert_one_line_error(r)
+        assert "s3://bucket" in line and "Could not connect" in line and "does not exist" not in line, line
+        assert r.seconds < 20
 
 
 def test_s3_wrong_credentials_exit_2_and_never_read_as_no_checkpoint(
