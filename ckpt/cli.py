@@ -26,7 +26,8 @@ from .signing import SigningKey
 from .storage import Store, Transfer, step_dir_name
 
 EXIT_OK, EXIT_INVALID, EXIT_USAGE = 0, 1, 2
-# An admin command on an unreachable store says so in seconds, not after a trainer's patience.
+# An admin command on an unreachable store says so in seconds, not after a trainer's patience
+# (the commands that copy a whole checkpoint excepted).
 CLI_TRANSFER = Transfer(attempts=3, max_backoff_s=2.0, timeout_s=20.0)
 
 
@@ -43,7 +44,10 @@ def main(argv: list[str] | None = None) -> int:
             return args.func(args)
         if hasattr(args, "other"):  # diff: ROOT[:STEP]
             args.root, args.root_step = cli_tools.split_step(args.root)
-        store = Store(args.root, _options(args.storage_option), CLI_TRANSFER)
+        # The verbs that move a whole checkpoint retry as a save does: a copy of gigabytes must
+        # not fail on one burst of throttling (its destination's store already does).
+        bulk = args.func in (cli_tools.cmd_cp, cli_tools.cmd_restore, cli_tools.cmd_export, cli_tools.cmd_diff)
+        store = Store(args.root, _options(args.storage_option), Transfer() if bulk else CLI_TRANSFER)
         return args.func(store, args)
     except InvalidCheckpoint as e:
         _error(e)

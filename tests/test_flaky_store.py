@@ -113,6 +113,21 @@ def test_while_the_store_is_down_saves_fail_cleanly_training_goes_on_and_the_nex
         assert_bitwise_equal(dict(model.state_dict()), want, "model")
 
 
+def test_ckpt_cp_from_a_store_that_throttles_retries_as_a_save_does(tmp_path, proxy, s3_root, s3_options):
+    """A copy of a whole checkpoint must not fail on one burst of SlowDown: `ckpt cp` reads
+    with a save's retries (8 attempts), not the 3 of a quick admin command such as `ls`."""
+    cp, model, opt = one_rank(s3_root, s3_options, save_on_exit=False)
+    with cp:
+        train_step(cp, model, opt)
+        cp.wait()
+    proxy.fail("range", *["503"] * 4)  # the first ranged GETs: more than 3 in a row
+    done = subprocess.run([sys.executable, "-m", "ckpt.cli", "cp", s3_root, str(tmp_path / "copy"), f"--storage-option=endpoint_url={proxy.url}"],
+                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert proxy.failed["range"] == 4
+    assert (tmp_path / "copy" / "step-0000000001" / "manifest.json").exists()
+
+
 def test_told_to_stop_after_k_failed_saves_in_a_row_the_kth_raises(proxy, s3_root, s3_options):
     cp, model, opt = one_rank(s3_root, {**s3_options, "endpoint_url": proxy.url}, on_error=3, save_on_exit=False)
     with cp:
