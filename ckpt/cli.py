@@ -380,21 +380,6 @@ def cmd_ls(store: Store, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _live_job(store: Store) -> str | None:
-    """Who holds the root's lease unless it was released: a job whose renewals stalled past
-    its ttl (an expired lease) may still be writing, and so may the job that wrote a lease
-    that does not read. None when no job does (`ckpt lease ROOT --break` makes it so)."""
-    from . import lease
-
-    try:
-        holder = lease.read(store)
-    except ValueError as e:
-        return f"its lease is unreadable: {e}"
-    if holder is None or lease.state(holder, time.time()) == "free":
-        return None
-    return holder.who() + ("" if lease.state(holder, time.time()) == "held" else ", its lease expired; `ckpt lease ROOT --break` frees the root")
-
-
 def _lease_line(store: Store) -> str | None:
     """The root's lease in a line while a job holds it (expired too); None when it is free."""
     from . import lease
@@ -520,7 +505,7 @@ def cmd_rm(store: Store, args: argparse.Namespace) -> int:
             f"step {args.step} is the newest committed checkpoint; a restart would lose it. "
             "Pass --force to delete it anyway."
         )
-    if not listing.has_manifest and not args.force and (job := _live_job(store)):
+    if not listing.has_manifest and not args.force and (job := _lease_line(store)):
         raise ValueError(
             f"step {args.step} is not committed and a job holds the root ({job}): it may be writing it now. "
             "Pass --force to delete it anyway."
@@ -539,7 +524,7 @@ def cmd_gc(store: Store, args: argparse.Namespace) -> int:
     for e in entries:
         if catalog.untrusted(e):
             print(f"left alone (not counted, not deleted): {e.problem}")
-    job = _live_job(store)
+    job = _lease_line(store)
     if job:  # its saves in progress (and a node agent's uploads) look like debris from here
         incomplete = {e.step for e in entries if e.state == catalog.INCOMPLETE}
         writing = [s for s in doomed if s in incomplete]

@@ -21,21 +21,21 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
     cp.add_argument("dst", help="the destination root")
     cp.add_argument("--step", type=step_arg, help="default: the newest committed")
     cp.add_argument("--progress", action="store_true", default=None, help="a progress bar (default: on a terminal)")
-    key_option(cp, "only a checkpoint signed with it is used (by default the newest such)")
+    key_option(cp)
     cp.set_defaults(func=cmd_cp)
 
     restore = sub.add_parser("restore", parents=[common], help="copy a checkpoint to a local directory (cp to a local root)")
     restore.add_argument("--step", type=step_arg, help="default: the newest committed")
     restore.add_argument("--to", required=True, help="a local directory: the checkpoint lands in <to>/step-N")
     restore.add_argument("--progress", action="store_true", default=None)
-    key_option(restore, "only a checkpoint signed with it is used (by default the newest such)")
+    key_option(restore)
     restore.set_defaults(func=cmd_restore)
 
     diff = sub.add_parser("diff", parents=[common], help="tensors that differ between two checkpoints (ROOT[:STEP] OTHER[:STEP])")
     diff.add_argument("other", help="the other checkpoint: ROOT[:STEP]")
     diff.add_argument("--atol", type=float, default=0.0, help="differences up to this are equal (default 0: bitwise)")
     diff.add_argument("--json", action="store_true")
-    key_option(diff, "only a checkpoint signed with it is used (by default the newest such)")
+    key_option(diff)
     diff.set_defaults(func=cmd_diff)
 
     ex = sub.add_parser("export", parents=[common], help="full tensors as safetensors, torch or zarr")
@@ -46,18 +46,18 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
     ex.add_argument("--dtype", help="cast floating tensors (not scalars, such as an optimizer's step): bfloat16, float16, float32 (bf16 and fp16 too)")
     ex.add_argument("--progress", action="store_true", default=None)
     ex.add_argument("--force", action="store_true", help="replace the file --out names if it exists")
-    key_option(ex, "only a checkpoint signed with it is used (by default the newest such)")
+    key_option(ex)
     ex.set_defaults(func=cmd_export)
 
     lt = sub.add_parser("load-test", parents=[common], help="what each rank would read to restore on another world size")
     lt.add_argument("--world-size", type=int, required=True)
     lt.add_argument("--step", type=step_arg, help="default: the newest committed")
     lt.add_argument("--json", action="store_true")
-    key_option(lt, "only a checkpoint signed with it is used (by default the newest such)")
+    key_option(lt)
     lt.set_defaults(func=cmd_load_test)
 
 
-def key_option(parser: argparse.ArgumentParser, what: str) -> None:
+def key_option(parser: argparse.ArgumentParser, what: str = "only a checkpoint signed with it is used (by default the newest such)") -> None:
     parser.add_argument(
         "--signing-key-file",
         help=f"check signatures with the key in this file (default: CKPT_SIGNING_KEY_FILE, else CKPT_SIGNING_KEY): {what}",

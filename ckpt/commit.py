@@ -342,9 +342,7 @@ def _clear_failed(store: Store, step: int, guard: Callable[[], None] | None) -> 
     try:
         if guard is not None:
             guard()
-        listing = store.list_step(step)
-        if listing is not None and not listing.has_manifest:
-            store.remove_step(step)
+        claim_step_dir(store, step)  # removes it unless it holds a manifest
     except Exception as e:  # a clean-up: the save's own failure is what is raised
         log.warning("the files of the failed save of %s stay in %s: %s", step_dir_name(step), store.display, e)
 

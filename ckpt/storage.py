@@ -278,10 +278,7 @@ class Store:
         bucket = self.root.split("/", 1)[0]
         with storage_errors(f"checking {self.display}"):
             self.fs.invalidate_cache()
-            # On S3 a HEAD that tells "no such bucket" from "cannot reach the store" (s3fs's
-            # exists() answers False to both).
-            found = self._s3.bucket_exists(bucket, self.display) if self._s3 is not None else self.fs.exists(bucket)
-            if not found:
+            if not self._bucket_exists(bucket):
                 raise StorageError(f"{self.display}: bucket {bucket!r} does not exist (or is not visible with these credentials)")
 
     def list_dir(self, rel: str) -> list[str]:
@@ -297,9 +294,15 @@ class Store:
     def exists(self, rel: str) -> bool:
         with storage_errors(f"checking {self.display}/{rel}"):
             self.fs.invalidate_cache()
-            if self._s3 is not None and "/" not in self.path(rel).strip("/"):  # a bucket: see check_reachable
-                return self._s3.bucket_exists(self.path(rel).strip("/"), self.display)
-            return self.fs.exists(self.path(rel))
+            path = self.path(rel)
+            if self._s3 is not None and "/" not in path.strip("/"):  # a bucket: see check_reachable
+                return self._bucket_exists(path.strip("/"))
+            return self.fs.exists(path)
+
+    def _bucket_exists(self, bucket: str) -> bool:
+        # On S3 a HEAD that tells "no such bucket" from "cannot reach the store" (s3fs's
+        # exists() answers False to both).
+        return self._s3.bucket_exists(bucket, self.display) if self._s3 is not None else self.fs.exists(bucket)
 
     def each(self, fn: Callable[[Any], Any], items: list[Any], name: str = "ckpt-read") -> list[Any]:
         """`fn` over `items`, results in order: one after another on a local root, up to 16
