@@ -226,7 +226,8 @@ class Checkpointer:
         self.lease = lease
         self._lease: LeaseKeeper | None = None  # rank 0's hold on the root, taken on enter
         self._handoff: Handoff | None = None  # the node agent's link, found on enter
-        self._ctrl = self._io = Group(None, 0, 1)
+        self._ctrl = Group(None, 0, 1)
+        self._io: Group | None = None  # the background writers' group: made at the first save
         self._taken: set[int] = set()  # steps whose directories hold a manifest: never written into
         self._deferred = False  # a due save found its step taken; save at the next step
         self._failed_step = -1  # the step of the last save that failed
@@ -262,9 +263,10 @@ class Checkpointer:
             raise
 
     def _enter(self) -> Checkpointer:
-        # Two groups: the loop's collectives and the background writer's must never interleave.
+        # The loop's group. The background writers get a group of their own (their collectives
+        # and the loop's must never interleave), made at the first save: a restarted job's
+        # restore does not wait for it.
         self._ctrl = Group.new(self.timeout_s)
-        self._io = Group.new(self.timeout_s)
         # IMPORTANT: the root's lease first, before anything there is read or written.
         self._lease = take_for_job(self.store, self.lease, self._ctrl)
         try:
@@ -369,12 +371,12 @@ class Checkpointer:
     def _link_agent(self) -> Handoff | None:
         """The node agent, if one serves this rank's spool. If any rank has one, all ranks
         commit its way (the last rank durable commits); ranks without write to the root."""
-        handoff = Handoff.find(self._spool, self.store, self._io.rank, self._storage_options)
+        handoff = Handoff.find(self._spool, self.store, self._ctrl.rank, self._storage_options)
         if self._ctrl.any(handoff is not None) and handoff is None:
-            handoff = Handoff(self.store, None, self._io.rank)
+            handoff = Handoff(self.store, None, self._ctrl.rank)
         if handoff is not None and handoff.spool is not None:
             self._preempt.watch(handoff.spool.notice_file)
-            self.metrics.publish(handoff.spool.metrics_path(handoff.job, self._io.rank), before=self._learn_commits)
+            self.metrics.publish(handoff.spool.metrics_path(handoff.job, self._ctrl.rank), before=self._learn_commits)
             handoff.wait_idle(self.timeout_s / 2)  # a save of this job still uploading: let it commit first
         if handoff is not None:
             self._ctrl.max([0])  # every node's agent is done before rank 0 picks the checkpoint
@@ -400,7 +402,7 @@ class Checkpointer:
     def _renew_io_group(self) -> None:
         """After a failed save, on every rank at the same step: a failed collective can leave
         the writers' group unusable (gloo closes its pairs on a timeout), so replace it together."""
-        if self._io.pg is not None:
+        if self._io is not None and self._io.pg is not None:
             # A fresh plan key too: a failed save may have left DCP's plan cache half updated
             # (rank 0 caches the global plan before the other ranks cache theirs). The old
             # key's plans go, or a job whose saves fail now and then keeps every one's.
@@ -438,6 +440,8 @@ class Checkpointer:
         # IMPORTANT: one save in flight at a time; the stager's buffers belong to it.
         waiting = time.perf_counter()
         self.wait()
+        if self._io is None:  # a collective: every rank saves at this step
+            self._io = Group.new(self.timeout_s)
         started = time.perf_counter()
         counters = {"step": self._step, **self.counters}
         staged, copies = self._stage(counters)
@@ -462,7 +466,7 @@ class Checkpointer:
         """The loop's part of a save: capture, and copy into staging buffers (or start the
         copies that overlap the next forward and backward). No staging copy (None) when the
         state is over the host memory budget: the save streams from the live state."""
-        state = self.state.capture(counters, self._io.rank)
+        state = self.state.capture(counters, self._ctrl.rank)
         return self._slot.stage(state, self.host_memory_budget, self._ctrl.any, self.state.deferrable() if self.overlap else None)
 
     def wait_for_staging(self) -> None:
@@ -527,7 +531,7 @@ class Checkpointer:
             # holds them: a reference kept alive to interpreter exit (a traceback that holds
             # this object does) tears gloo down in arbitrary order and aborts the process.
             self._ctrl = Group(None, self._ctrl.rank, self._ctrl.world)
-            self._io = Group(None, self._io.rank, self._io.world)
+            self._io = None
             self.metrics.close()
             if self._lease is not None:
                 # A clean exit frees the root; after a failure the lease is left to the same
@@ -571,14 +575,14 @@ class Checkpointer:
             self.metrics.failed(e)
             raise
         if self._handoff is None:
-            self.metrics.committed(manifest, self._io.rank)
+            self.metrics.committed(manifest, self._ctrl.rank)
         else:
-            self.metrics.handed_off(manifest, self._io.rank)
+            self.metrics.handed_off(manifest, self._ctrl.rank)
             try:
                 self._learn_commits()
             except CheckpointError as e:  # the save is handed off: a store that flakes now fails nothing
                 log.warning("could not learn which hand-offs are committed: %s", e)
-        if self._coordinator is not None and self._io.rank == 0:
+        if self._coordinator is not None and self._ctrl.rank == 0:
             self.metrics.schedule(self._coordinator.schedule)
         return manifest
 
@@ -594,8 +598,9 @@ class Checkpointer:
     ) -> Manifest:
         """`copies` is None for a save streamed from the live state (nothing staged)."""
         try:
-            self._slot.copy(copies, self._io.rank, step)
+            self._slot.copy(copies, self._ctrl.rank, step)
             sinks, arenas = self._slot.writer(copies, self.timeout_s)
+            assert self._io is not None, "made by save()"
             manifest = persist(
                 self.store,
                 self._io,
@@ -620,7 +625,7 @@ class Checkpointer:
             raise SaveFailed(f"save of step {step} to {self.store.display} failed: {dcp_causes(e)}") from e
         except Exception as e:
             raise SaveFailed(f"save of step {step} to {self.store.display} failed: {e}") from e
-        if self._io.rank == 0:
+        if self._ctrl.rank == 0:
             log.info(
                 "%s %s/%s (%.1f MB, blocked %.0f ms, persisted in %.2f s)",
                 "committed" if self._handoff is None else "handed off to the node agent",

@@ -94,14 +94,17 @@ def restore(
         step = plan[0]
         tried.append(step)
         outcome, why, restored = _try_restore(store, ctrl, state, step, handoff, key)
-        worst, spooled = ctrl.max([outcome, int(handoff is not None and handoff.local is not None)])
+        # One collective for the outcome, whether a spool was used, and whether any rank has
+        # values left unloaded (only then are they gathered, to be named).
+        worst, spooled, unasked = ctrl.max([outcome, int(handoff is not None and handoff.local is not None), _has_unasked(restored)])
         if worst == 1 and spooled:  # a spool's copy may be what failed: the root's decides
             log.warning("restoring %s with the node spool's copies failed (%s); reading it all from %s", step_dir_name(step), why, store.display)
             outcome, why, restored = _try_restore(store, ctrl, state, step, None, key)
-            worst = ctrl.max([outcome])[0]
+            worst, unasked = ctrl.max([outcome, _has_unasked(restored)])
         if worst == 0:
             assert restored is not None
-            _say_unasked(ctrl, store, restored)
+            if unasked:
+                _say_unasked(ctrl, store, restored)
             return restored, taken
         if worst == 2:
             raise StorageError(f"restoring step {step} from {store.display}: {why}")
@@ -317,6 +320,10 @@ def _say_old_cuda_rng(planner: SafeLoadPlanner, rank: int) -> None:
             "rank %d: this checkpoint holds its CUDA RNG streams by device index (saved by an earlier ckpt): "
             "they are not restored, and the current device's stream goes on from where it is", rank,
         )
+
+
+def _has_unasked(restored: Restored | None) -> int:
+    return int(restored is not None and bool(restored.unasked))
 
 
 def _say_unasked(ctrl: Group, store: Store, restored: Restored) -> None:

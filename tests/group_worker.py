@@ -4,6 +4,7 @@ entries do not fit `gather_short` at first. Writes what it saw to <out>/rank<N>.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pickle
@@ -91,7 +92,9 @@ def main() -> None:
         real = getattr(Group, name)
         setattr(Group, name, lambda self, obj, real=real, name=name: calls.append(f"Group.{name}") or real(self, obj))
     with ckpt.Checkpointer(str(out / "root"), model=model, optimizer=opt, interval=None, save_on_exit=False) as cp:
-        cp._io.gather_bytes = 64
+        assert cp._io is None, "the writers' group is made at the first save, not on entering"
+        made = Group.new  # the writers' group, made by the first save below, starts with 64 bytes
+        Group.new = classmethod(lambda cls, timeout_s: dataclasses.replace(made(timeout_s), gather_bytes=64))  # type: ignore[method-assign]
         for _ in range(4):
             model(torch.randn(2, 8)).sum().backward()
             opt.step()
