@@ -330,9 +330,15 @@ class LeaseKeeper:
 
     def check(self) -> None:
         """Raise LeaseHeld unless this job still holds the root. Rank 0 calls it before it
-        claims a step directory and before it commits; it reads the lease (one small GET)."""
+        claims a step directory and before it commits; it reads the lease (one small GET), or
+        renews it when its renewal is overdue."""
         with self._lock:
-            if self.lost is None:
+            if self.lost is None and time.time() - self.mine.renewed > self.policy.ttl_s / 2:
+                # The renewals failed for a while (a store that stalled): the lease may have
+                # expired, and a job that looks now may take it. Renewed here (a conditional
+                # write: it fails if one did), so that none can while this save commits.
+                self._write(dataclasses.replace(self.mine, renewed=time.time()))
+            elif self.lost is None:
                 got = self.store.read_tagged(LEASE_NAME)
                 if got is not None and self._still_mine(got):
                     self._tag = got.tag  # a renewal that seemed to fail may have landed

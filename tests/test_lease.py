@@ -7,6 +7,7 @@ and its message, the files of the root before and after.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -301,6 +302,36 @@ def test_an_expired_lease_is_taken_over_and_its_frozen_holder_commits_nothing_mo
     # Its save of step 3 would have landed where nothing is (b's retention removed it): the
     # lease alone stopped it, before it made the directory.
     assert files(root, steps_only=True) == after_b
+
+
+def test_the_check_before_a_commit_renews_a_lease_whose_renewals_failed_so_no_job_finds_it_expired(tmp_path, root):
+    """A store that stalled made every renewal fail until the lease expired: any job could take
+    the root now. The check before the next commit renews it (a conditional write) rather than
+    only reading it, so a job that looks after it finds the root held; one that took the root
+    in between makes the check fail."""
+    store = Store(root)
+    keeper = LeaseKeeper.take(store, Lease(ttl_s=1.5))
+    stalled = ckpt.StorageError("the store stalled")
+    try:
+        keeper.renew = lambda: (_ for _ in ()).throw(stalled)  # what the renewal thread calls
+        while time.time() <= holder(root).expires + 0.1:
+            time.sleep(0.05)
+        assert holder(root).expires < time.time()  # expired: any job may take it
+
+        keeper.check()
+        held = holder(root)
+        assert held.run_id == keeper.mine.run_id and held.expires > time.time() + 0.5, held
+        another = dataclasses.replace(lease.this_process(60.0), job_id="job-b", run_id="run-b", host="elsewhere")
+        assert not judge(held, another, time.time(), takeover=False, alive=None).take
+
+        # Expired again, and taken meanwhile by another job: the check says so.
+        while time.time() <= holder(root).expires + 0.1:
+            time.sleep(0.05)
+        assert store.put_if_unchanged(lease.LEASE_NAME, another.to_json(), store.read_tagged(lease.LEASE_NAME).tag)
+        with pytest.raises(ckpt.LeaseHeld, match="job 'job-b'"):
+            keeper.check()
+    finally:
+        keeper.close(release=False)
 
 
 def test_takeover_takes_a_live_lease_and_the_old_holders_next_save_fails_without_writing(tmp_path, root):
