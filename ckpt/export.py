@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import struct
 import tempfile
 from typing import Any
@@ -80,11 +81,14 @@ def export(
             try:
                 with os.fdopen(fd, "wb") as f:
                     torch.save(state, f)
+                    f.flush()
+                    os.fsync(f.fileno())
                 os.replace(part, out)  # IMPORTANT: `out` appears whole or not at all
             except BaseException:
                 with contextlib.suppress(FileNotFoundError):
                     os.remove(part)
                 raise
+            _sync_dir(out)
             written = os.path.getsize(out)
             objects = []
         elif fmt == "safetensors":
@@ -96,10 +100,22 @@ def export(
                         bar.add(tools.tensor_bytes(md.state_dict_metadata[k]))
             written = os.path.getsize(out)
         else:
-            for group in tools.batches(md, tensor_keys):
-                for k, v in tools.read_whole(store, entry, group, md).items():
-                    written += _write_zarr(os.path.join(out, names[k]), v.to(out_dtype(k)))
-                    bar.add(tools.tensor_bytes(md.state_dict_metadata[k]))
+            # IMPORTANT: into a directory of its own beside `out`, renamed to it once whole: a
+            # directory of some of the arrays would read back as a smaller checkpoint.
+            out = out.rstrip(os.sep) or out
+            part = _new_part(out, directory=True)[1]
+            try:
+                for group in tools.batches(md, tensor_keys):
+                    for k, v in tools.read_whole(store, entry, group, md).items():
+                        written += _write_zarr(os.path.join(part, names[k]), v.to(out_dtype(k)))
+                        bar.add(tools.tensor_bytes(md.state_dict_metadata[k]))
+                if os.path.isdir(out):
+                    os.rmdir(out)  # empty (_check_out): the whole export takes its place
+                os.rename(part, out)
+            except BaseException:
+                shutil.rmtree(part, ignore_errors=True)
+                raise
+            _sync_dir(out)
     finally:
         bar.close()
     return {"tensors": len(tensor_keys), "bytes": written, "objects_left_out": [names[k] for k in objects]}
@@ -131,14 +147,29 @@ def _check_out(store: Store, fmt: str, out: str, force: bool) -> None:
         raise ValueError(f"--out {out} exists; --force replaces it")
 
 
-def _new_part(path: str) -> tuple[int, str]:
-    """A new file of our own beside `path` to write it into, then renamed to it (mode as the
-    umask says, like a file opened for writing)."""
-    fd, part = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".part", dir=os.path.dirname(os.path.abspath(path)))
+def _new_part(path: str, directory: bool = False) -> tuple[int, str]:
+    """A new file (or `directory`: fd -1) of our own beside `path` to write it into, then
+    renamed to it; its mode as the umask says, like a file or directory made the usual way."""
+    where = dict(prefix=f".{os.path.basename(path)}.", suffix=".part", dir=os.path.dirname(os.path.abspath(path)))
     umask = os.umask(0)
     os.umask(umask)
+    if directory:
+        os.makedirs(where["dir"], exist_ok=True)
+        part = tempfile.mkdtemp(**where)
+        os.chmod(part, 0o777 & ~umask)
+        return -1, part
+    fd, part = tempfile.mkstemp(**where)
     os.fchmod(fd, 0o666 & ~umask)
     return fd, part
+
+
+def _sync_dir(path: str) -> None:
+    """Make the rename of `path` into its directory durable."""
+    fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def read_export(path: str) -> dict[str, Any]:
@@ -211,13 +242,24 @@ class _SafetensorsWriter:
         return self
 
     def __exit__(self, exc_type: Any, *_: Any) -> None:
-        self._f.close()
-        if exc_type is None and not self._order:
-            os.replace(self._tmp, self._path)
-        else:
-            os.remove(self._tmp)
-            if exc_type is None:
-                raise CheckpointError(f"export to {self._path}: tensors missing: {self._order[:5]}")
+        whole = exc_type is None and not self._order
+        try:
+            with self._f:
+                if whole:
+                    self._f.flush()
+                    os.fsync(self._f.fileno())
+            if whole:
+                os.replace(self._tmp, self._path)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(self._tmp)
+            raise
+        if whole:
+            _sync_dir(self._path)
+            return
+        os.remove(self._tmp)
+        if exc_type is None:
+            raise CheckpointError(f"export to {self._path}: tensors missing: {self._order[:5]}")
 
 
 # -- zarr v3 through tensorstore ------------------------------------------------------------------

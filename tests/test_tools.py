@@ -206,6 +206,34 @@ def test_a_zarr_export_writes_no_array_outside_its_directory_nor_one_inside_anot
     assert sorted(p.name for p in victim.iterdir()) == ["keep.txt"]
 
 
+@pytest.mark.parametrize("fmt", ["zarr", "safetensors", "torch"])
+def test_an_export_that_fails_part_way_leaves_nothing_at_its_out(tmp_path, monkeypatch, fmt):
+    """An export that fails after some tensors were written (here: a corrupt block found on
+    the way, one tensor read at a time) leaves neither `--out` nor its partial files: a zarr
+    directory of half the arrays would read back as a complete, smaller checkpoint."""
+    from ckpt import catalog, export, tools
+    from ckpt.storage import Store
+
+    root = tmp_path / "root"
+    train(root, 10)
+    data = root / "step-0000000010" / "__0_0.distcp"
+    blob = bytearray(data.read_bytes())
+    blob[-len(blob) // 8] ^= 0xFF  # late in the file: tensors before it are read and written first
+    data.write_bytes(bytes(blob))
+    one_at_a_time = tools.batches
+    monkeypatch.setattr(tools, "batches", lambda md, keys: one_at_a_time(md, keys, limit=1))
+    written = []
+    real_zarr = export._write_zarr
+    monkeypatch.setattr(export, "_write_zarr", lambda path, t: written.append(path) or real_zarr(path, t))
+    store = Store(str(root))
+    entry = catalog.find(store, 10)
+    out = tmp_path / "exports" / ("x" + {"zarr": "", "safetensors": ".safetensors", "torch": ".pt"}[fmt])
+    with pytest.raises(ckpt.InvalidCheckpoint, match="checksum mismatch"):
+        export.export(store, entry, fmt, str(out), progress=False)
+    assert fmt != "zarr" or written, "the corruption must come after some arrays were written"
+    assert not out.exists() and (not out.parent.exists() or list(out.parent.iterdir()) == [])
+
+
 def test_export_and_diff_refuse_bad_arguments_and_corrupt_files_in_one_line(tmp_path):
     root = tmp_path / "root"
     train(root, 10)
