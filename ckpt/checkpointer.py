@@ -94,7 +94,8 @@ class Checkpointer:
             143 (terminated by SIGTERM), tells torchrun and schedulers the job is not done:
             elastic agents restart the survivors, a Kubernetes Job retries. 0 would end it.
         timeout_s: the longest a collective of a save may wait for another rank before the
-            save fails: a dead rank turns into an error, never a hang.
+            save fails: a dead rank turns into an error, never a hang. A writer process that
+            moves no bytes for this long (a hung store or mount) fails its save too.
         if_busy: a save that comes due while the previous one is still writing waits for it
             ("wait", the loop stalls until the store catches up) or is skipped and counted in
             ``skipped_saves`` ("skip", the loop never waits on a slow store).

@@ -47,6 +47,21 @@ _BOUNCE = 8 << 20  # bytes gathered before a direct write
 _IOV_MAX = 512  # pieces per writev call
 _DIRECT_BATCH = 64 << 20  # bytes queued before an O_DIRECT writev
 _PREFIX_IMAGE_MAX = 256 << 20  # a prefix whose gathered bytes exceed this is written piece by piece
+_SLICE = 64 << 20  # bytes of one range per write call at most: progress shows between them
+
+
+class Progress:
+    """What the writes of this process have done, for the writer process's heartbeat
+    (`ckpt.writer_proc`): `moved` grows with every write call that returns; `closing` is the
+    size of the file being made durable (its fsync or its upload's completion), a phase that
+    moves nothing the heartbeat can see. A store that hangs moves nothing."""
+
+    def __init__(self) -> None:
+        self.moved = 0
+        self.closing = 0
+
+
+PROGRESS = Progress()
 
 
 def write_file(
@@ -72,6 +87,7 @@ def write_file(
                 return _write_direct(path, runs, pieces, segments, Hasher(block, algo=store.checksum_algo)).entry(rank)
             except _NoDirectIO:
                 pass  # the filesystem refused O_DIRECT: the buffered path below
+    PROGRESS.closing = 0
     with store.open_write(rel) as f:
         hasher = Hasher(block, algo=store.checksum_algo)
         if store.is_local:
@@ -80,6 +96,9 @@ def write_file(
             for view in _views(runs, pieces, segments):
                 f.write(view)
                 hasher.update(view)
+                PROGRESS.moved += len(view)
+        PROGRESS.closing = hasher.size  # the fsync, or the upload's last parts, on leaving
+    PROGRESS.closing = 0
     return hasher.entry(rank)
 
 
@@ -91,24 +110,27 @@ def _views(runs: list[memoryview], pieces: list[Piece], segments: Mapping[int, m
                 yield memoryview(piece)
         else:
             seg, off, length = piece
-            if length:
-                yield segments[seg][off : off + length]
+            for at in range(off, off + length, _SLICE):
+                yield segments[seg][at : min(off + length, at + _SLICE)]
 
 
 def _writev_all(fd: int, views: Iterable[memoryview], hasher: Hasher) -> None:
     batch: list[memoryview] = []
+    queued = 0
     for view in views:
         hasher.update(view)
         batch.append(view)
-        if len(batch) == _IOV_MAX:
+        queued += len(view)
+        if len(batch) == _IOV_MAX or queued >= _SLICE:
             _writev_batch(fd, batch)
-            batch = []
+            batch, queued = [], 0
     _writev_batch(fd, batch)
 
 
 def _writev_batch(fd: int, batch: list[memoryview]) -> None:
     while batch:
         n = os.writev(fd, batch)
+        PROGRESS.moved += n
         while batch and n >= len(batch[0]):  # drop what was written; a short write resumes
             n -= len(batch[0])
             batch.pop(0)
@@ -143,7 +165,9 @@ def _write_direct(
                 # Arena segments start on a page, so an offset on a page is an aligned address.
                 out.write(segments[seg][off : off + length], aligned=off % ALIGN == 0)
         out.finish()
+        PROGRESS.closing = out.written
         os.fsync(fd)
+        PROGRESS.closing = 0
     except BaseException:
         os.close(fd)
         with contextlib.suppress(FileNotFoundError):
@@ -179,7 +203,8 @@ class _DirectFile:
             # pages of the bounce buffer): queue them, then the aligned run without a copy.
             self._queue_bounce()
             n = len(view) - len(view) % ALIGN
-            self._queue(view[:n])
+            for at in range(0, n, _SLICE):  # whole pages each
+                self._queue(view[at : min(n, at + _SLICE)])
             self.zero_copy += n
             view = view[n:]
         while len(view):

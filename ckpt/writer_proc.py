@@ -24,12 +24,14 @@ import socket
 import struct
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Iterable, Sequence
 from typing import Any, Protocol
 
 from ._faults import fault_point
 from .errors import DiskFull, SaveFailed, StorageError
-from .filewrite import Fixed, Piece, Prefixes, piece_len
+from .filewrite import PROGRESS, Fixed, Piece, Prefixes, piece_len
 from .manifest import FileEntry
 from .redact import redact
 from .storage import Store
@@ -43,6 +45,10 @@ _PASSED_ON: tuple[type[StorageError], ...] = (DiskFull, StorageError)
 _MAX_FDS = 64
 _START_TIMEOUT_S = 60.0
 _SLOWEST_BYTES_PER_S = 1 << 20  # a write slower than this (plus timeout_s) is a hung store
+# While it writes, the writer process says every so often that bytes moved (and how many it
+# makes durable next): the trainer takes one that moves nothing for timeout_s as hung, not
+# only one past the whole write's deadline (hours, for a large file at _SLOWEST_BYTES_PER_S).
+_BEAT_S = 0.25
 
 # The writer's entry point: ckpt is loaded from the trainer's own copy (installed or a source
 # tree), and nothing else is put ahead of the standard library or the environment's packages.
@@ -144,7 +150,7 @@ class ProcessSink:
         nbytes = sum(map(piece_len, pieces)) + (self._prefix_bytes if fixed is not None else 0)
         deadline = self.timeout_s + nbytes / _SLOWEST_BYTES_PER_S
         message = ("write", rel, pieces, live, rank, step, fixed[0] if fixed is not None else None)
-        reply = self._call(pickle.dumps(message, protocol=5), deadline, f"writing {rel}")
+        reply = self._call(pickle.dumps(message, protocol=5), deadline, f"writing {rel}", stall_s=self.timeout_s)
         if reply[0] == "ok":
             entry: FileEntry = reply[1]
             return entry
@@ -152,18 +158,32 @@ class ProcessSink:
         kind, message = reply[1], reply[2]
         raise next((c for c in _PASSED_ON if c.__name__ == kind), SaveFailed)(message)
 
-    def _call(self, payload: bytes, timeout_s: float, doing: str, fds: Sequence[int] = ()) -> Any:
-        """Send one message and wait for its reply; a writer that died or hangs fails the save."""
+    def _call(self, payload: bytes, timeout_s: float, doing: str, fds: Sequence[int] = (), stall_s: float | None = None) -> Any:
+        """Send one message and wait for its reply; a writer that died or hangs fails the save:
+        one that answers nothing within `timeout_s` or, with `stall_s`, moves no bytes for
+        that long (plus the time to make what it wrote durable, at the slowest rate)."""
+        deadline = time.monotonic() + timeout_s
+        waited = timeout_s if stall_s is None else min(timeout_s, stall_s)
+        to_deadline = waited == timeout_s  # the wait under way ends at the deadline
         try:
-            self.sock.settimeout(timeout_s)
+            self.sock.settimeout(waited)
             _send(self.sock, payload, fds)
             reply, _ = _recv(self.sock)
+            while reply is not None and reply[0] == "moved":  # the heartbeat: bytes moved
+                left = deadline - time.monotonic()
+                stall = (stall_s or 0) + reply[1] / _SLOWEST_BYTES_PER_S
+                waited, to_deadline = min(left, stall), left <= stall
+                if waited <= 0:
+                    raise TimeoutError
+                self.sock.settimeout(waited)
+                reply, _ = _recv(self.sock)
         except TimeoutError:
             self._broken = True
             self.proc.kill()
+            how = f"gave no answer within {timeout_s:.0f} s" if to_deadline else f"moved no bytes for {waited:.0f} s"
             raise SaveFailed(
-                f"the writer process gave no answer within {timeout_s:.0f} s {doing} in {self.store.display} "
-                "(a hung store?); it was killed and the next save starts a new one"
+                f"the writer process {how} {doing} in {self.store.display} (a hung store?); "
+                "it was killed and the next save starts a new one"
             ) from None
         except OSError as e:
             log.debug("writer process socket: %s", e)
@@ -277,11 +297,45 @@ def _die_with_parent(parent: int) -> None:
         os._exit(1)
 
 
+class _Heartbeat:
+    """The writer process's replies, and while it writes, a message every `_BEAT_S` in which
+    bytes moved (`filewrite.PROGRESS`): ("moved", the bytes it makes durable next). None
+    comes after the write's own reply."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self._lock = threading.Lock()  # one message at a time on the socket
+        self._seen: tuple[int, int] | None = None  # the progress last told; None: not writing
+        threading.Thread(target=self._run, name="ckpt-writer-beat", daemon=True).start()
+
+    def writing(self) -> None:
+        with self._lock:
+            self._seen = (PROGRESS.moved, PROGRESS.closing)
+
+    def reply(self, payload: bytes) -> None:
+        with self._lock:
+            self._seen = None
+            _send(self.sock, payload)
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(_BEAT_S)
+            with self._lock:
+                now = (PROGRESS.moved, PROGRESS.closing)
+                if self._seen is not None and now != self._seen:
+                    self._seen = now
+                    try:
+                        _send(self.sock, pickle.dumps(("moved", now[1])))
+                    except OSError:  # the trainer is gone: the main loop ends too
+                        return
+
+
 def serve(sock: socket.socket) -> None:
     """The writer process's loop: until the trainer closes the socket."""
     store: Store | None = None
     maps: dict[int, mmap.mmap] = {}
     prefixes = Prefixes()
+    beat = _Heartbeat(sock)
     while True:
         msg, fds = _recv(sock)
         if msg is None:
@@ -293,16 +347,17 @@ def serve(sock: socket.socket) -> None:
                 reply: tuple[Any, ...] = ("ok",)
             except Exception as e:  # told to the trainer, which writes in a thread instead
                 reply = ("err", f"{type(e).__name__}: {e}")
-            _send(sock, pickle.dumps(reply))
+            beat.reply(pickle.dumps(reply))
         elif msg[0] == "segments":
             for (seg_id, size), fd in zip(msg[1], fds, strict=True):
                 maps[seg_id] = mmap.mmap(fd, size, prot=mmap.PROT_READ)
                 os.close(fd)
-            _send(sock, pickle.dumps(("ok",)))
+            beat.reply(pickle.dumps(("ok",)))
         elif msg[0] == "prefix":
             prefixes.learn(msg[1], msg[2])
-            _send(sock, pickle.dumps(("ok",)))
+            beat.reply(pickle.dumps(("ok",)))
         elif msg[0] == "write":
+            beat.writing()
             _, rel, pieces, live, rank, step, key = msg
             if set(maps) - set(live):
                 prefixes.release()  # IMPORTANT: its views of a segment would keep it mapped
@@ -322,7 +377,7 @@ def serve(sock: socket.socket) -> None:
                     kind,
                     str(e) if isinstance(e, StorageError) else f"{type(e).__name__}: {e}",
                 )
-            _send(sock, pickle.dumps(reply))
+            beat.reply(pickle.dumps(reply))
 
 
 def main(argv: list[str]) -> int:

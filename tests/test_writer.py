@@ -419,12 +419,35 @@ def test_a_hung_writer_fails_its_save_within_the_timeout_and_the_next_save_commi
         os.kill(cp._slot.sinks.get(cp.store.url).proc.pid, signal.SIGSTOP)  # a writer stuck in a hung store
         cp.step_done()
         started = time.monotonic()
-        with pytest.raises(ckpt.SaveFailed, match="gave no answer within 2 s"):
+        # Stopped whole: no answer to the message before the write (its prefix), or no bytes moved.
+        with pytest.raises(ckpt.SaveFailed, match="gave no answer within 2 s|moved no bytes for 2 s"):
             cp.on_error = "raise"
             cp.save(blocking=True)
         assert time.monotonic() - started < 20
         cp.step_done()
         cp.save(blocking=True)
+    assert sorted(p.parent.name for p in tmp_path.glob("step-*/manifest.json")) == ["step-0000000001", "step-0000000003"]
+
+
+def test_a_writer_that_moves_no_bytes_fails_its_save_after_timeout_s_not_after_the_whole_writes_deadline(tmp_path, monkeypatch):
+    """A writer process whose store stopped taking bytes, while the process itself runs (its
+    heartbeat thread too): the save fails once no bytes moved for timeout_s. The whole write's
+    deadline (timeout_s + its bytes at 1 MiB/s: 50 s here, hours for a large shard) is only
+    the bound for a write that moves, slowly."""
+    monkeypatch.setenv("CKPT_FAULT", "writer_process:0:2:sleep=120")  # the writer of step 2 stops before writing
+    model = torch.nn.Linear(2048, 6144)  # 48 MB of parameters
+    with ckpt.Checkpointer(tmp_path, model=model, interval=None, timeout_s=2, handle_sigterm=False, on_error="log") as cp:
+        cp.step_done()
+        cp.save(blocking=True)  # the writer process starts here (its fault is for step 2)
+        assert type(cp._slot.sinks.get(cp.store.url)).__name__ == "ProcessSink"
+        cp.step_done()
+        started = time.monotonic()
+        with pytest.raises(ckpt.SaveFailed, match="moved no bytes for 2 s"):
+            cp.on_error = "raise"
+            cp.save(blocking=True)
+        assert time.monotonic() - started < 15
+        cp.step_done()
+        cp.save(blocking=True)  # a new writer process
     assert sorted(p.parent.name for p in tmp_path.glob("step-*/manifest.json")) == ["step-0000000001", "step-0000000003"]
 
 
