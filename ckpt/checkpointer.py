@@ -230,6 +230,7 @@ class Checkpointer:
         self._ctrl = Group(None, 0, 1)
         self._io: Group | None = None  # the background writers' group: made at the first save
         self._taken: set[int] = set()  # steps whose directories hold a manifest: never written into
+        self._newest = 0.0  # the root's newest commit time: this job's commits are dated after it
         self._deferred = False  # a due save found its step taken; save at the next step
         self._failed_step = -1  # the step of the last save that failed
         # A signal reaches one rank, a clock runs per rank: the ranks meet now and then to
@@ -297,7 +298,7 @@ class Checkpointer:
         self._handoff = self._link_agent()
         if self.restore_mode != "none":
             began = time.perf_counter()
-            restored, self._taken = restore(self.store, self._ctrl, self.state, self.restore_mode, self._handoff, self._signing_key)
+            restored, self._taken, self._newest = restore(self.store, self._ctrl, self.state, self.restore_mode, self._handoff, self._signing_key)
             if restored is not None:
                 self._step = self.restored_step = restored.step
                 took = time.perf_counter() - began
@@ -305,7 +306,7 @@ class Checkpointer:
                 log.info("restored step %d in %.2f s, %.1f MB read, mostly from the %s", restored.step, took, restored.read_bytes / 1e6, "node spool" if restored.source == "spool" else "store")
                 self.counters, self.last_commit = Counters(restored.counters), restored.manifest
         else:
-            self._taken = start_fresh(self.store, self._ctrl)
+            self._taken, self._newest = start_fresh(self.store, self._ctrl)
         self.history.start(self._step, self.last_commit if self.restored_step is not None else None)
         self._saved_step = self._step
         self._restart_interval()
@@ -619,6 +620,7 @@ class Checkpointer:
                 need=self._slot.stager.bytes_staged,
                 key=self._signing_key,
                 guard=self._lease.check if self._lease is not None else None,
+                after=self._newest,
             )
         except SaveFailed:
             raise
@@ -626,6 +628,7 @@ class Checkpointer:
             raise SaveFailed(f"save of step {step} to {self.store.display} failed: {dcp_causes(e)}") from e
         except Exception as e:
             raise SaveFailed(f"save of step {step} to {self.store.display} failed: {e}") from e
+        self._newest = max(self._newest, manifest.created)
         if self._ctrl.rank == 0:
             log.info(
                 "%s %s/%s (%.1f MB, blocked %.0f ms, persisted in %.2f s)",

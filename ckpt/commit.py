@@ -196,12 +196,14 @@ def persist(
     need: int = 0,
     key: SigningKey | None = None,
     guard: Callable[[], None] | None = None,
+    after: float = 0.0,
 ) -> Manifest:
     """Write and commit `staged` as step `step` (`sinks` writes files to a store). Returns
     the manifest on every rank: committed, or with `handoff` handed off for the commit.
     With `key`, rank 0 signs the manifest (a draft handed off is committed as signed).
     `guard` (rank 0's, the root lease's check) raises when this job may not write there any
-    more: called before the step directory is claimed and again just before the commit."""
+    more: called before the step directory is claimed and again just before the commit.
+    The commit is dated after `after` (the root's newest commit this job knows of)."""
     rel = step_dir_name(step)
     began = time.time() - (time.perf_counter() - started)
     refusal, save_id = None, f"{secrets.randbits(63):016x}" if group.rank == 0 else ""
@@ -246,7 +248,7 @@ def persist(
         def commit(everyone: list[Any]) -> Manifest | str:  # rank 0's
             return _commit(
                 store, target, group, rel, step, everyone, layout, counters=counters, user=user, schedule=schedule,
-                blocking_s=blocking_s, started=started, handoff=handoff, key=key, guard=guard, tried=tried,
+                blocking_s=blocking_s, started=started, handoff=handoff, key=key, guard=guard, tried=tried, after=after,
             )  # fmt: skip
 
         long = [m.n for m in everyone if isinstance(m, TooLong)]
@@ -273,6 +275,18 @@ def persist(
             handoff.done_writing(rel)  # written into the spool and handed off, or failed
 
 
+def _dated_after(after: float, rel: str) -> float:
+    """The commit's time: now, or just after `after` on a host whose clock is behind the
+    root's newest commit. IMPORTANT: a restore picks the newest commit, so a run that went
+    on from an older step must date its commits after the ones it abandoned."""
+    now = time.time()
+    if now > after:
+        return now
+    if after - now > 1.0:
+        log.warning("%s: this host's clock is %.0f s behind the newest commit of the root; the commit is dated after that one", rel, after - now)
+    return after + 1e-3
+
+
 def _commit(
     store: Store,
     target: Store,
@@ -291,6 +305,7 @@ def _commit(
     key: SigningKey | None,
     guard: Callable[[], None] | None,
     tried: list[bool],
+    after: float,
 ) -> Manifest | str:
     """Rank 0: check what every rank wrote (`everyone`), write `.metadata` and the manifest
     (the commit; with `handoff`, only draft it). The manifest, or why the save failed."""
@@ -310,7 +325,7 @@ def _commit(
         manifest = Manifest(
             step=step,
             world_size=group.world,
-            created=time.time(),
+            created=_dated_after(after, rel),
             files=files,
             costs=SaveCosts(blocking_s, time.perf_counter() - started, sum(f.size for f in files.values())),
             counters=counters,

@@ -64,27 +64,30 @@ def restore(
     mode: str | int,
     handoff: Handoff | None = None,
     key: SigningKey | None = None,
-) -> tuple[Restored | None, set[int]]:
+) -> tuple[Restored | None, set[int], float]:
     """Load the newest checkpoint that loads (`mode` "latest") or step `mode` into `state`
     on every rank; with `handoff`, files the node spool holds are read from there; with
     `key`, only checkpoints signed with it are trusted (the others are passed over). Returns
     what was restored (None: the root holds nothing to restore) and the steps that hold a
-    manifest, which this run must never write into."""
+    manifest, which this run must never write into, and the newest commit time among them
+    (`newest_commit`)."""
     problems: list[str] = []
     tried: list[int] = []
     taken: set[int] = set()
     passed: list[str] = []
+    newest = 0.0
     while True:
         # Rank 0 picks the next candidate afresh after each failure: the catalog reads only
         # the manifests it needs to know the newest (catalog.restore_candidates).
         plan: list[int] | str = []
         if ctrl.rank == 0:
             try:
-                plan, more, passed = _restore_plan(store, mode, key, tried)
+                plan, more, passed, created = _restore_plan(store, mode, key, tried)
                 taken |= more
+                newest = max(newest, created)
             except CheckpointError as e:
                 plan = f"{type(e).__name__}: {e}"
-        plan, taken, passed = ctrl.broadcast((plan, taken, passed if ctrl.rank == 0 else []))
+        plan, taken, passed, newest = ctrl.broadcast((plan, taken, passed if ctrl.rank == 0 else [], newest))
         problems += passed
         if isinstance(plan, str):
             kind = plan.partition(":")[0]  # the error's type name, as rank 0 raised it
@@ -105,7 +108,7 @@ def restore(
             assert restored is not None
             if unasked:
                 _say_unasked(ctrl, store, restored)
-            return restored, taken
+            return restored, taken, newest
         if worst == 2:
             raise StorageError(f"restoring step {step} from {store.display}: {why}")
         if worst == 3:
@@ -129,21 +132,24 @@ def restore(
             + "values). To start fresh, pass restore='none' (the corrupt directories are kept "
             + "and their steps skipped) or use a new root."
         )
-    return None, taken
+    return None, taken, newest
 
 
-def start_fresh(store: Store, ctrl: Group) -> set[int]:
-    """restore='none': train from step 0, never writing into what the root already holds."""
-    taken: set[int] | str = set()
+def start_fresh(store: Store, ctrl: Group) -> tuple[set[int], float]:
+    """restore='none': train from step 0, never writing into what the root already holds.
+    Returns the steps that hold a manifest, and the newest commit time among them."""
+    got: tuple[set[int], float] | str = (set(), 0.0)
     if ctrl.rank == 0:
         try:
             store.check_reachable()
             taken = {s for s, lst in store.scan().items() if lst.has_manifest}
+            got = (taken, newest_commit(store) if taken else 0.0)
         except CheckpointError as e:
-            taken = str(e)
-    taken = ctrl.broadcast(taken)
-    if isinstance(taken, str):
-        raise StorageError(taken)
+            got = str(e)
+    got = ctrl.broadcast(got)
+    if isinstance(got, str):
+        raise StorageError(got)
+    taken, newest = got
     if taken and ctrl.rank == 0:
         log.warning(
             "restore='none' but %s holds checkpoints at steps %s: they are kept, this run skips "
@@ -151,18 +157,32 @@ def start_fresh(store: Store, ctrl: Group) -> set[int]:
             store.display,
             sorted(taken),
         )
-    return taken
+    return taken, newest
 
 
-def _restore_plan(store: Store, mode: str | int, key: SigningKey | None, tried: list[int]) -> tuple[list[int], set[int], list[str]]:
+def newest_commit(store: Store) -> float:
+    """The newest commit time (`created`) among the root's checkpoints; 0 if none. This job's
+    commits are dated after it (`commit.persist`'s `after`), whatever this host's clock says:
+    a restore picks the newest commit, and a run that went on from an older step must win
+    over the one it abandoned."""
+    good, _ = catalog.restore_candidates(store)
+    return _newest(good)
+
+
+def _newest(entries: list[catalog.Entry]) -> float:
+    return max((e.manifest.created for e in entries if e.manifest is not None), default=0.0)
+
+
+def _restore_plan(store: Store, mode: str | int, key: SigningKey | None, tried: list[int]) -> tuple[list[int], set[int], list[str], float]:
     """Rank 0: the next step to try (none left: []), after the `tried` ones failed; the steps
-    that hold a manifest; and, falling back, the corrupt ones passed over on the way."""
+    that hold a manifest; falling back, the corrupt ones passed over on the way; and the
+    newest commit time it saw (`newest_commit`)."""
     if isinstance(mode, int):
         if tried:
-            return [], set(), []
+            return [], set(), [], 0.0
         store.check_reachable()
         entry = catalog.find(store, mode, key)
-        return [entry.step], {s for s, lst in store.scan().items() if lst.has_manifest}, []
+        return [entry.step], {s for s, lst in store.scan().items() if lst.has_manifest}, [], newest_commit(store)
     if not tried:
         store.check_reachable()
     good, skipped = catalog.restore_candidates(store, key, exclude=set(tried))
@@ -173,7 +193,7 @@ def _restore_plan(store: Store, mode: str | int, key: SigningKey | None, tried: 
             log.warning("passing over %s/%s: %s", store.display, e.dir, e.problem)
         if good:
             log.info("falling back to %s/%s", store.display, good[0].dir)
-        return [e.step for e in good[:1]], taken, [f"{e.dir}: {e.problem}" for e in passed]
+        return [e.step for e in good[:1]], taken, [f"{e.dir}: {e.problem}" for e in passed], _newest(good)
     for e in skipped:
         log.warning("passing over %s/%s: %s", store.display, e.dir, e.problem)
     if good:
@@ -187,7 +207,7 @@ def _restore_plan(store: Store, mode: str | int, key: SigningKey | None, tried: 
             + "values). To start fresh, pass restore='none' (the corrupt directories are kept "
             + "and their steps skipped) or use a new root."
         )
-    return [e.step for e in good[:1]], taken, []
+    return [e.step for e in good[:1]], taken, [], _newest(good)
 
 
 # What preparing a restore may raise (a manifest that does not parse or match, a state that

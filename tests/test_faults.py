@@ -581,6 +581,38 @@ def test_a_fallback_goes_to_the_newest_commit_before_though_its_manifest_was_wri
     assert run(restore_to=3).restored_step == 2
 
 
+@pytest.mark.parametrize("restore_from", [1, "none"])
+def test_a_run_on_a_host_whose_clock_is_behind_dates_its_commits_after_the_root_s_newest(tmp_path, monkeypatch, caplog, restore_from):
+    """Run A commits steps 1 and 10. Run B goes on from step 1 (or starts afresh beside A's
+    checkpoints) on a host whose clock is an hour behind, and commits step 2. A restore picks
+    the newest commit: B's step 2, the run that went on, never A's abandoned step 10, though
+    B's clock would date it an hour before that."""
+    def run(steps: int, saves: tuple[int, ...], **kw) -> ckpt.Checkpointer:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 4)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with ckpt.Checkpointer(str(tmp_path), model=model, optimizer=opt, interval=None, save_on_exit=False,
+                               handle_sigterm=False, keep=ckpt.Keep(last=10), **kw) as cp:
+            while cp.step < steps:
+                model(torch.randn(2, 4)).sum().backward()
+                opt.step()
+                opt.zero_grad()
+                cp.step_done()
+                if cp.step in saves:
+                    cp.save(blocking=True)
+        return cp
+
+    run(10, (1, 10), restore="none")
+    real = time.time
+    with monkeypatch.context() as m:
+        m.setattr(time, "time", lambda: real() - 3600)  # this host's clock, an hour behind
+        caplog.set_level(logging.WARNING, logger="ckpt")
+        b = run(2, (2,), restore=restore_from)
+    assert run(2, (), restore="latest").restored_step == 2
+    assert b.last_commit.step == 2 and b.last_commit.created > catalog.find(Store(str(tmp_path)), 10).manifest.created
+    assert "s behind the newest commit of the root; the commit is dated after that one" in caplog.text
+
+
 def test_a_model_whose_shapes_changed_fails_the_restore_and_never_falls_back_to_an_older_step(tmp_path, caplog):
     """Step 2 (an embedding of 5 rows), 3 and 4 (grown to 8 rows) are all sound. A job that
     builds the 5-row model again does not match step 4: a fallback to step 2 would resume
