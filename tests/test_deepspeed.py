@@ -7,6 +7,7 @@ conversion step; the offloaded engine is restored on the same world size.
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -18,6 +19,27 @@ from launch import HERE, run
 pytestmark = pytest.mark.slow
 
 WORKER = HERE / "ds_worker.py"
+
+
+@pytest.fixture(scope="module")
+def extensions_dir(tmp_path_factory) -> Path:
+    """Where DeepSpeed's JIT-built ops (its CPU Adam, its shm collectives) go: a directory of
+    this test session's, seeded with what the user's cache holds built (never its lock files).
+    A job killed while it builds one (a timeout) leaves that build's lock file behind, and
+    every job after it would wait on the lock until its own timeout."""
+    d = tmp_path_factory.mktemp("torch_extensions")
+    cache = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions")
+    if cache.is_dir():
+        shutil.copytree(cache, d, dirs_exist_ok=True, ignore=shutil.ignore_patterns("lock"))
+    return d
+
+
+@pytest.fixture(autouse=True)
+def _no_build_lock_left_over(extensions_dir, monkeypatch):
+    # One job at a time builds here (this session's only): a lock found now is a killed build's.
+    for lock in extensions_dir.rglob("lock"):
+        lock.unlink()
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(extensions_dir))
 
 
 def ds_job(tmp_path: Path, ranks: int, name: str, *args: object) -> list[dict]:
