@@ -52,13 +52,14 @@ _SLICE = 64 << 20  # bytes of one range per write call at most: progress shows b
 
 class Progress:
     """What the writes of this process have done, for the writer process's heartbeat
-    (`ckpt.writer_proc`): `moved` grows with every write call that returns; `closing` is the
-    size of the file being made durable (its fsync or its upload's completion), a phase that
-    moves nothing the heartbeat can see. A store that hangs moves nothing."""
+    (`ckpt.writer_proc`): `moved` grows with every write call that returns; `waiting` is what
+    may be under way meanwhile with nothing to show for it: the bytes of the write call in
+    flight (and an upload's parts in flight), or of a file being made durable (its fsync, its
+    upload's last parts). A store that hangs moves nothing."""
 
     def __init__(self) -> None:
         self.moved = 0
-        self.closing = 0
+        self.waiting = 0
 
 
 PROGRESS = Progress()
@@ -87,23 +88,29 @@ def write_file(
                 return _write_direct(path, runs, pieces, segments, Hasher(block, algo=store.checksum_algo)).entry(rank)
             except _NoDirectIO:
                 pass  # the filesystem refused O_DIRECT: the buffered path below
-    PROGRESS.closing = 0
-    with store.open_write(rel) as f:
-        hasher = Hasher(block, algo=store.checksum_algo)
-        if store.is_local:
-            _writev_all(f.fileno(), _views(runs, pieces, segments), hasher)
-        else:
-            for view in _views(runs, pieces, segments):
-                f.write(view)
-                hasher.update(view)
-                PROGRESS.moved += len(view)
-        PROGRESS.closing = hasher.size  # the fsync, or the upload's last parts, on leaving
-    PROGRESS.closing = 0
+    in_flight = (store.transfer.concurrency + 1) * store.transfer.part_size  # an upload's parts
+    try:
+        with store.open_write(rel) as f:
+            hasher = Hasher(block, algo=store.checksum_algo)
+            if store.is_local:
+                _writev_all(f.fileno(), _views(runs, pieces, segments), hasher)
+                PROGRESS.waiting = hasher.size  # the fsync, on leaving: the whole file may be dirty
+            else:
+                for view in _views(runs, pieces, segments):
+                    PROGRESS.waiting = len(view) + in_flight
+                    f.write(view)
+                    hasher.update(view)
+                    PROGRESS.moved += len(view)
+                PROGRESS.waiting = min(hasher.size, in_flight)  # the last parts, on leaving
+    finally:
+        PROGRESS.waiting = 0
     return hasher.entry(rank)
 
 
 def _views(runs: list[memoryview], pieces: list[Piece], segments: Mapping[int, memoryview]) -> Iterable[memoryview]:
-    yield from runs
+    for run in runs:
+        for at in range(0, len(run), _SLICE):
+            yield run[at : at + _SLICE]
     for piece in pieces:
         if isinstance(piece, bytes):
             if piece:
@@ -129,6 +136,7 @@ def _writev_all(fd: int, views: Iterable[memoryview], hasher: Hasher) -> None:
 
 def _writev_batch(fd: int, batch: list[memoryview]) -> None:
     while batch:
+        PROGRESS.waiting = sum(map(len, batch))
         n = os.writev(fd, batch)
         PROGRESS.moved += n
         while batch and n >= len(batch[0]):  # drop what was written; a short write resumes
@@ -165,14 +173,15 @@ def _write_direct(
                 # Arena segments start on a page, so an offset on a page is an aligned address.
                 out.write(segments[seg][off : off + length], aligned=off % ALIGN == 0)
         out.finish()
-        PROGRESS.closing = out.written
+        PROGRESS.waiting = ALIGN  # the fsync: the data went to the device already, but for its last page
         os.fsync(fd)
-        PROGRESS.closing = 0
     except BaseException:
         os.close(fd)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
         raise
+    finally:
+        PROGRESS.waiting = 0
     os.close(fd)
     return hasher
 

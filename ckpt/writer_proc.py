@@ -45,9 +45,10 @@ _PASSED_ON: tuple[type[StorageError], ...] = (DiskFull, StorageError)
 _MAX_FDS = 64
 _START_TIMEOUT_S = 60.0
 _SLOWEST_BYTES_PER_S = 1 << 20  # a write slower than this (plus timeout_s) is a hung store
-# While it writes, the writer process says every so often that bytes moved (and how many it
-# makes durable next): the trainer takes one that moves nothing for timeout_s as hung, not
-# only one past the whole write's deadline (hours, for a large file at _SLOWEST_BYTES_PER_S).
+# While it writes, the writer process says every so often that bytes moved (and how many are
+# under way, showing nothing until done): the trainer takes one that moves nothing for
+# timeout_s (plus those bytes at _SLOWEST_BYTES_PER_S) as hung, not only one past the whole
+# write's deadline (hours, for a large file at _SLOWEST_BYTES_PER_S).
 _BEAT_S = 0.25
 
 # The writer's entry point: ckpt is loaded from the trainer's own copy (installed or a source
@@ -161,7 +162,7 @@ class ProcessSink:
     def _call(self, payload: bytes, timeout_s: float, doing: str, fds: Sequence[int] = (), stall_s: float | None = None) -> Any:
         """Send one message and wait for its reply; a writer that died or hangs fails the save:
         one that answers nothing within `timeout_s` or, with `stall_s`, moves no bytes for
-        that long (plus the time to make what it wrote durable, at the slowest rate)."""
+        that long (plus, at the slowest rate, the time for what it said is under way)."""
         deadline = time.monotonic() + timeout_s
         waited = timeout_s if stall_s is None else min(timeout_s, stall_s)
         to_deadline = waited == timeout_s  # the wait under way ends at the deadline
@@ -299,8 +300,8 @@ def _die_with_parent(parent: int) -> None:
 
 class _Heartbeat:
     """The writer process's replies, and while it writes, a message every `_BEAT_S` in which
-    bytes moved (`filewrite.PROGRESS`): ("moved", the bytes it makes durable next). None
-    comes after the write's own reply."""
+    bytes moved (`filewrite.PROGRESS`): ("moved", the bytes under way that show no progress
+    until done). None comes after the write's own reply."""
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
@@ -310,7 +311,8 @@ class _Heartbeat:
 
     def writing(self) -> None:
         with self._lock:
-            self._seen = (PROGRESS.moved, PROGRESS.closing)
+            PROGRESS.waiting = 0
+            self._seen = (PROGRESS.moved, PROGRESS.waiting)
 
     def reply(self, payload: bytes) -> None:
         with self._lock:
@@ -321,7 +323,7 @@ class _Heartbeat:
         while True:
             time.sleep(_BEAT_S)
             with self._lock:
-                now = (PROGRESS.moved, PROGRESS.closing)
+                now = (PROGRESS.moved, PROGRESS.waiting)
                 if self._seen is not None and now != self._seen:
                     self._seen = now
                     try:

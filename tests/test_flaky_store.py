@@ -163,6 +163,27 @@ def test_a_store_that_hangs_fails_the_save_within_the_timeout_and_never_the_job(
         assert cp.failures_in_row == 0 and cp.last_commit.step == 2
 
 
+def test_a_slow_store_that_keeps_taking_bytes_is_never_taken_for_a_hung_one(proxy, s3_root, s3_options):
+    """Every request answered 0.6 s late: a 42 MB file in 5 MiB parts, one at a time, takes
+    the writer process several times the Checkpointer's timeout_s (2 s), with no write call
+    returning meanwhile. Its heartbeat says what is under way, and the save commits."""
+    model = torch.nn.Linear(2048, 5120)  # 42 MB of parameters
+    transfer = ckpt.Transfer(**{**QUICK, "part_size": 5 << 20, "concurrency": 1})
+    with ckpt.Checkpointer(s3_root, model=model, storage_options={**s3_options, "endpoint_url": proxy.url}, interval=None,
+                           timeout_s=2, transfer=transfer, handle_sigterm=False, lease=None, save_on_exit=False) as cp:
+        cp.step_done()
+        cp.save(blocking=True)  # the writer process starts, on a healthy store
+        assert type(cp._slot.sinks.get(cp.store.url)).__name__ == "ProcessSink"
+        proxy.delay_s = (0.6, 0.6)
+        proxy.flaky(seed=7, rates={"delay": 1.0})
+        began = time.monotonic()
+        cp.step_done()
+        cp.save(blocking=True)
+        took = time.monotonic() - began
+    assert cp.last_commit.step == 2 and proxy.injected["delay"] >= 8
+    assert took > 3 * 2, f"{took:.1f} s: the store was not slow enough to test anything"
+
+
 def test_a_writer_process_killed_mid_write_is_an_error_at_once_and_the_next_save_commits(tmp_path, monkeypatch):
     """The rank's writer process dies while it writes (SIGKILL, an OOM kill): the save fails
     as soon as its socket closes, not after a timeout, and the next save starts a new one."""
