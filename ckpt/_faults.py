@@ -5,7 +5,8 @@ rank <rank> reaches <point> while saving step <step>; `*` matches any rank or st
 `<point>:<rank>:<step>:sleep=<seconds>` stalls there instead (a slow store; a line on stderr
 says when), and
 `<point>:<rank>:<step>:nth=<k>` kills on the k-th time the rule matches in this process (a
-point deeper into a file, a later chunk). Points: `staging` (the state captured, its copy
+point deeper into a file, a later chunk), and `<point>:<rank>:<step>:raise` raises
+`RuntimeError` there (a failure the process lives through: a device error in a copy). Points: `staging` (the state captured, its copy
 into host buffers not made yet), `write_item` (between two items of a data file),
 `writer_process` (in the writer process, before it writes a data file), `before_manifest`
 (all data files and `.metadata` durable, the manifest not yet written), `after_manifest`,
@@ -37,6 +38,8 @@ def fault_point(point: str, rank: int, step: int) -> None:
                 print(f"ckpt fault: {point} of rank {rank} at step {step}: sleeping {action.removeprefix('sleep=')} s", file=sys.stderr, flush=True)
                 time.sleep(float(action.removeprefix("sleep=")))
                 continue
+            if action == "raise":
+                raise RuntimeError(f"ckpt fault: {point} of rank {rank} at step {step}")
             _hits[rule] = _hits.get(rule, 0) + 1
             if not action.startswith("nth=") or _hits[rule] == int(action.removeprefix("nth=")):
                 os.kill(os.getpid(), signal.SIGKILL)

@@ -43,6 +43,7 @@ from .save_slot import SaveSlot
 from .signing import SigningKey
 from .stage import Copies, default_host_budget
 from .storage import Store, Transfer, step_dir_name
+from .writer_proc import ThreadSink
 
 log = logging.getLogger(__name__)
 
@@ -306,7 +307,7 @@ class Checkpointer:
                 log.info("restored step %d in %.2f s, %.1f MB read, mostly from the %s", restored.step, took, restored.read_bytes / 1e6, "node spool" if restored.source == "spool" else "store")
                 self.counters, self.last_commit = Counters(restored.counters), restored.manifest
         else:
-            self._taken, self._newest = start_fresh(self.store, self._ctrl)
+            self._taken, self._newest = start_fresh(self.store, self._ctrl, self._signing_key)
         self.history.start(self._step, self.last_commit if self.restored_step is not None else None)
         self._saved_step = self._step
         self._restart_interval()
@@ -439,11 +440,11 @@ class Checkpointer:
             self._deferred = True
             return
         self._deferred = False
+        if self._io is None:  # a collective: every rank saves at this step
+            self._io = Group.new(self.timeout_s)
         # IMPORTANT: one save in flight at a time; the stager's buffers belong to it.
         waiting = time.perf_counter()
         self.wait()
-        if self._io is None:  # a collective: every rank saves at this step
-            self._io = Group.new(self.timeout_s)
         started = time.perf_counter()
         counters = {"step": self._step, **self.counters}
         staged, copies = self._stage(counters)
@@ -599,9 +600,13 @@ class Checkpointer:
         waited_before: float,
     ) -> Manifest:
         """`copies` is None for a save streamed from the live state (nothing staged)."""
+        unready = None
         try:
             self._slot.copy(copies, self._ctrl.rank, step)
             sinks, arenas = self._slot.writer(copies, self.timeout_s)
+        except Exception as e:  # told to the other ranks at persist's first collective
+            unready, sinks, arenas = f"{type(e).__name__}: {e}", ThreadSink, []
+        try:
             assert self._io is not None, "made by save()"
             manifest = persist(
                 self.store,
@@ -621,6 +626,7 @@ class Checkpointer:
                 key=self._signing_key,
                 guard=self._lease.check if self._lease is not None else None,
                 after=self._newest,
+                unready=unready,
             )
         except SaveFailed:
             raise

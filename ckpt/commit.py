@@ -197,13 +197,16 @@ def persist(
     key: SigningKey | None = None,
     guard: Callable[[], None] | None = None,
     after: float = 0.0,
+    unready: str | None = None,
 ) -> Manifest:
     """Write and commit `staged` as step `step` (`sinks` writes files to a store). Returns
     the manifest on every rank: committed, or with `handoff` handed off for the commit.
     With `key`, rank 0 signs the manifest (a draft handed off is committed as signed).
     `guard` (rank 0's, the root lease's check) raises when this job may not write there any
     more: called before the step directory is claimed and again just before the commit.
-    The commit is dated after `after` (the root's newest commit this job knows of)."""
+    The commit is dated after `after` (the root's newest commit this job knows of).
+    `unready`: why this rank cannot write (its staging copy failed); every rank learns at
+    the first collective that the save failed, none waits for this one until `timeout_s`."""
     rel = step_dir_name(step)
     began = time.time() - (time.perf_counter() - started)
     refusal, save_id = None, f"{secrets.randbits(63):016x}" if group.rank == 0 else ""
@@ -218,10 +221,12 @@ def persist(
                 claim(store, rel, save_id)  # an agent holding an older save of this step leaves it be
         except CheckpointError as e:  # told to every rank below, not left to hang them
             refusal = f"{type(e).__name__}: {e}" if isinstance(e, LeaseHeld) or not str(e) else str(e)
-    # One all-reduce of one number tells every rank whether rank 0 refused (2; why follows
-    # only then) and else whether any rank must plan afresh (1). gloo reduces one element in
-    # a third of the CPU that it takes for three.
-    agreed = group.max([2 * int(refusal is not None) + int(layout is None)])[0]
+    # One all-reduce of one number tells every rank whether a rank could not stage its state
+    # (4), else whether rank 0 refused (2; why follows only then), else whether any rank must
+    # plan afresh (1). gloo reduces one element in a third of the CPU that it takes for three.
+    agreed = group.max([4 * int(unready is not None) + 2 * int(refusal is not None) + int(layout is None)])[0]
+    if agreed >= 4:
+        raise SaveFailed(f"save of step {step} to {store.display} failed: {unready or 'another rank could not stage its state'}")
     if agreed >= 2:
         raise SaveFailed(f"save of step {step} to {store.display} failed: {group.broadcast(refusal)}")
     replan = agreed == 1

@@ -212,6 +212,23 @@ def test_corrupt_data_file_makes_both_ranks_fall_back_together(tmp_path, referen
     assert tree(root / sd(20)) == before
 
 
+def test_a_rank_whose_staging_copy_fails_fails_the_save_on_every_rank_at_once(tmp_path):
+    """Rank 1's copy into its staging buffers raises (a device error, say) in the save of
+    step 10: no rank waits for it in a collective until the timeout (120 s here), the save
+    fails on both ranks, training goes on (on_error="log") and the next saves commit."""
+    root, log_dir = tmp_path / "root", tmp_path / "logs"
+    log_dir.mkdir()
+    started = time.monotonic()
+    launch.run_worker(2, *worker_args(root, "--timeout", "120", "--on-error", "log"), env={"CKPT_FAULT": "staging:1:10:raise"},
+                      log_dir=log_dir, timeout=300)  # fmt: skip
+    took = time.monotonic() - started
+    assert states(root) == {5: "committed", 15: "committed", 20: "committed"}
+    log0, log1 = ((log_dir / f"rank{r}.log").read_text() for r in range(2))
+    assert "save of step 10 " in log0 and "another rank could not stage its state" in log0, log0[-3000:]
+    assert "RuntimeError: ckpt fault: staging of rank 1 at step 10" in log1, log1[-3000:]
+    assert took < 90, f"the job took {took:.0f} s: a rank waited for the failed one"
+
+
 # -- corruption, single process ---------------------------------------------------------------
 def make_model(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(seed)
