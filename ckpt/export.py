@@ -102,20 +102,18 @@ def export(
         else:
             # IMPORTANT: into a directory of its own beside `out`, renamed to it once whole: a
             # directory of some of the arrays would read back as a smaller checkpoint.
-            out = out.rstrip(os.sep) or out
-            part = _new_part(out, directory=True)[1]
+            place = os.path.realpath(out) if os.path.islink(out) else (out.rstrip(os.sep) or out)
+            part = _new_part(place, directory=True)[1]
             try:
                 for group in tools.batches(md, tensor_keys):
                     for k, v in tools.read_whole(store, entry, group, md).items():
                         written += _write_zarr(os.path.join(part, names[k]), v.to(out_dtype(k)))
                         bar.add(tools.tensor_bytes(md.state_dict_metadata[k]))
-                if os.path.isdir(out):
-                    os.rmdir(out)  # empty (_check_out): the whole export takes its place
-                os.rename(part, out)
+                _move_into(part, place)
             except BaseException:
                 shutil.rmtree(part, ignore_errors=True)
                 raise
-            _sync_dir(out)
+            _sync_dir(place)
     finally:
         bar.close()
     return {"tensors": len(tensor_keys), "bytes": written, "objects_left_out": [names[k] for k in objects]}
@@ -161,6 +159,20 @@ def _new_part(path: str, directory: bool = False) -> tuple[int, str]:
     fd, part = tempfile.mkstemp(**where)
     os.fchmod(fd, 0o666 & ~umask)
     return fd, part
+
+
+def _move_into(part: str, place: str) -> None:
+    """The finished directory `part` becomes `place`: one rename, which also takes the place
+    of an empty directory there (_check_out); where that cannot be (a mount point, the
+    current directory), its entries move in one by one."""
+    try:
+        os.rename(part, place)
+    except OSError:
+        if not os.path.isdir(place):
+            raise
+        for name in os.listdir(part):
+            os.rename(os.path.join(part, name), os.path.join(place, name))
+        os.rmdir(part)
 
 
 def _sync_dir(path: str) -> None:

@@ -333,7 +333,7 @@ class LeaseKeeper:
         claims a step directory and before it commits; it reads the lease (one small GET), or
         renews it when its renewal is overdue."""
         with self._lock:
-            if self.lost is None and time.time() - self.mine.renewed > self.policy.ttl_s / 2:
+            if self.lost is None and not self._closed and time.time() - self.mine.renewed > self.policy.ttl_s / 2:
                 # The renewals failed for a while (a store that stalled): the lease may have
                 # expired, and a job that looks now may take it. Renewed here (a conditional
                 # write: it fails if one did), so that none can while this save commits.

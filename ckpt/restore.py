@@ -135,7 +135,7 @@ def restore(
     return None, taken, newest
 
 
-def start_fresh(store: Store, ctrl: Group) -> tuple[set[int], float]:
+def start_fresh(store: Store, ctrl: Group, key: SigningKey | None = None) -> tuple[set[int], float]:
     """restore='none': train from step 0, never writing into what the root already holds.
     Returns the steps that hold a manifest, and the newest commit time among them."""
     got: tuple[set[int], float] | str = (set(), 0.0)
@@ -143,7 +143,7 @@ def start_fresh(store: Store, ctrl: Group) -> tuple[set[int], float]:
         try:
             store.check_reachable()
             taken = {s for s, lst in store.scan().items() if lst.has_manifest}
-            got = (taken, newest_commit(store) if taken else 0.0)
+            got = (taken, newest_commit(store, key) if taken else 0.0)
         except CheckpointError as e:
             got = str(e)
     got = ctrl.broadcast(got)
@@ -160,12 +160,12 @@ def start_fresh(store: Store, ctrl: Group) -> tuple[set[int], float]:
     return taken, newest
 
 
-def newest_commit(store: Store) -> float:
-    """The newest commit time (`created`) among the root's checkpoints; 0 if none. This job's
-    commits are dated after it (`commit.persist`'s `after`), whatever this host's clock says:
-    a restore picks the newest commit, and a run that went on from an older step must win
-    over the one it abandoned."""
-    good, _ = catalog.restore_candidates(store)
+def newest_commit(store: Store, key: SigningKey | None) -> float:
+    """The newest commit time (`created`) among the root's checkpoints (with `key`, those
+    signed with it); 0 if none. This job's commits are dated after it (`commit.persist`'s
+    `after`), whatever this host's clock says: a restore picks the newest commit, and a run
+    that went on from an older step must win over the one it abandoned."""
+    good, _ = catalog.restore_candidates(store, key)
     return _newest(good)
 
 
@@ -182,7 +182,7 @@ def _restore_plan(store: Store, mode: str | int, key: SigningKey | None, tried: 
             return [], set(), [], 0.0
         store.check_reachable()
         entry = catalog.find(store, mode, key)
-        return [entry.step], {s for s, lst in store.scan().items() if lst.has_manifest}, [], newest_commit(store)
+        return [entry.step], {s for s, lst in store.scan().items() if lst.has_manifest}, [], newest_commit(store, key)
     if not tried:
         store.check_reachable()
     good, skipped = catalog.restore_candidates(store, key, exclude=set(tried))
