@@ -16,6 +16,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -411,22 +412,32 @@ def test_a_relative_root_stays_where_it_was_when_the_process_changes_directory(t
     assert not (tmp_path / "b/ckpts").exists()
 
 
-def test_a_hung_writer_fails_its_save_within_the_timeout_and_the_next_save_commits(tmp_path):
-    model = torch.nn.Linear(4, 4)
+def _a_save_the_writer_fails_then_one_that_commits(tmp_path: Path, model: torch.nn.Module, stall: Any, match: str, within_s: float) -> None:
+    """Step 1 commits (the writer process starts); `stall(cp)` stops the writer; the save of
+    step 2 fails with `match` within `within_s`; step 3 commits with a new writer process."""
     with ckpt.Checkpointer(tmp_path, model=model, interval=None, timeout_s=2, handle_sigterm=False, on_error="log") as cp:
         cp.step_done()
         cp.save(blocking=True)
-        os.kill(cp._slot.sinks.get(cp.store.url).proc.pid, signal.SIGSTOP)  # a writer stuck in a hung store
+        assert type(cp._slot.sinks.get(cp.store.url)).__name__ == "ProcessSink"
+        stall(cp)
         cp.step_done()
         started = time.monotonic()
-        # Stopped whole: no answer to the message before the write (its prefix), or no bytes moved.
-        with pytest.raises(ckpt.SaveFailed, match="gave no answer within 2 s|moved no bytes for 2 s"):
+        with pytest.raises(ckpt.SaveFailed, match=match):
             cp.on_error = "raise"
             cp.save(blocking=True)
-        assert time.monotonic() - started < 20
+        assert time.monotonic() - started < within_s
         cp.step_done()
         cp.save(blocking=True)
     assert sorted(p.parent.name for p in tmp_path.glob("step-*/manifest.json")) == ["step-0000000001", "step-0000000003"]
+
+
+def test_a_hung_writer_fails_its_save_within_the_timeout_and_the_next_save_commits(tmp_path):
+    # Stopped whole (a writer stuck in a hung store): no answer to the message before the
+    # write (its prefix), or no bytes moved.
+    _a_save_the_writer_fails_then_one_that_commits(
+        tmp_path, torch.nn.Linear(4, 4), lambda cp: os.kill(cp._slot.sinks.get(cp.store.url).proc.pid, signal.SIGSTOP),
+        "gave no answer within 2 s|moved no bytes for 2 s", 20,
+    )
 
 
 def test_a_writer_that_moves_no_bytes_fails_its_save_after_timeout_s_not_after_the_whole_writes_deadline(tmp_path, monkeypatch):
@@ -436,19 +447,7 @@ def test_a_writer_that_moves_no_bytes_fails_its_save_after_timeout_s_not_after_t
     the bound for a write that moves, slowly."""
     monkeypatch.setenv("CKPT_FAULT", "writer_process:0:2:sleep=120")  # the writer of step 2 stops before writing
     model = torch.nn.Linear(2048, 6144)  # 48 MB of parameters
-    with ckpt.Checkpointer(tmp_path, model=model, interval=None, timeout_s=2, handle_sigterm=False, on_error="log") as cp:
-        cp.step_done()
-        cp.save(blocking=True)  # the writer process starts here (its fault is for step 2)
-        assert type(cp._slot.sinks.get(cp.store.url)).__name__ == "ProcessSink"
-        cp.step_done()
-        started = time.monotonic()
-        with pytest.raises(ckpt.SaveFailed, match="moved no bytes for 2 s"):
-            cp.on_error = "raise"
-            cp.save(blocking=True)
-        assert time.monotonic() - started < 15
-        cp.step_done()
-        cp.save(blocking=True)  # a new writer process
-    assert sorted(p.parent.name for p in tmp_path.glob("step-*/manifest.json")) == ["step-0000000001", "step-0000000003"]
+    _a_save_the_writer_fails_then_one_that_commits(tmp_path, model, lambda cp: None, "moved no bytes for 2 s", 15)
 
 
 def test_storage_options_the_writer_process_cannot_take_fall_back_to_a_thread(tmp_path, caplog):
