@@ -605,6 +605,7 @@ class Checkpointer:
             self._slot.copy(copies, self._ctrl.rank, step)
             sinks, arenas = self._slot.writer(copies, self.timeout_s)
         except Exception as e:  # told to the other ranks at persist's first collective
+            log.error("rank %d: the save of step %d cannot start", self._ctrl.rank, step, exc_info=True)
             unready, sinks, arenas = f"{type(e).__name__}: {e}", ThreadSink, []
         try:
             assert self._io is not None, "made by save()"

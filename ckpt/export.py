@@ -88,7 +88,7 @@ def export(
                 with contextlib.suppress(FileNotFoundError):
                     os.remove(part)
                 raise
-            _sync_dir(out)
+            _sync_dir(os.path.dirname(os.path.abspath(out)))
             written = os.path.getsize(out)
             objects = []
         elif fmt == "safetensors":
@@ -100,20 +100,22 @@ def export(
                         bar.add(tools.tensor_bytes(md.state_dict_metadata[k]))
             written = os.path.getsize(out)
         else:
-            # IMPORTANT: into a directory of its own beside `out`, renamed to it once whole: a
+            # IMPORTANT: written into a directory of its own, moved into place once whole: a
             # directory of some of the arrays would read back as a smaller checkpoint.
-            place = os.path.realpath(out) if os.path.islink(out) else (out.rstrip(os.sep) or out)
-            part = _new_part(place, directory=True)[1]
+            place = os.path.realpath(out.rstrip(os.sep) or out)
+            there = os.path.isdir(place)  # empty (_check_out): made by the user, a mount point, "."
+            # Beside `place`, or inside it when it is there: on its filesystem, whichever it is.
+            part = _new_part(os.path.join(place, "export") if there else place, directory=True)[1]
             try:
                 for group in tools.batches(md, tensor_keys):
                     for k, v in tools.read_whole(store, entry, group, md).items():
                         written += _write_zarr(os.path.join(part, names[k]), v.to(out_dtype(k)))
                         bar.add(tools.tensor_bytes(md.state_dict_metadata[k]))
-                _move_into(part, place)
+                _move_into(part, place, there)
             except BaseException:
                 shutil.rmtree(part, ignore_errors=True)
                 raise
-            _sync_dir(place)
+            _sync_dir(place if there else os.path.dirname(place))
     finally:
         bar.close()
     return {"tensors": len(tensor_keys), "bytes": written, "objects_left_out": [names[k] for k in objects]}
@@ -161,23 +163,28 @@ def _new_part(path: str, directory: bool = False) -> tuple[int, str]:
     return fd, part
 
 
-def _move_into(part: str, place: str) -> None:
-    """The finished directory `part` becomes `place`: one rename, which also takes the place
-    of an empty directory there (_check_out); where that cannot be (a mount point, the
-    current directory), its entries move in one by one."""
-    try:
+def _move_into(part: str, place: str, there: bool) -> None:
+    """The finished directory `part` becomes `place`: renamed to it, or where `place` is a
+    directory already (`part` inside it), its entries moved up into it one by one, and taken
+    out again if one cannot be: nothing but the whole export is left there."""
+    if not there:
         os.rename(part, place)
-    except OSError:
-        if not os.path.isdir(place):
-            raise
+        return
+    moved: list[str] = []
+    try:
         for name in os.listdir(part):
             os.rename(os.path.join(part, name), os.path.join(place, name))
-        os.rmdir(part)
+            moved.append(name)
+    except BaseException:
+        for name in moved:
+            shutil.rmtree(os.path.join(place, name), ignore_errors=True)
+        raise
+    os.rmdir(part)
 
 
-def _sync_dir(path: str) -> None:
-    """Make the rename of `path` into its directory durable."""
-    fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+def _sync_dir(directory: str) -> None:
+    """Make the entries just renamed into `directory` durable."""
+    fd = os.open(directory or ".", os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
@@ -267,7 +274,7 @@ class _SafetensorsWriter:
                 os.remove(self._tmp)
             raise
         if whole:
-            _sync_dir(self._path)
+            _sync_dir(os.path.dirname(os.path.abspath(self._path)))
             return
         os.remove(self._tmp)
         if exc_type is None:

@@ -173,7 +173,9 @@ def _write_direct(
                 # Arena segments start on a page, so an offset on a page is an aligned address.
                 out.write(segments[seg][off : off + length], aligned=off % ALIGN == 0)
         out.finish()
-        PROGRESS.waiting = ALIGN  # the fsync: the data went to the device already, but for its last page
+        # The fsync: the data went to the device already, but for its last page, where O_DIRECT
+        # is honoured (some filesystems take the flag and buffer all the same).
+        PROGRESS.waiting = out.written
         os.fsync(fd)
     except BaseException:
         os.close(fd)

@@ -232,6 +232,25 @@ def test_an_export_that_fails_part_way_leaves_nothing_at_its_out(tmp_path, monke
         export.export(store, entry, fmt, str(out), progress=False)
     assert fmt != "zarr" or written, "the corruption must come after some arrays were written"
     assert not out.exists() and (not out.parent.exists() or list(out.parent.iterdir()) == [])
+    if fmt == "zarr":  # into a directory made beforehand: left as empty as it was
+        out.mkdir(parents=True)
+        with pytest.raises(ckpt.InvalidCheckpoint, match="checksum mismatch"):
+            export.export(store, entry, fmt, str(out), progress=False)
+        assert list(out.iterdir()) == [] and list(out.parent.iterdir()) == [out]
+
+
+def test_a_zarr_export_into_an_empty_directory_or_a_link_to_one_lands_in_it_whole(tmp_path):
+    root = tmp_path / "root"
+    model = train(root, 10)
+    (tmp_path / "made").mkdir()
+    (tmp_path / "target").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "target")
+    for out, lands in ((tmp_path / "made", tmp_path / "made"), (tmp_path / "link", tmp_path / "target")):
+        cli("export", root, "--format", "zarr", "--out", out, "--model-only")
+        got = read_export(str(lands))
+        assert got.keys() == model.state_dict().keys() and all(torch.equal(got[k], v) for k, v in model.state_dict().items())
+        assert sorted(p.name for p in lands.iterdir()) == sorted(model.state_dict())  # no part directory left
+    assert (tmp_path / "link").is_symlink()
 
 
 def test_export_and_diff_refuse_bad_arguments_and_corrupt_files_in_one_line(tmp_path):
