@@ -7,8 +7,8 @@ says when), and
 `<point>:<rank>:<step>:nth=<k>` kills on the k-th time the rule matches in this process (a
 point deeper into a file, a later chunk), and `staging:<rank>:<step>:raise` raises
 `RuntimeError` there (a failure the process lives through: a device error in a copy; at the
-other points it would leave the ranks in different collectives). Points: `staging` (the state captured, its copy
-into host buffers not made yet), `write_item` (between two items of a data file),
+other points it would leave the ranks in different collectives). Points: `staging` (the
+state captured, its copy into host buffers not made yet), `write_item` (between two items of a data file),
 `writer_process` (in the writer process, before it writes a data file), `before_manifest`
 (all data files and `.metadata` durable, the manifest not yet written), `after_manifest`,
 `retention` (rank 0 deleting an old checkpoint, `<step>` the deleted one: its manifest gone,

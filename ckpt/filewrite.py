@@ -109,16 +109,20 @@ def write_file(
 
 def _views(runs: list[memoryview], pieces: list[Piece], segments: Mapping[int, memoryview]) -> Iterable[memoryview]:
     for run in runs:
-        for at in range(0, len(run), _SLICE):
-            yield run[at : at + _SLICE]
+        yield from _sliced(run)
     for piece in pieces:
         if isinstance(piece, bytes):
             if piece:
                 yield memoryview(piece)
         else:
             seg, off, length = piece
-            for at in range(off, off + length, _SLICE):
-                yield segments[seg][at : min(off + length, at + _SLICE)]
+            yield from _sliced(segments[seg][off : off + length])
+
+
+def _sliced(view: memoryview) -> Iterable[memoryview]:
+    """`view` in parts of at most `_SLICE` bytes (whole pages each, but for the last)."""
+    for at in range(0, len(view), _SLICE):
+        yield view[at : at + _SLICE]
 
 
 def _writev_all(fd: int, views: Iterable[memoryview], hasher: Hasher) -> None:
@@ -214,8 +218,8 @@ class _DirectFile:
             # pages of the bounce buffer): queue them, then the aligned run without a copy.
             self._queue_bounce()
             n = len(view) - len(view) % ALIGN
-            for at in range(0, n, _SLICE):  # whole pages each
-                self._queue(view[at : min(n, at + _SLICE)])
+            for part in _sliced(view[:n]):
+                self._queue(part)
             self.zero_copy += n
             view = view[n:]
         while len(view):

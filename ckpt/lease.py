@@ -337,7 +337,7 @@ class LeaseKeeper:
                 # The renewals failed for a while (a store that stalled): the lease may have
                 # expired, and a job that looks now may take it. Renewed here (a conditional
                 # write: it fails if one did), so that none can while this save commits.
-                self._write(dataclasses.replace(self.mine, renewed=time.time()))
+                self._renew_locked()
             elif self.lost is None:
                 got = self.store.read_tagged(LEASE_NAME)
                 if got is not None and self._still_mine(got):
@@ -378,7 +378,10 @@ class LeaseKeeper:
         """Write the lease again with a new renewal time, if it is still this job's."""
         with self._lock:
             if self.lost is None and not self._closed:
-                self._write(dataclasses.replace(self.mine, renewed=time.time()))
+                self._renew_locked()
+
+    def _renew_locked(self) -> None:
+        self._write(dataclasses.replace(self.mine, renewed=time.time()))
 
     def _renew_until_closed(self) -> None:
         period = self.policy.ttl_s / 3

@@ -311,7 +311,6 @@ class _Heartbeat:
 
     def writing(self) -> None:
         with self._lock:
-            PROGRESS.waiting = 0
             self._seen = (PROGRESS.moved, PROGRESS.waiting)
 
     def reply(self, payload: bytes) -> None:
