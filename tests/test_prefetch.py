@@ -187,3 +187,79 @@ def test_a_restore_stops_its_prefetch_as_its_reader_starts_and_loads_bit_for_bit
     assert all(os.path.exists(p) for p in warmed[0][1])
     assert events.index(warmed[0]) < events.index(("plan", None)) < events.index(("stop", True)) < events.index(("read", None))
     assert not made[-1]._thread.is_alive()  # leaving the restore waited for it
+
+
+class Recorded(Prefetch):
+    """Prefetches as the restore makes them, each remembered with its files."""
+
+    made: list[Recorded] = []
+
+    def __init__(self, paths=(), **k):
+        self.paths = list(paths)
+        super().__init__(paths, **k)
+        Recorded.made.append(self)
+
+
+def saved_twice(root: Path) -> tuple[torch.nn.Module, dict[str, object]]:
+    """A root with the checkpoints of steps 1 and 2, written in that order."""
+    model = torch.nn.Linear(256, 256)
+    kw = dict(interval=None, save_on_exit=False, handle_sigterm=False)
+    with ckpt.Checkpointer(str(root), model=model, **kw) as cp:
+        for _ in range(2):
+            cp.step_done()
+            cp.save(blocking=True)
+    return model, kw
+
+
+def warmed(root: Path, step: int) -> list[str]:
+    return [str(root / step_dir_name(step) / METADATA_NAME), str(root / step_dir_name(step) / "__0_0.distcp")]
+
+
+@linux
+def test_a_restore_warms_the_newest_checkpoint_s_files_before_rank_0_has_picked_it(tmp_path, monkeypatch):
+    model, kw = saved_twice(tmp_path)
+    events: list[str] = []
+    real_plan = restore._restore_plan
+
+    def plan(*a, **k):
+        events.append("pick")
+        return real_plan(*a, **k)
+
+    class Seen(Recorded):
+        def __init__(self, paths=(), **k):
+            events.append("prefetch")
+            super().__init__(paths, **k)
+
+    monkeypatch.setattr(restore, "Prefetch", Seen)
+    monkeypatch.setattr(restore, "_restore_plan", plan)
+    Recorded.made = []
+    with ckpt.Checkpointer(str(tmp_path), model=model, restore="latest", **kw) as cp:
+        assert cp.restored_step == 2
+        assert [p.paths for p in Recorded.made] == [warmed(tmp_path, 2)]  # the one prefetch, adopted
+        assert not Recorded.made[0]._thread.is_alive()
+    assert events == ["prefetch", "pick"]
+
+
+@linux
+def test_a_wrong_guess_is_stopped_and_the_picked_checkpoint_warmed_and_a_failed_restore_leaves_none_running(tmp_path, monkeypatch):
+    model, kw = saved_twice(tmp_path)
+    # Step 2 was written last but its .metadata does not match its checksum: the pick passes
+    # it over for step 1, which the early warming did not guess.
+    meta = tmp_path / step_dir_name(2) / METADATA_NAME
+    meta.write_bytes(meta.read_bytes()[:-1] + b"\x00")
+    monkeypatch.setattr(restore, "Prefetch", Recorded)
+    Recorded.made = []
+    with ckpt.Checkpointer(str(tmp_path), model=model, restore="latest", **kw) as cp:
+        assert cp.restored_step == 1
+    assert [p.paths for p in Recorded.made] == [warmed(tmp_path, 2), warmed(tmp_path, 1)]
+    assert Recorded.made[0]._stopped.is_set()
+    assert not any(p._thread.is_alive() for p in Recorded.made)
+
+    # Nothing that loads: entering fails, and no prefetch is left running behind it.
+    meta = tmp_path / step_dir_name(1) / METADATA_NAME
+    meta.write_bytes(meta.read_bytes()[:-1] + b"\x00")
+    Recorded.made = []
+    with pytest.raises(ckpt.RestoreFailed):
+        ckpt.Checkpointer(str(tmp_path), model=model, restore="latest", **kw).__enter__()
+    assert [p.paths for p in Recorded.made] == [warmed(tmp_path, 2)]
+    assert not Recorded.made[0]._thread.is_alive()
