@@ -21,6 +21,7 @@ from typing import Any, Literal
 from torch.distributed.checkpoint.api import CheckpointException
 
 from . import catalog
+from ._faults import fault_point
 from ._gc import gc_paused
 from .agreement import Agreement
 from .capture import TrainingState
@@ -39,9 +40,9 @@ from .options import Counters, OnError, Restore, check_counters, check_options, 
 from .policy import Auto, Every, Keep
 from .preempt import Preemption
 from .restore import Warming, restore, start_fresh, warm_early
-from .save_slot import SaveSlot
+from .save_slot import SaveSlot, Staged
 from .signing import SigningKey
-from .stage import Copies, default_host_budget
+from .stage import default_host_budget
 from .storage import Store, Transfer, step_dir_name
 from .writer_proc import ThreadSink
 
@@ -459,8 +460,8 @@ class Checkpointer:
         self.wait()
         started = time.perf_counter()
         counters = {"step": self._step, **self.counters}
-        staged, copies = self._stage(counters)
-        blocking = blocking or copies is None
+        staged = self._stage(counters)
+        blocking = blocking or staged.streamed
         blocking_s = time.perf_counter() - started
         assert self._slot.opened, "use the Checkpointer as a context manager"
         # The wait for the previous save's slot was blocking too: counted as if a staging wait.
@@ -468,7 +469,7 @@ class Checkpointer:
         self.metrics.staged(blocking_s)  # before the save can end (in flight: 1, then 0)
         self._slot.submit(
             self._counted,
-            functools.partial(self._save_in_background, self._step, staged, copies, counters, blocking_s, started, waited_before),
+            functools.partial(self._save_in_background, self._step, staged, counters, blocking_s, started, waited_before),
         )
         self._saved_step = self._step
         self._restart_interval()
@@ -477,12 +478,22 @@ class Checkpointer:
             self.wait()
 
     @gc_paused
-    def _stage(self, counters: dict[str, Any]) -> tuple[Any, Copies | None]:
+    def _stage(self, counters: dict[str, Any]) -> Staged:
         """The loop's part of a save: capture, and copy into staging buffers (or start the
-        copies that overlap the next forward and backward). No staging copy (None) when the
-        state is over the host memory budget: the save streams from the live state."""
-        state = self.state.capture(counters, self._ctrl.rank)
-        return self._slot.stage(state, self.host_memory_budget, self._ctrl.any, self.state.deferrable() if self.overlap else None)
+        copies that overlap the next forward and backward); over the host memory budget, no
+        copy: the save streams from the live state. A rank whose capture or copy fails says
+        so (logged here, with its traceback) and its save fails on every rank at the save's
+        first collective, as a failed background copy does: none waits there for it."""
+        rank = self._ctrl.rank
+
+        def capture() -> Any:
+            fault_point("capture", rank, counters["step"])
+            return self.state.capture(counters, rank)
+
+        staged = self._slot.stage(capture, self.host_memory_budget, self._ctrl.any, self.state.deferrable() if self.overlap else None)
+        if staged.failed is not None:
+            log.error("rank %d: the state of step %d cannot be staged", rank, counters["step"], exc_info=staged.failed)
+        return staged
 
     def wait_for_staging(self) -> None:
         """Block until the save in flight has copied the state it needs. Called by itself
@@ -604,28 +615,29 @@ class Checkpointer:
     def _save_in_background(
         self,
         step: int,
-        staged: Any,
-        copies: Copies | None,
+        staged: Staged,
         counters: dict[str, Any],
         blocking_s: float,
         started: float,
         waited_before: float,
     ) -> Manifest:
-        """`copies` is None for a save streamed from the live state (nothing staged)."""
-        unready = None
+        unready = f"{type(staged.failed).__name__}: {staged.failed}" if staged.failed is not None else None
+        sinks: Callable[[Store], Any] = ThreadSink
+        arenas: list[Any] = []
         try:
-            self._slot.copy(copies, self._ctrl.rank, step)
-            sinks, arenas = self._slot.writer(copies, self.timeout_s)
+            self._slot.copy(staged.copies, self._ctrl.rank, step)
+            if unready is None:
+                sinks, arenas = self._slot.writer(staged.copies, self.timeout_s)
         except Exception as e:  # told to the other ranks at persist's first collective
             log.error("rank %d: the save of step %d cannot start", self._ctrl.rank, step, exc_info=True)
-            unready, sinks, arenas = f"{type(e).__name__}: {e}", ThreadSink, []
+            unready = f"{type(e).__name__}: {e}"
         try:
             assert self._io is not None, "made by save()"
             manifest = persist(
                 self.store,
                 self._io,
                 step,
-                staged,
+                staged.state,
                 sinks=sinks,
                 arenas=arenas,
                 resaver=self._slot.resaver,

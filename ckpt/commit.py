@@ -211,7 +211,7 @@ def persist(
     began = time.time() - (time.perf_counter() - started)
     refusal, save_id = None, f"{secrets.randbits(63):016x}" if group.rank == 0 else ""
     # Every rank takes the same path: DCP's planned save if any rank's state changed shape.
-    layout = resaver.layout if resaver.can_resave(staged) else None
+    layout = resaver.layout if unready is None and resaver.can_resave(staged) else None
     if group.rank == 0:
         try:
             if guard is not None:

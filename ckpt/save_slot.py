@@ -11,6 +11,7 @@ and how it ended.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import functools
 import threading
 import time
@@ -25,6 +26,17 @@ from .resave import Resaver
 from .stage import Copies, Stager
 from .storage import Store
 from .writer_proc import Sinks, ThreadSink
+
+
+@dataclasses.dataclass
+class Staged:
+    """The loop's part of a save, done: the state staged in host buffers (or the live state,
+    `streamed`, with no `copies`), or why this rank has nothing to save (`failed`)."""
+
+    state: Any
+    copies: Copies | None
+    failed: Exception | None = None
+    streamed: bool = False
 
 
 class SaveSlot:
@@ -43,23 +55,37 @@ class SaveSlot:
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ckpt-save")
 
     def stage(
-        self, state: Any, budget: int, agree: Callable[[bool], bool], defer: Callable[[Any, Any], bool] | None
-    ) -> tuple[Any, Copies | None]:
-        """Copy the captured `state` into the staging buffers, or with `defer` set them up
-        and leave the copies `defer` picks to the background save (the next optimizer step
-        waits for them). No copy (None) when the state is over the host memory `budget`:
-        the save streams from the live state. `agree` is "did any rank say yes"."""
-        # IMPORTANT: all ranks agree to stream: a collective-free save mixes with no other.
+        self, capture: Callable[[], Any], budget: int, agree: Callable[[bool], bool], defer: Callable[[Any, Any], bool] | None
+    ) -> Staged:
+        """Capture the state (`capture()`) and copy it into the staging buffers, or with
+        `defer` set them up and leave the copies `defer` picks to the background save (the
+        next optimizer step waits for them). No copy when the state is over the host memory
+        `budget`: the save streams from the live state. `agree` is "did any rank say yes".
+        A capture or copy that raises is handed back (`Staged.failed`), not raised: the
+        other ranks are on their way into the save's collectives, where this rank must tell
+        them."""
+        state, failed = None, None
+        try:
+            state = capture()
+        except Exception as e:
+            failed = e
+        # IMPORTANT: all ranks agree to stream (a rank with nothing captured too): a
+        # collective-free save mixes with no other.
         if self.stager.over_budget(state, budget, agree):
             # No host copy: the write streams from the live tensors item by item, and the
             # loop waits for it (nothing may change them meanwhile).
-            return state, None
-        staged, copies = self.stager.prepare(state, defer=defer or _now)
+            return Staged(None if failed else state, None, failed, streamed=True)
+        if failed is not None:
+            return Staged(None, None, failed)
+        try:
+            staged, copies = self.stager.prepare(state, defer=defer or _now)
+            if defer is None:
+                copies.run()
+        except Exception as e:  # host memory or shared memory to be had, a device error
+            return Staged(None, None, e)
         if defer is not None:
             self._staged.clear()  # IMPORTANT: the next optimizer.step() waits for the copies
-        else:
-            copies.run()
-        return staged, copies
+        return Staged(staged, copies)
 
     def wait_for_staging(self) -> float:
         """Wait until no staging copy is pending; returns the seconds waited."""
