@@ -454,7 +454,10 @@ class Checkpointer:
             return
         self._deferred = False
         if self._io is None:  # a collective: every rank saves at this step
-            self._io = Group.new(self.timeout_s)
+            try:
+                self._io = Group.new(self.timeout_s)
+            except Exception as e:  # a rank that never came (a save not called on every rank), a network down
+                raise SaveFailed(f"save of step {self._step}: the ranks could not make the writers' group ({type(e).__name__}: {e})") from e
         # IMPORTANT: one save in flight at a time; the stager's buffers belong to it.
         waiting = time.perf_counter()
         self.wait()

@@ -17,6 +17,7 @@ import logging
 import pickle
 import secrets
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -288,8 +289,16 @@ def _dated_after(after: float, rel: str) -> float:
     if now > after:
         return now
     if after - now > 1.0:
-        log.warning("%s: this host's clock is %.0f s behind the newest commit of the root; the commit is dated after that one", rel, after - now)
+        # Said once: every commit would repeat it until the clock has caught up.
+        (log.debug if _said_behind.is_set() else log.warning)(
+            "%s: this host's clock is %.0f s behind the newest commit of the root; the commit is dated after that one "
+            "(and the next ones after theirs, said no more)", rel, after - now,
+        )  # fmt: skip
+        _said_behind.set()
     return after + 1e-3
+
+
+_said_behind = threading.Event()
 
 
 def _commit(
