@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, BinaryIO
 
 from .checksum import Hasher, algorithm, checksum
-from .errors import InvalidCheckpoint, NotFound
+from .errors import CheckpointError, InvalidCheckpoint, NotFound
 from .manifest import MANIFEST_NAME, METADATA_NAME, FileEntry, Manifest
 from .signing import BAD, UNSIGNED, SigningKey
 from .storage import StepListing, Store, step_dir_name
@@ -391,6 +391,17 @@ def retired(entries: list[Entry], keep: Keep, *, in_flight: Collection[int] = ()
     committed = commit_order(entries)
     others = [e.step for e in entries if e.state != COMMITTED and not untrusted(e)]
     return committed, keep.to_delete(committed, others, in_flight=in_flight, protect=protect)
+
+
+def retire(store: Store, scans: Scans, keep: Keep, key: SigningKey | None, *, in_flight: Collection[int], protect: Collection[int]) -> None:
+    """A job's retention, after each commit: delete the checkpoints `keep` lets go of
+    (`retired`). Housekeeping: a store that fails is logged, never fails the save."""
+    try:
+        for step in retired(scans.scan(store, key), keep, in_flight=in_flight, protect=protect)[1]:
+            log.info("retention: deleting %s", step_dir_name(step))
+            store.remove_step(step)
+    except CheckpointError as e:
+        log.warning("retention skipped: %s", e)
 
 
 def restore_candidates(

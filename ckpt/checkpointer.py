@@ -18,19 +18,16 @@ import time
 from collections.abc import Callable
 from typing import Any, Literal
 
-from torch.distributed.checkpoint.api import CheckpointException
-
 from . import catalog
 from ._faults import fault_point
 from ._gc import gc_paused
-from .agreement import Agreement
+from .cadence import Cadence
 from .capture import TrainingState
 from .checksum import BLAKE3
-from .commit import Group, forget_plans, persist
-from .coordinator import Coordinator
+from .commit import Group, forget_plans
 from .data import data_position, own_generator
 from .deepspeed_state import MidAccumulation
-from .errors import CheckpointError, SaveFailed, dcp_causes
+from .errors import CheckpointError, SaveFailed
 from .events import Event, History, error_gist
 from .handoff import SPOOL_ENV, Handoff
 from .lease import Lease, LeaseKeeper, take_for_job
@@ -44,7 +41,6 @@ from .save_slot import SaveSlot, Staged
 from .signing import SigningKey
 from .stage import default_host_budget
 from .storage import Store, Transfer, step_dir_name
-from .writer_proc import ThreadSink
 
 log = logging.getLogger(__name__)
 
@@ -191,8 +187,10 @@ class Checkpointer:
         data, loader = data_position(data, dataloader)
         self.state = TrainingState.of(model, optimizer, scheduler, scaler, extra, data, loader)
         self.state.loader_generator = own_generator(dataloader)  # after every check: nothing changed if refused
-        self.interval = interval
-        self._coordinator: Coordinator | None = None  # for Auto, made on enter (needs the world size)
+        # A signal reaches one rank, a clock runs per rank: the ranks meet now and then to
+        # share them. Always, whatever this rank's settings say: whether to meet must never
+        # depend on something that could differ between ranks (an environment variable).
+        self._cadence = Cadence(interval, agree_every_s)
         self.keep = keep
         self._scans = catalog.Scans()  # retention's, after every save
         self.restore_mode = restore
@@ -212,9 +210,7 @@ class Checkpointer:
         #: The manifest of the last committed save of this process.
         self.last_commit: Manifest | None = None
         self._step = 0
-        self._interval_anchor = 0  # the interval's anchor: the last save, or a skipped one
         self._saved_step = 0  # the step of the last save actually started
-        self._last_save_time = time.monotonic()
         #: Saves that came due while the previous one was still writing, with if_busy="skip".
         self.skipped_saves = 0
         self.overlap = overlap
@@ -233,12 +229,7 @@ class Checkpointer:
         self._io: Group | None = None  # the background writers' group: made at the first save
         self._taken: set[int] = set()  # steps whose directories hold a manifest: never written into
         self._newest = 0.0  # the root's newest commit time: this job's commits are dated after it
-        self._deferred = False  # a due save found its step taken; save at the next step
         self._failed_step = -1  # the step of the last save that failed
-        # A signal reaches one rank, a clock runs per rank: the ranks meet now and then to
-        # share them. Always, whatever this rank's settings say: whether to meet must never
-        # depend on something that could differ between ranks (an environment variable).
-        self._agree = Agreement(agree_every_s)
         #: This rank's Prometheus metrics (``cp.metrics.registry``), served with ``metrics_port``.
         self.metrics = Metrics()
         self._metrics_port = port_from_env(metrics_port)
@@ -250,6 +241,11 @@ class Checkpointer:
         """The restart event this start wrote (rank 0, after a restore), for the curious."""
         self.history.flush()
         return self.history.restart_event
+
+    @property
+    def interval(self) -> Every | Auto | None:
+        """When ``step_done`` saves (the ``interval`` given, "auto" as ``Auto()``)."""
+        return self._cadence.interval
 
     @property
     def step(self) -> int:
@@ -303,10 +299,7 @@ class Checkpointer:
         """The rest of entering, once the root is this job's."""
         self._slot.open()
         self.history = History(self.store, self._ctrl.world, enabled=self._ctrl.rank == 0)
-        if isinstance(self.interval, Auto):
-            self._coordinator = Coordinator(self.interval, self._ctrl.world)
-            if self._ctrl.rank == 0:
-                self._coordinator.learn_history(self.store)
+        self._cadence.start(self.store, self._ctrl.rank, self._ctrl.world)
         self.metrics.identify(self._ctrl.rank, self._ctrl.world)
         self.metrics.schedule(self.schedule)
         self._handoff = self._link_agent()
@@ -342,47 +335,29 @@ class Checkpointer:
         # A failed save is reported where every rank learns of it at the same step (each
         # rank's background thread fails at its own time): at the ranks' next meeting, or
         # when the next save waits for it.
-        failed = self._slot.failed()
-        by_step = self._deferred or (
-            self.interval is not None and self.interval.due_by_step(self._step, self._interval_anchor)
-        )
-        preempt, by_time, now = self._preempt.asked(), False, time.monotonic()
-        if self._ctrl.rank == 0:
-            self._agree.tick(now)
-        if self._ctrl.world > 1:
-            # Every rank must save at the same step: rank 0's clock and any rank's signal or
-            # failure are shared at meetings on steps known to all (ckpt.agreement).
-            # Between meetings nothing is acted on (it waits for the next one), and a step
-            # pays one comparison: the rest is worked out only at a meeting.
-            agreed = None
-            if self._agree.meets(self._step):
-                agreed = self._agree.at_step(self._step, self._ctrl.rank, self._ctrl.max, preempt, failed, now - self._last_save_time, self._interval_s())
-                self.metrics.meetings.inc()
-            preempt, failed, by_time = (agreed.preempt, agreed.failed, agreed.save) if agreed else (False, False, False)
-        else:
-            interval_s = self._interval_s()
-            by_time = interval_s is not None and now - self._last_save_time >= interval_s
-            failed = self._ctrl.world == 1 and failed
-        due = by_step or by_time
-        if failed:
+        # Every rank must save at the same step (ckpt.cadence).
+        due = self._cadence.at_step(self._step, self._ctrl.rank, self._ctrl.world, self._ctrl.max, self._preempt.asked(), self._slot.failed())
+        if due.met:
+            self.metrics.meetings.inc()
+        if due.failed:
             self._renew_io_group()
             self.wait()  # raises SaveFailed (or logs it) on every rank
-        if preempt:
+        if due.preempt:
             self._exit_for_preemption()
-        elif due and self.if_busy == "skip" and self._busy_somewhere():
+        elif due.save and self.if_busy == "skip" and self._busy_somewhere():
             self.skipped_saves += 1
             # The interval counts from the skipped point; the step stays unsaved, so a final
             # save on exit still happens.
             self._restart_interval()
             self.metrics.skipped()
             log.info("step %d: a save is due but the last one is still writing; skipped", self._step)
-        elif due:
+        elif due.save:
             self.save()
 
     @property
     def meetings(self) -> int:
         """How many times the ranks met at a step boundary to agree (``agree_every_s``)."""
-        return self._agree.meetings
+        return self._cadence.agreement.meetings
 
     def _link_agent(self) -> Handoff | None:
         """The node agent, if one serves this rank's spool. If any rank has one, all ranks
@@ -404,16 +379,9 @@ class Checkpointer:
             for manifest in self._handoff.committed(timeout_s):
                 self.metrics.agent_committed(manifest, time.time() - manifest.created + manifest.costs.persist_s)
 
-    def _interval_s(self) -> float | None:
-        """Seconds between saves by the clock: the coordinator's, or Every(seconds=)'s."""
-        if self._coordinator is not None:
-            return self._coordinator.seconds
-        return self.interval.seconds if isinstance(self.interval, Every) else None
-
     def _restart_interval(self) -> None:
         """A save was taken (or skipped) at this step, on every rank alike."""
-        self._interval_anchor, self._last_save_time = self._step, time.monotonic()
-        self._agree.replan(self._step)
+        self._cadence.restart(self._step)
 
     def _renew_io_group(self) -> None:
         """After a failed save, on every rank at the same step: a failed collective can leave
@@ -450,9 +418,9 @@ class Checkpointer:
                 self.store.display,
                 step_dir_name(self._step),
             )
-            self._deferred = True
+            self._cadence.deferred = True
             return
-        self._deferred = False
+        self._cadence.deferred = False
         if self._io is None:  # a collective: every rank saves at this step
             try:
                 self._io = Group.new(self.timeout_s)
@@ -611,8 +579,8 @@ class Checkpointer:
                 self._learn_commits()
             except CheckpointError as e:  # the save is handed off: a store that flakes now fails nothing
                 log.warning("could not learn which hand-offs are committed: %s", e)
-        if self._coordinator is not None and self._ctrl.rank == 0:
-            self.metrics.schedule(self._coordinator.schedule)
+        if self._cadence.coordinator is not None and self._ctrl.rank == 0:
+            self.metrics.schedule(self._cadence.coordinator.schedule)
         return manifest
 
     def _save_in_background(
@@ -624,44 +592,22 @@ class Checkpointer:
         started: float,
         waited_before: float,
     ) -> Manifest:
-        unready = f"{type(staged.failed).__name__}: {staged.failed}" if staged.failed is not None else None
-        sinks: Callable[[Store], Any] = ThreadSink
-        arenas: list[Any] = []
-        try:
-            self._slot.copy(staged.copies, self._ctrl.rank, step)
-            if unready is None:
-                sinks, arenas = self._slot.writer(staged.copies, self.timeout_s)
-        except Exception as e:  # told to the other ranks at persist's first collective
-            log.error("rank %d: the save of step %d cannot start", self._ctrl.rank, step, exc_info=True)
-            unready = f"{type(e).__name__}: {e}"
-        try:
-            assert self._io is not None, "made by save()"
-            manifest = persist(
-                self.store,
-                self._io,
-                step,
-                staged.state,
-                sinks=sinks,
-                arenas=arenas,
-                resaver=self._slot.resaver,
-                counters=counters,
-                user=self.metadata,
-                schedule=self.schedule,
-                blocking_s=blocking_s,
-                started=started,
-                handoff=self._handoff,
-                need=self._slot.stager.bytes_staged,
-                key=self._signing_key,
-                guard=self._lease.check if self._lease is not None else None,
-                after=self._newest,
-                unready=unready,
-            )
-        except SaveFailed:
-            raise
-        except CheckpointException as e:  # DCP's error is a BaseException: say what it wraps
-            raise SaveFailed(f"save of step {step} to {self.store.display} failed: {dcp_causes(e)}") from e
-        except Exception as e:
-            raise SaveFailed(f"save of step {step} to {self.store.display} failed: {e}") from e
+        assert self._io is not None, "made by save()"
+        manifest = self._slot.write_and_commit(
+            self._io,
+            step,
+            staged,
+            self.timeout_s,
+            counters=counters,
+            user=self.metadata,
+            schedule=self.schedule,
+            blocking_s=blocking_s,
+            started=started,
+            handoff=self._handoff,
+            key=self._signing_key,
+            guard=self._lease.check if self._lease is not None else None,
+            after=self._newest,
+        )
         self._newest = max(self._newest, manifest.created)
         if self._ctrl.rank == 0:
             log.info(
@@ -675,13 +621,13 @@ class Checkpointer:
             )
             self._apply_retention(step)
             self.history.beat()
-            if self._coordinator is not None:
+            if self._cadence.coordinator is not None:
                 # The loop also waited for the copy in the optimizer's pre-hook (overlap mode;
                 # done by now) and, before this save, for the previous one's slot; the slot
                 # stays busy until retention and history are done too, not just the commit.
                 blocked = manifest.costs.blocking_s + self.staging_wait_s - waited_before
                 busy = time.perf_counter() - started
-                self._coordinator.retune(blocked, busy, self.history.record.started, self._agree.step_s)
+                self._cadence.coordinator.retune(blocked, busy, self.history.record.started, self._cadence.agreement.step_s)
         return manifest
 
     @property
@@ -689,25 +635,16 @@ class Checkpointer:
         """What the interval policy decided last: seconds, and for "auto" what it was chosen
         from (measured blocking and busy times, the MTBF, the nodes, failures seen). Rank 0
         decides, from its own costs; on other ranks this stays the initial choice."""
-        if self._coordinator is not None:
-            return self._coordinator.schedule
-        if isinstance(self.interval, Every):
-            return {"policy": "every", "steps": self.interval.steps, "seconds": self.interval.seconds}
-        return {"policy": "auto" if isinstance(self.interval, Auto) else "none"}
+        return self._cadence.schedule
 
     def _apply_retention(self, just_committed: int) -> None:
         if self._lease is not None and self._lease.lost is not None:
             log.warning("retention skipped: the root is not this job's any more")  # nor its checkpoints
             return
-        try:
-            protect = {just_committed} | ({self.restored_step} if self.restored_step is not None else set())
-            # Handed off to the node agent, not committed yet: never debris to delete.
-            in_flight = self._handoff.pending if self._handoff is not None else ()
-            for step in catalog.retired(self._scans.scan(self.store, self._signing_key), self.keep, in_flight=in_flight, protect=protect)[1]:
-                log.info("retention: deleting %s", step_dir_name(step))
-                self.store.remove_step(step)
-        except CheckpointError as e:  # retention is housekeeping: never fail a save for it
-            log.warning("retention skipped: %s", e)
+        protect = {just_committed} | ({self.restored_step} if self.restored_step is not None else set())
+        # Handed off to the node agent, not committed yet: never debris to delete.
+        in_flight = self._handoff.pending if self._handoff is not None else ()
+        catalog.retire(self.store, self._scans, self.keep, self._signing_key, in_flight=in_flight, protect=protect)
 
     # -- preemption ---------------------------------------------------------------------------
     def _exit_for_preemption(self) -> None:

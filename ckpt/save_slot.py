@@ -13,19 +13,26 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import functools
+import logging
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
+from torch.distributed.checkpoint.api import CheckpointException
+
 from ._faults import fault_point
 from .arena import Arena
+from .commit import Group, persist
 from .dcp_write import Sink
+from .errors import SaveFailed, dcp_causes
 from .manifest import Manifest
 from .resave import Resaver
 from .stage import Copies, Stager
 from .storage import Store
 from .writer_proc import Sinks, ThreadSink
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -43,6 +50,7 @@ class SaveSlot:
     """One save at a time: its staging, its writer and its background thread."""
 
     def __init__(self, store: Store, storage_options: dict[str, Any] | None) -> None:
+        self.store = store
         self.stager = Stager()
         self.resaver = Resaver()
         self.sinks = Sinks(store, storage_options)
@@ -103,6 +111,33 @@ class SaveSlot:
         """Run `fn(*args)` (the save) in the background thread: the save in flight."""
         assert self._pool is not None, "use the Checkpointer as a context manager"
         self._inflight = self._pool.submit(fn, *args)
+
+    def write_and_commit(self, group: Group, step: int, staged: Staged, timeout_s: float, **commit: Any) -> Manifest:
+        """The background save: the copies left to it, then the write and the commit of
+        `commit.persist` (`commit` holds its other arguments); every failure a `SaveFailed`.
+        A rank that has nothing to write (its capture or a copy failed) still goes into the
+        save, where every rank learns at the first collective that it failed."""
+        unready = f"{type(staged.failed).__name__}: {staged.failed}" if staged.failed is not None else None
+        sinks: Callable[[Store], Sink] = ThreadSink
+        arenas: list[Arena] = []
+        try:
+            self.copy(staged.copies, group.rank, step)
+            if unready is None:
+                sinks, arenas = self.writer(staged.copies, timeout_s)
+        except Exception as e:  # told to the other ranks at persist's first collective
+            log.error("rank %d: the save of step %d cannot start", group.rank, step, exc_info=True)
+            unready = f"{type(e).__name__}: {e}"
+        try:
+            return persist(
+                self.store, group, step, staged.state, sinks=sinks, arenas=arenas, resaver=self.resaver,
+                need=self.stager.bytes_staged, unready=unready, **commit,
+            )  # fmt: skip
+        except SaveFailed:
+            raise
+        except CheckpointException as e:  # DCP's error is a BaseException: say what it wraps
+            raise SaveFailed(f"save of step {step} to {self.store.display} failed: {dcp_causes(e)}") from e
+        except Exception as e:
+            raise SaveFailed(f"save of step {step} to {self.store.display} failed: {e}") from e
 
     def copy(self, copies: Copies | None, rank: int, step: int) -> None:
         """In the background save, first: the copies left to it. The loop may go on then,

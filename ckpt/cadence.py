@@ -1,0 +1,87 @@
+"""When a save comes due, at which step, on every rank alike.
+
+A save comes due by steps (`Every(steps=)`), by the clock (`Every(seconds=)`, or the interval
+`Auto`'s coordinator chose from the measured costs and the MTBF), or at the step after one
+whose directory was taken (deferred). On several ranks the clock is rank 0's, and a SIGTERM
+or a failed background save reaches one rank at its own time: they meet at steps known to
+all (`ckpt.agreement`) to act on them together. The `Checkpointer` asks once a step and does
+what the answer says.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from .agreement import Agreement
+from .coordinator import Coordinator
+from .policy import Auto, Every
+from .storage import Store
+
+
+@dataclass
+class Due:
+    """What a step must do, alike on every rank."""
+
+    save: bool  # the interval asks for a save (or a deferred one is pending)
+    preempt: bool  # stop after a checkpoint: a signal reached some rank
+    failed: bool  # a background save failed on some rank: report it now
+    met: bool = False  # the ranks met at this step to decide it
+
+
+class Cadence:
+    """The interval of one run, from the last save (or skipped one) on."""
+
+    def __init__(self, interval: Auto | Every | None, agree_every_s: float) -> None:
+        self.interval = interval
+        self.coordinator: Coordinator | None = None  # for Auto, made on enter (needs the world size)
+        self.agreement = Agreement(agree_every_s)
+        self.deferred = False  # a due save found its step taken: save at the next step
+        self._anchor = 0  # the step of the last save, or of a skipped one
+        self._since = time.monotonic()  # and when it was
+
+    def start(self, store: Store, rank: int, world: int) -> None:
+        """On enter: `Auto`'s coordinator, which rank 0 primes with the job's history."""
+        if isinstance(self.interval, Auto):
+            self.coordinator = Coordinator(self.interval, world)
+            if rank == 0:
+                self.coordinator.learn_history(store)
+
+    def restart(self, step: int) -> None:
+        """A save was taken (or skipped) at `step`, on every rank alike."""
+        self._anchor, self._since = step, time.monotonic()
+        self.agreement.replan(step)
+
+    def seconds(self) -> float | None:
+        """Seconds between saves by the clock: the coordinator's, or Every(seconds=)'s."""
+        if self.coordinator is not None:
+            return self.coordinator.seconds
+        return self.interval.seconds if isinstance(self.interval, Every) else None
+
+    def at_step(self, step: int, rank: int, world: int, group_max: Callable[[list[int]], list[int]], preempt: bool, failed: bool) -> Due:
+        """What `step` does, from this rank's `preempt` (a signal reached it) and `failed`
+        (its background save failed). Alone, at once; on several ranks, only at a meeting
+        (`group_max`, the ranks' collective): between meetings nothing but the steps'
+        interval is acted on, and a step pays one comparison."""
+        by_step = self.deferred or (self.interval is not None and self.interval.due_by_step(step, self._anchor))
+        now = time.monotonic()
+        if rank == 0:
+            self.agreement.tick(now)
+        if world == 1:
+            interval_s = self.seconds()
+            return Due(by_step or (interval_s is not None and now - self._since >= interval_s), preempt, failed)
+        agreed = self.agreement.at_step(step, rank, group_max, preempt, failed, now - self._since, self.seconds())
+        if agreed is None:
+            return Due(by_step, False, False)
+        return Due(by_step or agreed.save, agreed.preempt, agreed.failed, met=True)
+
+    @property
+    def schedule(self) -> dict[str, Any]:
+        """What the interval decided last: seconds, and for "auto" what it was chosen from."""
+        if self.coordinator is not None:
+            return self.coordinator.schedule
+        if isinstance(self.interval, Every):
+            return {"policy": "every", "steps": self.interval.steps, "seconds": self.interval.seconds}
+        return {"policy": "auto" if isinstance(self.interval, Auto) else "none"}
