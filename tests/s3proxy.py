@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import http.client
 import random
+import re
 import socket
 import struct
 import threading
@@ -18,11 +19,13 @@ from urllib.parse import urlsplit
 # of the body it announced and drop the connection ("truncate"), or say nothing for
 # `stall_s` ("stall": a store that hangs).
 FAULTS = ("500", "503", "reset", "delay", "truncate", "stall")
+# And, planned for a DeleteObjects request ("deletes"): "deny" answers 200 listing every key
+# of it as not deleted (AccessDenied, as a bucket policy or an object lock would), deleting none.
 
 
 class FaultyProxy:
     """Counts requests by kind ("part" for UploadPart, "put" for PutObject, "range" for a
-    ranged GET, else the method) and fails some of them: the next ones of a kind as `fail`
+    ranged GET, "deletes" for DeleteObjects, else the method) and fails some of them: the next ones of a kind as `fail`
     says ("503", "500", "reset", or "always": 500 to every one), or, after `flaky`, any
     request at random at the given rates."""
 
@@ -56,6 +59,8 @@ class FaultyProxy:
                     self.close_connection = True
                 elif action in ("500", "503"):
                     proxy._fail(self, int(action))
+                elif action == "deny":
+                    proxy._deny(self, body)
                 else:
                     if action == "delay":
                         time.sleep(proxy._rng.uniform(*proxy.delay_s))
@@ -87,6 +92,8 @@ class FaultyProxy:
             kind = "part"
         elif req.command == "PUT" and "uploadId=" not in query:
             kind = "put"
+        elif req.command == "POST" and "delete" in query.split("&"):
+            kind = "deletes"
         elif req.command == "GET" and "Range" in req.headers:
             kind = "range"
             with self._lock:
@@ -122,6 +129,17 @@ class FaultyProxy:
         req.end_headers()
         if req.command != "HEAD":
             req.wfile.write(body)
+
+    @staticmethod
+    def _deny(req: BaseHTTPRequestHandler, body: bytes) -> None:
+        keys = re.findall(rb"<Key>(.*?)</Key>", body)
+        errors = b"".join(b"<Error><Key>%s</Key><Code>AccessDenied</Code><Message>Access Denied</Message></Error>" % k for k in keys)
+        answer = b'<?xml version="1.0" encoding="UTF-8"?><DeleteResult xmlns="http://s3.amazonaws.com/doc/2006-03-01/">' + errors + b"</DeleteResult>"
+        req.send_response(200)
+        req.send_header("Content-Type", "application/xml")
+        req.send_header("Content-Length", str(len(answer)))
+        req.end_headers()
+        req.wfile.write(answer)
 
     def _forward(self, req: BaseHTTPRequestHandler, body: bytes, truncate: bool = False) -> None:
         skip = {"connection", "expect", "transfer-encoding", "keep-alive"}

@@ -331,3 +331,36 @@ def test_a_small_file_is_read_in_one_get_a_large_one_in_ranges_a_missing_one_is_
     proxy.failed.clear()
     assert store.read_bytes("small") == small
     assert proxy.failed["range"] == 1
+
+
+def test_objects_a_store_refuses_to_delete_fail_retention_loudly_and_nothing_is_taken_for_committed(proxy, s3_root, s3_options, caplog):
+    """DeleteObjects answers 200 and lists the keys it did not delete (a bucket policy, an
+    object lock). Retention says so, naming one; the save that ran it still commits; the
+    checkpoint it was deleting has lost its manifest first, so it is never restored with
+    files missing; and once the store deletes again, the next retention clears what was left."""
+    import torch
+
+    import ckpt
+
+    model = torch.nn.Linear(64, 64)
+    options = {**s3_options, "endpoint_url": proxy.url}
+    kw = dict(interval=None, save_on_exit=False, handle_sigterm=False, keep=ckpt.Keep(last=1), storage_options=options)
+    caplog.set_level(logging.WARNING, logger="ckpt")
+    root = Store(s3_root, s3_options)
+    with ckpt.Checkpointer(s3_root, model=model, **kw) as cp:
+        cp.step_done()
+        cp.save(blocking=True)
+        proxy.fail("deletes", *["deny"] * 100)
+        cp.step_done()
+        cp.save(blocking=True)
+        assert cp.last_commit.step == 2
+        assert "retention skipped: deleting" in caplog.text and "objects were not deleted" in caplog.text
+        assert "AccessDenied" in caplog.text
+        left = root.scan()
+        assert sorted(left) == [1, 2] and not left[1].has_manifest and left[1].files  # debris, not a checkpoint
+        proxy.fail("deletes")  # healthy again
+        cp.step_done()
+        cp.save(blocking=True)
+    assert sorted(root.scan()) == [3]
+    with ckpt.Checkpointer(s3_root, model=model, **kw) as cp:
+        assert cp.restored_step == 3
