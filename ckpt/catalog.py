@@ -420,10 +420,10 @@ def restore_candidates(
     it tried. With `key`, only checkpoints signed with it are candidates."""
     listings = {step: lst for step, lst in store.scan().items() if step not in exclude}
     entries = [inspect(store, lst) for lst in listings.values() if not lst.has_manifest]  # nothing to read
-    unread = sorted((lst for lst in listings.values() if lst.has_manifest), key=written, reverse=True)
+    unread = sorted((lst for lst in listings.values() if lst.has_manifest), key=_written, reverse=True)
     good: list[Entry] = []
     while True:
-        while unread and not (good and written(unread[0])[0] < good[0].manifest.created - CLOCK_SKEW_S):  # type: ignore[union-attr]
+        while unread and not (good and _written(unread[0])[0] < good[0].manifest.created - CLOCK_SKEW_S):  # type: ignore[union-attr]
             n = 1 if store.is_local else 16  # a remote store's in parallel: latency, not bytes
             batch, unread = unread[:n], unread[n:]
             for entry in _inspect_all(store, batch, key=key):
@@ -451,9 +451,7 @@ def restore_candidates(
 CLOCK_SKEW_S = 60.0
 
 
-def written(lst: StepListing) -> tuple[float, int]:
-    """When its manifest was written, by the listing (none given: newer than any), then its
-    step: the order in which manifests are read, newest first."""
+def _written(lst: StepListing) -> tuple[float, int]:
     return (lst.manifest_mtime if lst.manifest_mtime is not None else math.inf), lst.step
 
 

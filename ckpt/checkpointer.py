@@ -29,14 +29,14 @@ from .data import data_position, own_generator
 from .deepspeed_state import MidAccumulation
 from .errors import CheckpointError, SaveFailed
 from .events import Event, History, error_gist
-from .handoff import SPOOL_ENV, Handoff
+from .handoff import Handoff
 from .lease import Lease, LeaseKeeper, take_for_job
 from .manifest import Manifest
 from .metrics import Metrics, port_from_env
 from .options import Counters, OnError, Restore, check_counters, check_options, checked_interval
 from .policy import Auto, Every, Keep
 from .preempt import Preemption
-from .restore import Warming, restore, start_fresh, warm_early
+from .restore import restore, start_fresh
 from .save_slot import SaveSlot, Staged
 from .signing import SigningKey
 from .stage import default_host_budget
@@ -269,10 +269,8 @@ class Checkpointer:
         self._ctrl = Group.new(self.timeout_s)
         # IMPORTANT: the root's lease first, before anything there is read or written.
         self._lease = take_for_job(self.store, self.lease, self._ctrl)
-        # Not before the lease: its durable write would queue behind the prefetch's reads.
-        warming = self._warm_early()
         try:
-            return self._start(warming)
+            return self._start()
         except BaseException as e:
             # Said in the job's history (`ckpt events`), and to the next run as how this one
             # ended; not a failure of the machine for the MTBF (a bad checkpoint would count
@@ -284,18 +282,8 @@ class Checkpointer:
                 if self._lease is not None:
                     self._lease.close(release=False)
             raise
-        finally:
-            if warming is not None:
-                warming.close()
 
-    def _warm_early(self) -> Warming | None:
-        """The restore's files, warmed while rank 0 picks the step (`restore.Warming`) where
-        they are read from the root: not with a node agent, whose spool may hold them."""
-        if self._spool is not None or os.environ.get(SPOOL_ENV):
-            return None
-        return warm_early(self.store, self.restore_mode, self._ctrl.rank, self._ctrl.world)
-
-    def _start(self, warming: Warming | None) -> Checkpointer:
+    def _start(self) -> Checkpointer:
         """The rest of entering, once the root is this job's."""
         self._slot.open()
         self.history = History(self.store, self._ctrl.world, enabled=self._ctrl.rank == 0)
@@ -305,7 +293,7 @@ class Checkpointer:
         self._handoff = self._link_agent()
         if self.restore_mode != "none":
             began = time.perf_counter()
-            restored, self._taken, self._newest = restore(self.store, self._ctrl, self.state, self.restore_mode, self._handoff, self._signing_key, warming)
+            restored, self._taken, self._newest = restore(self.store, self._ctrl, self.state, self.restore_mode, self._handoff, self._signing_key)
             if restored is not None:
                 self._step = self.restored_step = restored.step
                 took = time.perf_counter() - began

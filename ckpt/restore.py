@@ -56,57 +56,6 @@ class Restored:
     unasked: tuple[str, ...] = ()  # values under model./extra. the checkpoint holds and this rank did not load
 
 
-class Warming:
-    """The files of the step a restore will most likely load, pulled into the page cache as
-    soon as the job holds the root's lease (`warm_early`), while rank 0 picks the step and
-    every rank waits for it. A guess and a hint: nothing it reads is trusted or kept (the restore reads
-    and verifies every byte as ever); the restore adopts it if it picked that step, and stops
-    it else. Its owner closes it once the restore is over."""
-
-    def __init__(self, step: int, files: list[str]) -> None:
-        self.step, self.files = step, files
-        self._prefetch: Prefetch | None = Prefetch(files)
-        self._early = self._prefetch
-
-    def take(self, step: int, files: list[str]) -> Prefetch:
-        """The prefetch for restoring `step`, whose files to warm are `files`: this one if it
-        warms them (once), else a new one, this one stopped."""
-        early, self._prefetch = self._prefetch, None
-        if early is not None and (step, files) == (self.step, self.files):
-            return early
-        if early is not None:
-            early.stop()
-        return Prefetch(files)
-
-    def close(self) -> None:
-        """Stopped, and its chunk in flight waited for (it may have been adopted and left)."""
-        assert self._early is not None
-        self._early.__exit__(None, None, None)
-
-
-def warm_early(store: Store, mode: str | int, rank: int, world: int) -> Warming | None:
-    """On a local root, before rank 0's pick: warm the files this rank would read of step
-    `mode`, or of the newest manifest written (the catalog's first guess too). None on an
-    object store, with nothing to restore, or with a manifest that does not parse (the
-    restore says what is wrong with it)."""
-    if mode == "none" or not store.is_local:
-        return None
-    try:
-        if isinstance(mode, int):
-            step = mode
-        else:
-            listed = [lst for lst in store.scan().values() if lst.has_manifest]
-            if not listed:
-                return None
-            step = max(listed, key=catalog.written).step
-        rel = step_dir_name(step)
-        manifest = Manifest.from_json(store.read_bytes(f"{rel}/{MANIFEST_NAME}"), f"{store.display}/{rel}")
-    except _PREPARE_ERRORS:
-        return None
-    files = _files_to_warm(store, rel, manifest, rank, world)
-    return Warming(step, files) if files else None
-
-
 @gc_paused  # the restore makes many small objects: a full collection costs more than the read
 def restore(
     store: Store,
@@ -115,12 +64,10 @@ def restore(
     mode: str | int,
     handoff: Handoff | None = None,
     key: SigningKey | None = None,
-    warming: Warming | None = None,
 ) -> tuple[Restored | None, set[int], float]:
     """Load the newest checkpoint that loads (`mode` "latest") or step `mode` into `state`
     on every rank; with `handoff`, files the node spool holds are read from there; with
-    `key`, only checkpoints signed with it are trusted (the others are passed over); with
-    `warming`, its prefetch is adopted if it warms the step picked. Returns
+    `key`, only checkpoints signed with it are trusted (the others are passed over). Returns
     what was restored (None: the root holds nothing to restore) and the steps that hold a
     manifest, which this run must never write into, and the newest commit time among them
     (`newest_commit`)."""
@@ -149,7 +96,7 @@ def restore(
             break
         step = plan[0]
         tried.append(step)
-        outcome, why, restored = _try_restore(store, ctrl, state, step, handoff, key, warming)
+        outcome, why, restored = _try_restore(store, ctrl, state, step, handoff, key)
         # One collective for the outcome, whether a spool was used, and whether any rank has
         # values left unloaded (only then are they gathered, to be named).
         worst, spooled, unasked = ctrl.max([outcome, int(handoff is not None and handoff.local is not None), _has_unasked(restored)])
@@ -269,9 +216,8 @@ _PREPARE_ERRORS = (CheckpointError, ValueError, TypeError, KeyError)
 
 
 def _try_restore(
-    store: Store, ctrl: Group, state: TrainingState, step: int, handoff: Handoff | None, key: SigningKey | None,
-    warming: Warming | None = None,
-) -> tuple[int, str, Restored | None]:  # fmt: skip
+    store: Store, ctrl: Group, state: TrainingState, step: int, handoff: Handoff | None, key: SigningKey | None
+) -> tuple[int, str, Restored | None]:
     """Load `step` into the objects: 0 ok, 1 invalid (fall back), 2 storage error, 3 the
     training state does not match the checkpoint's (no fallback can help). Every phase
     ends with all ranks knowing its outcome, so no rank enters a collective alone."""
@@ -312,8 +258,7 @@ def _try_restore(
             tiered = handoff.reader_store(rel, manifest) if handoff is not None else None
             # Stopped as the reader starts (nothing read ahead is trusted before the reader
             # verified it, as always).
-            files = _files_to_warm(tiered or store, rel, manifest, rank, ctrl.world)
-            warm = stack.enter_context(warming.take(step, files) if warming is not None else Prefetch(files))
+            warm = stack.enter_context(Prefetch(_files_to_warm(tiered or store, rel, manifest, rank, ctrl.world)))
             base = _template(state, rank) if base is None else base
             if isinstance(base, Exception):
                 raise base
