@@ -440,16 +440,17 @@ class Checkpointer:
     def _stage(self, counters: dict[str, Any]) -> Staged:
         """The loop's part of a save: capture, and copy into staging buffers (or start the
         copies that overlap the next forward and backward); over the host memory budget, no
-        copy: the save streams from the live state. A rank whose capture or copy fails says
-        so (logged here, with its traceback) and its save fails on every rank at the save's
-        first collective, as a failed background copy does: none waits there for it."""
+        copy: the save streams from the live state. A capture that fails raises on every
+        rank; a copy that fails is logged here, with its traceback, and fails the save on
+        every rank at its first collective (`SaveSlot.stage`)."""
         rank = self._ctrl.rank
 
         def capture() -> Any:
             fault_point("capture", rank, counters["step"])
             return self.state.capture(counters, rank)
 
-        staged = self._slot.stage(capture, self.host_memory_budget, self._ctrl.any, self.state.deferrable() if self.overlap else None)
+        deferrable = self.state.deferrable() if self.overlap else None
+        staged = self._slot.stage(capture, self.host_memory_budget, self._ctrl.max, deferrable, rank=rank, step=counters["step"])
         if staged.failed is not None:
             log.error("rank %d: the state of step %d cannot be staged", rank, counters["step"], exc_info=staged.failed)
         return staged
@@ -581,21 +582,24 @@ class Checkpointer:
         waited_before: float,
     ) -> Manifest:
         assert self._io is not None, "made by save()"
-        manifest = self._slot.write_and_commit(
-            self._io,
-            step,
-            staged,
-            self.timeout_s,
-            counters=counters,
-            user=self.metadata,
-            schedule=self.schedule,
-            blocking_s=blocking_s,
-            started=started,
-            handoff=self._handoff,
-            key=self._signing_key,
-            guard=self._lease.check if self._lease is not None else None,
-            after=self._newest,
-        )
+        try:
+            manifest = self._slot.write_and_commit(
+                self._io,
+                step,
+                staged,
+                self.timeout_s,
+                counters=counters,
+                user=self.metadata,
+                schedule=self.schedule,
+                blocking_s=blocking_s,
+                started=started,
+                handoff=self._handoff,
+                key=self._signing_key,
+                guard=self._lease.check if self._lease is not None else None,
+                after=self._newest,
+            )
+        finally:
+            self._slot.staging_done()  # IMPORTANT: whatever failed, the optimizer's pre-hook never waits forever
         self._newest = max(self._newest, manifest.created)
         if self._ctrl.rank == 0:
             log.info(

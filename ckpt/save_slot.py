@@ -38,7 +38,8 @@ log = logging.getLogger(__name__)
 @dataclasses.dataclass
 class Staged:
     """The loop's part of a save, done: the state staged in host buffers (or the live state,
-    `streamed`, with no `copies`), or why this rank has nothing to save (`failed`)."""
+    `streamed`, with no `copies`), or why this rank has nothing to save (`failed`: its
+    staging copy failed)."""
 
     state: Any
     copies: Copies | None
@@ -63,37 +64,54 @@ class SaveSlot:
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ckpt-save")
 
     def stage(
-        self, capture: Callable[[], Any], budget: int, agree: Callable[[bool], bool], defer: Callable[[Any, Any], bool] | None
-    ) -> Staged:
+        self, capture: Callable[[], Any], budget: int, group_max: Callable[[list[int]], list[int]], defer: Callable[[Any, Any], bool] | None,
+        *, rank: int, step: int,
+    ) -> Staged:  # fmt: skip
         """Capture the state (`capture()`) and copy it into the staging buffers, or with
         `defer` set them up and leave the copies `defer` picks to the background save (the
         next optimizer step waits for them). No copy when the state is over the host memory
-        `budget`: the save streams from the live state. `agree` is "did any rank say yes".
-        A capture or copy that raises is handed back (`Staged.failed`), not raised: the
-        other ranks are on their way into the save's collectives, where this rank must tell
-        them."""
+        `budget` on any rank: the save streams from the live state. `group_max` is the
+        ranks' element-wise max (a collective).
+
+        A capture that raises (a state_dict() that fails, a state no restore could load)
+        raises on every rank: on this one its own error, on the others a SaveFailed, as the
+        ranks learn of it in the collective every save takes here. A capture that fails in
+        a collective of its own (FSDP1's, DeepSpeed's gathers) leaves the others there:
+        torch's timeout ends that. A copy that fails after it (host or shared memory to be
+        had, a device error) is handed back (`Staged.failed`): the save then fails on every
+        rank at its first collective, as `on_error` says."""
         state, failed = None, None
         try:
             state = capture()
         except Exception as e:
             failed = e
-        # IMPORTANT: all ranks agree to stream (a rank with nothing captured too): a
-        # collective-free save mixes with no other.
-        if self.stager.over_budget(state, budget, agree):
+        over = failed is None and self.stager.over_budget(state, budget)
+        # IMPORTANT: every rank takes this collective, the one whose capture failed too.
+        stream, any_failed = group_max([int(over), int(failed is not None)])
+        if failed is not None:
+            raise failed
+        if any_failed:
+            raise SaveFailed(f"save of step {step} failed: another rank could not capture its state (its log says why)")
+        if stream:
             # No host copy: the write streams from the live tensors item by item, and the
             # loop waits for it (nothing may change them meanwhile).
-            return Staged(None if failed else state, None, failed, streamed=True)
-        if failed is not None:
-            return Staged(None, None, failed)
+            self.stager.said_over(state, budget)
+            return Staged(state, None, streamed=True)
         try:
+            fault_point("prepare", rank, step)
             staged, copies = self.stager.prepare(state, defer=defer or _now)
             if defer is None:
                 copies.run()
-        except Exception as e:  # host memory or shared memory to be had, a device error
+        except Exception as e:
             return Staged(None, None, e)
         if defer is not None:
             self._staged.clear()  # IMPORTANT: the next optimizer.step() waits for the copies
         return Staged(staged, copies)
+
+    def staging_done(self) -> None:
+        """No staging copy is pending (whatever became of the save): set by the copies'
+        runner, and again when the background save ends, so nothing waits on it forever."""
+        self._staged.set()
 
     def wait_for_staging(self) -> float:
         """Wait until no staging copy is pending; returns the seconds waited."""
@@ -147,7 +165,7 @@ class SaveSlot:
                 fault_point("staging", rank, step)
                 copies.run()
         finally:
-            self._staged.set()
+            self.staging_done()
 
     def writer(self, copies: Copies | None, timeout_s: float) -> tuple[Callable[[Store], Sink], list[Arena]]:
         """Where the save's bytes are written from: the writer process over the staging

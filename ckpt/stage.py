@@ -51,21 +51,22 @@ class Stager:
     def arenas(self) -> list[Arena]:
         return [self.arena, self.pinned_arena]
 
-    def over_budget(self, state: Any, budget: int, agree: Callable[[bool], bool]) -> bool:
-        """Whether a save of `state` must stream from the live state: staging it would take
-        more than `budget` bytes of host memory (beyond what is staged already, on any rank
-        as `agree` says: a collective). Said once."""
+    def over_budget(self, state: Any, budget: int) -> bool:
+        """Whether staging `state` would take more than `budget` bytes of host memory beyond
+        what is staged already (this rank's view: the ranks agree on it, `said_over`)."""
         need = self.bytes_for(state)
-        stream = agree(need > budget and need > self.bytes_staged)
-        if stream and not self._warned_budget:
+        return need > budget and need > self.bytes_staged
+
+    def said_over(self, state: Any, budget: int) -> None:
+        """The ranks agreed to stream `state`: said once."""
+        if not self._warned_budget:
             log.warning(
-                "staging %.2f GB would exceed the host memory budget of %.2f GB: saving "
+                "staging %.2f GB would exceed the host memory budget of %.2f GB (on this rank or another): saving "
                 "without a host copy, streaming from the live state; the loop waits for the write",
-                need / 1e9,
+                self.bytes_for(state) / 1e9,
                 budget / 1e9,
             )
             self._warned_budget = True
-        return stream
 
     def stage(self, state: Any) -> Any:
         """A copy of `state` whose tensors live in (reused) host memory, made now."""

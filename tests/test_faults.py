@@ -213,11 +213,11 @@ def test_corrupt_data_file_makes_both_ranks_fall_back_together(tmp_path, referen
     assert tree(root / sd(20)) == before
 
 
-@pytest.mark.parametrize("point", ["staging", "capture"])
+@pytest.mark.parametrize("point", ["staging", "prepare"])
 def test_a_rank_whose_staging_copy_fails_fails_the_save_on_every_rank_at_once(tmp_path, point):
     """Rank 1's save of step 10 fails before it has anything to write: its copy into the
     staging buffers raises in the background save (a device error, say), or on the training
-    thread its state cannot be captured (a state_dict() that raises). No rank waits for it
+    thread its host buffers cannot be set up (no shared memory left). No rank waits for it
     in a collective until the timeout (120 s here), the save fails on both ranks, training
     goes on (on_error="log") and the next saves commit."""
     root, log_dir = tmp_path / "root", tmp_path / "logs"
@@ -233,19 +233,22 @@ def test_a_rank_whose_staging_copy_fails_fails_the_save_on_every_rank_at_once(tm
     assert took < 90, f"the job took {took:.0f} s: a rank waited for the failed one"
 
 
-def test_a_rank_whose_state_cannot_be_captured_ends_the_job_on_every_rank_with_on_error_raise(tmp_path):
-    """on_error="raise": the failed save of step 10 ends the job on both ranks, at once and
-    with the save's error, and the last good checkpoint is the one a restart finds."""
+def test_a_rank_whose_state_cannot_be_captured_stops_the_job_on_every_rank_at_once(tmp_path):
+    """Rank 1's state cannot be captured at step 10 (a state_dict() that raises): an error in
+    the job, not a save that failed, so even with on_error="log" it ends the job, on both
+    ranks at once: rank 1 with its own error, rank 0 with a SaveFailed saying why. Nothing
+    waits for the timeout, and step 5 is the checkpoint a restart finds."""
     root, log_dir = tmp_path / "root", tmp_path / "logs"
     log_dir.mkdir()
     started = time.monotonic()
-    with pytest.raises(AssertionError, match="worker exit codes"):
-        launch.run_worker(2, *worker_args(root, "--timeout", "120"), env={"CKPT_FAULT": "capture:1:10:raise"}, log_dir=log_dir, timeout=300)
+    with pytest.raises(AssertionError, match=r"worker exit codes \[1, 1\]"):
+        launch.run_worker(2, *worker_args(root, "--timeout", "120", "--on-error", "log"), env={"CKPT_FAULT": "capture:1:10:raise"},
+                          log_dir=log_dir, timeout=300)  # fmt: skip
     took = time.monotonic() - started
     assert states(root) == {5: "committed"}
-    for r in range(2):
-        text = (log_dir / f"rank{r}.log").read_text()
-        assert "SaveFailed: save of step 10 " in text, text[-3000:]
+    log0, log1 = ((log_dir / f"rank{r}.log").read_text() for r in range(2))
+    assert "SaveFailed: save of step 10 failed: another rank could not capture its state" in log0, log0[-3000:]
+    assert "RuntimeError: ckpt fault: capture of rank 1 at step 10" in log1, log1[-3000:]
     assert took < 90, f"the job took {took:.0f} s: a rank waited for the failed one"
 
 
