@@ -69,6 +69,8 @@ class Cadence:
         now = time.monotonic()
         if rank == 0:
             self.agreement.tick(now)
+        # IMPORTANT: which way a step goes depends on the world size alone, and every rank asks
+        # at every step: the meetings' collectives line up on all of them.
         if world == 1:
             interval_s = self.seconds()
             return Due(by_step or (interval_s is not None and now - self._since >= interval_s), preempt, failed)
