@@ -124,6 +124,15 @@ class Group:
         """Did any rank say yes (a collective: all ranks call it)."""
         return bool(self.max([int(flag)])[0])
 
+    def bits(self, value: int) -> int:
+        """The bitwise OR of every rank's `value` (one int64): several yes-or-no answers in one
+        collective, none lost to another (a max keeps only the highest bit set anywhere)."""
+        if self.pg is None:
+            return value
+        t = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.BOR, group=self.pg)
+        return int(t.item())
+
     def max(self, values: list[int]) -> list[int]:
         """Element-wise maximum over ranks: "did any rank say yes"."""
         if self.pg is None:
@@ -223,14 +232,17 @@ def persist(
         except CheckpointError as e:  # told to every rank below, not left to hang them
             refusal = f"{type(e).__name__}: {e}" if isinstance(e, LeaseHeld) or not str(e) else str(e)
     # One all-reduce of one number tells every rank whether a rank could not stage its state
-    # (4), else whether rank 0 refused (2; why follows only then), else whether any rank must
-    # plan afresh (1). gloo reduces one element in a third of the CPU that it takes for three.
-    agreed = group.max([4 * int(unready is not None) + 2 * int(refusal is not None) + int(layout is None)])[0]
-    if agreed >= 4:
-        raise SaveFailed(f"save of step {step} to {store.display} failed: {unready or 'another rank could not stage its state'}")
-    if agreed >= 2:
-        raise SaveFailed(f"save of step {step} to {store.display} failed: {group.broadcast(refusal)}")
-    replan = agreed == 1
+    # (4), whether rank 0 refused (2; why follows only then) and whether any rank must plan
+    # afresh (1). gloo reduces one element in a third of the CPU that it takes for three.
+    agreed = group.bits(4 * int(unready is not None) + 2 * int(refusal is not None) + int(layout is None))
+    # IMPORTANT: rank 0's refusal is said even when a rank could not stage: a lost lease must
+    # stop the job at this save, whatever else failed (`Checkpointer.wait`).
+    why = [group.broadcast(refusal)] if agreed & 2 else []
+    if agreed & 4:
+        why.insert(0, unready or "another rank could not stage its state")
+    if why:
+        raise SaveFailed(f"save of step {step} to {store.display} failed: {'; '.join(why)}")
+    replan = bool(agreed & 1)
     chosen = handoff.target(need) if handoff is not None else store
     if handoff is not None:
         handoff.writing(chosen, rel)

@@ -334,9 +334,12 @@ def test_the_check_before_a_commit_renews_a_lease_whose_renewals_failed_so_no_jo
         keeper.close(release=False)
 
 
-def test_takeover_takes_a_live_lease_and_the_old_holders_next_save_fails_without_writing(tmp_path, root):
-    # on_error="log" would go on past a failed save: one refused for a lost root stops the job.
-    a = Job(tmp_path, "job-a", root, "--steps", 5, "--pause-at", 2, "--resume", tmp_path / "go-on", "--ttl", TTL, "--on-error", "log")
+@pytest.mark.parametrize("unready", [False, True], ids=["", "its-staging-failing-too"])
+def test_takeover_takes_a_live_lease_and_the_old_holders_next_save_fails_without_writing(tmp_path, root, unready):
+    # on_error="log" would go on past a failed save: one refused for a lost root stops the job,
+    # at that save, even when the staging of that save failed as well.
+    fault = {"CKPT_FAULT": "prepare:0:3:raise"} if unready else {}
+    a = Job(tmp_path, "job-a", root, "--steps", 5, "--pause-at", 2, "--resume", tmp_path / "go-on", "--ttl", TTL, "--on-error", "log", env=fault)
     a.wait_event("paused")
 
     # Told by the policy on a local root, by the environment on S3.
@@ -351,6 +354,7 @@ def test_takeover_takes_a_live_lease_and_the_old_holders_next_save_fails_without
     finish(a, 3)
     error = a.event("error")
     assert error["type"] == "SaveFailed" and "no longer holds the lease" in error["message"], a.log()
+    assert "save of step 3 " in error["message"] and ("ckpt fault: prepare" in error["message"]) == unready, error
     assert files(root, steps_only=True) == after_b
     assert [e["step"] for e in a.events() if e["event"] == "committed"] == [1, 2]
 
