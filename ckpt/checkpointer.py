@@ -581,8 +581,8 @@ class Checkpointer:
         started: float,
         waited_before: float,
     ) -> Manifest:
-        assert self._io is not None, "made by save()"
         try:
+            assert self._io is not None, "made by save()"
             manifest = self._slot.write_and_commit(
                 self._io,
                 step,
