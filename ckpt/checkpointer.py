@@ -419,17 +419,21 @@ class Checkpointer:
         self.wait()
         started = time.perf_counter()
         counters = {"step": self._step, **self.counters}
+        assert self._slot.opened, "use the Checkpointer as a context manager"
         staged = self._stage(counters)
         blocking = blocking or staged.streamed
         blocking_s = time.perf_counter() - started
-        assert self._slot.opened, "use the Checkpointer as a context manager"
         # The wait for the previous save's slot was blocking too: counted as if a staging wait.
         waited_before = self.staging_wait_s - (started - waiting)
-        self.metrics.staged(blocking_s)  # before the save can end (in flight: 1, then 0)
-        self._slot.submit(
-            self._counted,
-            functools.partial(self._save_in_background, self._step, staged, counters, blocking_s, started, waited_before),
-        )
+        try:
+            self.metrics.staged(blocking_s)  # before the save can end (in flight: 1, then 0)
+            self._slot.submit(
+                self._counted,
+                functools.partial(self._save_in_background, self._step, staged, counters, blocking_s, started, waited_before),
+            )
+        except BaseException:
+            self._slot.staging_done()  # IMPORTANT: no save will release the pre-hook's wait
+            raise
         self._saved_step = self._step
         self._restart_interval()
         log.debug("step %d staged in %.1f ms", self._step, blocking_s * 1e3)

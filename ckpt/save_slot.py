@@ -80,12 +80,12 @@ class SaveSlot:
         torch's timeout ends that. A copy that fails after it (host or shared memory to be
         had, a device error) is handed back (`Staged.failed`): the save then fails on every
         rank at its first collective, as `on_error` says."""
-        state, failed = None, None
+        state, failed, over = None, None, False
         try:
             state = capture()
+            over = self.stager.over_budget(state, budget)
         except Exception as e:
             failed = e
-        over = failed is None and self.stager.over_budget(state, budget)
         # IMPORTANT: every rank takes this collective, the one whose capture failed too.
         stream, any_failed = group_max([int(over), int(failed is not None)])
         if failed is not None:
@@ -133,8 +133,8 @@ class SaveSlot:
     def write_and_commit(self, group: Group, step: int, staged: Staged, timeout_s: float, **commit: Any) -> Manifest:
         """The background save: the copies left to it, then the write and the commit of
         `commit.persist` (`commit` holds its other arguments); every failure a `SaveFailed`.
-        A rank that has nothing to write (its capture or a copy failed) still goes into the
-        save, where every rank learns at the first collective that it failed."""
+        A rank that has nothing to write (its staging failed) still goes into the save, where
+        every rank learns at the first collective that it failed."""
         unready = f"{type(staged.failed).__name__}: {staged.failed}" if staged.failed is not None else None
         sinks: Callable[[Store], Sink] = ThreadSink
         arenas: list[Arena] = []
