@@ -21,7 +21,7 @@ from .policy import Auto, Every
 from .storage import Store
 
 
-@dataclass
+@dataclass(frozen=True)
 class Due:
     """What a step must do, alike on every rank."""
 
@@ -29,6 +29,9 @@ class Due:
     preempt: bool  # stop after a checkpoint: a signal reached some rank
     failed: bool  # a background save failed on some rank: report it now
     met: bool = False  # the ranks met at this step to decide it
+
+
+_NOTHING, _BY_STEP = Due(False, False, False), Due(True, False, False)
 
 
 class Cadence:
@@ -74,9 +77,10 @@ class Cadence:
         if world == 1:
             interval_s = self.seconds()
             return Due(by_step or (interval_s is not None and now - self._since >= interval_s), preempt, failed)
+        if not self.agreement.meets(step):  # the interval's seconds are worked out at meetings only
+            return _BY_STEP if by_step else _NOTHING
         agreed = self.agreement.at_step(step, rank, group_max, preempt, failed, now - self._since, self.seconds())
-        if agreed is None:
-            return Due(by_step, False, False)
+        assert agreed is not None
         return Due(by_step or agreed.save, agreed.preempt, agreed.failed, met=True)
 
     @property

@@ -127,18 +127,17 @@ class Group:
     def bits(self, value: int) -> int:
         """The bitwise OR of every rank's `value` (one int64): several yes-or-no answers in one
         collective, none lost to another (a max keeps only the highest bit set anywhere)."""
-        if self.pg is None:
-            return value
-        t = torch.tensor([value], dtype=torch.int64)
-        dist.all_reduce(t, op=dist.ReduceOp.BOR, group=self.pg)
-        return int(t.item())
+        return self._reduce([value], dist.ReduceOp.BOR)[0]
 
     def max(self, values: list[int]) -> list[int]:
         """Element-wise maximum over ranks: "did any rank say yes"."""
+        return self._reduce(values, dist.ReduceOp.MAX)
+
+    def _reduce(self, values: list[int], op: Any) -> list[int]:
         if self.pg is None:
             return values
         t = torch.tensor(values, dtype=torch.int64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.pg)
+        dist.all_reduce(t, op=op, group=self.pg)
         return t.tolist()
 
 
