@@ -569,7 +569,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         return super().lookup_tensor(index)
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
-        obj = torch.load(value, weights_only=True)
+        obj = tensor_blob.load_value(value)
         fqn = read_item.dest_index.fqn
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[fqn], obj)

@@ -15,10 +15,13 @@ then uses torch.load. Zip CRC fields are never read: a writer may emit the blob 
 from __future__ import annotations
 
 import functools
+import io
 import math
+import pickle
 import pickletools
 import struct
 import sys
+import zipfile
 from dataclasses import dataclass
 from typing import Any
 
@@ -441,3 +444,47 @@ def _is_contiguous(size: tuple[int, ...], stride: tuple[int, ...]) -> bool:
             return False
         expected *= s
     return True
+
+
+# -- plain values --------------------------------------------------------------------------------
+# DCP stores every value that is not a tensor (an optimizer's hyperparameters, ckpt's counters,
+# the RNG states) as a torch.save blob of its own, and torch.load(weights_only=True) costs ~90 us
+# for each: with many param groups, thousands of them per restore.
+_PLAIN_RECORDS = frozenset(("data.pkl", ".format_version", ".storage_alignment", "byteorder", "version", "serialization_id"))
+_NOT_PLAIN: Any = object()
+
+
+class _PlainUnpickler(pickle.Unpickler):
+    """Builds plain values only: a global (any class or function) or a persistent id (a
+    tensor's storage) is refused, so nothing is imported, called or rebuilt. What is left are
+    the pickle opcodes of numbers, strings, None, booleans, and tuples, lists and dicts of them."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        raise pickle.UnpicklingError(f"not a plain value: {module}.{name}")
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise pickle.UnpicklingError("not a plain value: a persistent id")
+
+
+def load_value(blob: bytes | io.BytesIO) -> Any:
+    """A value torch.save wrote (a DCP bytes item), as `torch.load(weights_only=True)` loads
+    it. Plain values are unpickled without any global by the C unpickler, ~4x faster; anything
+    else (a tensor, an OrderedDict, a set, a class) goes to torch.load, whose allowlist decides."""
+    data = blob.getvalue() if isinstance(blob, io.BytesIO) else blob
+    value = _plain(data)
+    if value is _NOT_PLAIN:
+        value = torch.load(io.BytesIO(data), weights_only=True)
+    return value
+
+
+def _plain(blob: bytes) -> Any:
+    """The plain value in a torch.save zip holding no storage, or _NOT_PLAIN."""
+    try:
+        with zipfile.ZipFile(io.BytesIO(blob)) as z:
+            records = z.infolist()
+            pkl = [r for r in records if r.filename.endswith("/data.pkl")]
+            if len(pkl) != 1 or any(r.compress_type != zipfile.ZIP_STORED or r.filename.rsplit("/", 1)[-1] not in _PLAIN_RECORDS for r in records):
+                return _NOT_PLAIN
+            return _PlainUnpickler(io.BytesIO(z.read(pkl[0])), encoding="ASCII").load()
+    except Exception:  # not a zip, a refused global, a broken pickle: torch.load says which
+        return _NOT_PLAIN

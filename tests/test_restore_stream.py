@@ -10,6 +10,7 @@ makes today and those it will make: `torch.serialization.skip_data` zips filled 
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import io
 import json
@@ -362,16 +363,23 @@ def test_a_flipped_bit_in_a_pickled_value_is_caught_before_it_is_unpickled(tmp_p
     assert seen == [] and count_torch_load == []
 
 
-@pytest.mark.parametrize("where", ["pickled_value", "tensor_pickle"])
+@pytest.mark.parametrize("where", ["pickled_value", "value_pickle_in_its_zip", "tensor_pickle"])
 def test_a_malicious_pickle_never_runs(tmp_path, where):
     """Swapped in with the same size: the checksum refuses it. With the manifest rewritten
     to match: a tensor pickle is not recognised, so it is only ever torch.load'ed with
-    weights_only, which refuses it too."""
-    step = save(tmp_path / "root", {"w": torch.randn(8), "name": "hello"})
+    weights_only, which refuses it too; a value's pickle is refused by the plain-value
+    unpickler (or its zip's CRC), then by torch.load."""
+    name = "hello" * 30  # a pickle long enough to hold the payload
+    step = save(tmp_path / "root", {"w": torch.randn(8), "name": name})
     marker = tmp_path / "PWNED"
     if where == "pickled_value":
         off, length = item(step, "extra.h.name")
         at, size = off, length  # the whole torch.save'd value: torch.load rejects a bare pickle
+    elif where == "value_pickle_in_its_zip":
+        off, length = item(step, "extra.h.name")
+        blob = (step / DATA).read_bytes()[off : off + length]
+        at = off + record_offset(blob, "/data.pkl")
+        size = zipfile.ZipFile(io.BytesIO(blob)).getinfo("archive/data.pkl").file_size
     else:
         off, length = item(step, "extra.h.w")
         blob = (step / DATA).read_bytes()[off : off + length]
@@ -383,7 +391,7 @@ def test_a_malicious_pickle_never_runs(tmp_path, where):
     pickle.loads(malicious(tmp_path / "probe", size))
     assert (tmp_path / "probe").exists()  # the payload is live
 
-    like = {"w": torch.randn(8), "name": "hello"}
+    like = {"w": torch.randn(8), "name": name}
     with pytest.raises(ckpt.RestoreFailed, match="checksum mismatch"):
         restore(tmp_path / "root", like)
     assert not marker.exists()
@@ -393,6 +401,99 @@ def test_a_malicious_pickle_never_runs(tmp_path, where):
         restore(tmp_path / "root", like)
     assert not marker.exists()
     assert "weights only" in str(refused.value).lower() or "weights_only" in str(refused.value), refused.value
+
+
+# -- plain values -------------------------------------------------------------------------------
+# A DCP bytes item (a hyperparameter, a counter, an RNG state) is a torch.save blob of its own;
+# plain ones are unpickled by an unpickler that refuses every global, the rest by torch.load.
+PLAIN = {
+    "float": 1e-8,
+    "betas": (0.9, 0.999),
+    "flag": False,
+    "none": None,
+    "ints": [0, 1, 2**80, -3],
+    "text": "h\u00e9llo",
+    "nested": {"step": 3, "x": [1.5, "a", (None, True)]},
+    "int_keys": {1: 2, 3: [4]},
+}
+NOT_PLAIN = {
+    "set": {1, 2},  # pickled through builtins.set
+    "bytes": b"\x00\x01",  # through _codecs.encode
+    "ordered": collections.OrderedDict(a=1),
+    "tensor_inside": {"t": torch.arange(3)},  # a storage: a persistent id
+    "complex": 1 + 2j,
+}
+
+
+def same_value(got: object, want: object) -> bool:
+    """Equal, of the same types all the way down (1 == 1.0 == True would pass ==)."""
+    if isinstance(want, torch.Tensor):
+        return isinstance(got, torch.Tensor) and torch.equal(got, want)
+    if type(got) is not type(want):
+        return False
+    if isinstance(want, dict):
+        return list(got) == list(want) and all(same_value(got[k], want[k]) for k in want)  # type: ignore[index]
+    if isinstance(want, (list, tuple)):
+        return len(got) == len(want) and all(map(same_value, got, want))  # type: ignore[arg-type]
+    return got == want
+
+
+@pytest.mark.parametrize("name", PLAIN)
+def test_a_plain_value_loads_as_torch_load_would_without_it(name, count_torch_load):
+    blob = _blob(PLAIN[name])
+    want = torch.load(io.BytesIO(blob), weights_only=True)
+    count_torch_load.clear()
+    got = tensor_blob.load_value(io.BytesIO(blob))
+    assert same_value(got, want) and same_value(got, PLAIN[name])
+    assert count_torch_load == []
+
+
+@pytest.mark.parametrize("name", NOT_PLAIN)
+def test_any_other_value_is_left_to_torch_load(name, count_torch_load):
+    blob = _blob(NOT_PLAIN[name])
+    assert tensor_blob._plain(blob) is tensor_blob._NOT_PLAIN
+    count_torch_load.clear()
+    got = tensor_blob.load_value(blob)
+    assert same_value(got, NOT_PLAIN[name])
+    assert len(count_torch_load) == 1
+
+
+def test_a_value_pickle_that_would_call_anything_is_refused_whatever_its_zip_says(tmp_path):
+    """A zip as torch.save writes it, CRCs right, whose data.pkl calls open(): the plain
+    unpickler refuses its global, torch.load's allowlist refuses it too; nothing runs."""
+    marker = tmp_path / "PWNED"
+    real = zipfile.ZipFile(io.BytesIO(_blob(0)))
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as z:
+        for info in real.infolist():
+            z.writestr(info.filename, malicious(marker, 200) if info.filename.endswith("/data.pkl") else real.read(info))
+    blob = out.getvalue()
+    pickle.loads(malicious(tmp_path / "probe", 200))
+    assert (tmp_path / "probe").exists()  # the payload is live
+    with zipfile.ZipFile(io.BytesIO(blob)) as z:
+        z.testzip()  # a well-formed zip: the refusal is the unpickler's
+    assert tensor_blob._plain(blob) is tensor_blob._NOT_PLAIN
+    with pytest.raises(pickle.UnpicklingError, match="(?i)weights.only"):
+        tensor_blob.load_value(blob)
+    assert not marker.exists()
+
+
+def test_many_param_groups_come_back_with_their_own_hyperparameters(tmp_path):
+    """Hundreds of bytes items, each group's values its own (layer-wise learning rates)."""
+    model = torch.nn.Sequential(*(torch.nn.Linear(2, 2) for _ in range(100)))
+    groups = [{"params": list(m.parameters()), "lr": 1e-3 * (i + 1), "betas": (0.9, 0.99 - i / 1e4)} for i, m in enumerate(model)]
+    opt = torch.optim.AdamW(groups)
+    model(torch.ones(1, 2)).sum().backward()
+    opt.step()
+    kw = dict(interval=None, save_on_exit=False, handle_sigterm=False)
+    with ckpt.Checkpointer(str(tmp_path), model=model, optimizer=opt, **kw) as cp:
+        cp.save(blocking=True)
+    want = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+    for g in opt.param_groups:
+        g["lr"], g["betas"] = 0.5, (0.1, 0.2)
+    with ckpt.Checkpointer(str(tmp_path), model=model, optimizer=opt, restore="latest", **kw) as cp:
+        assert cp.restored_step == 0
+    assert all(same_value({k: v for k, v in g.items() if k != "params"}, w) for g, w in zip(opt.param_groups, want, strict=True))
 
 
 # -- memory -----------------------------------------------------------------------------------

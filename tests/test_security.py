@@ -428,6 +428,9 @@ ALLOWED_UNPICKLING = {
     "broadcast_object_list and gather_object, which it replaces, unpickled them), never storage",
     ("dcp_io.py", "_MetadataUnpickler", "pickle.Unpickler"): "the allowlisting unpickler of checksum-verified .metadata",
     ("dcp_io.py", "load_metadata", "_MetadataUnpickler"): "checksum-verified bytes, through the allowlist",
+    ("tensor_blob.py", "_PlainUnpickler", "pickle.Unpickler"): "the unpickler that refuses every global and "
+    "persistent id: plain values only (test_restore_stream.py's plain-value tests)",
+    ("tensor_blob.py", "_plain", "_PlainUnpickler"): "checksum-verified bytes, through the refusing unpickler",
 }
 PICKLE_MODULES = {"pickle", "_pickle", "cPickle", "dill", "cloudpickle", "joblib", "marshal", "shelve"}
 
