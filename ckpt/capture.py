@@ -143,13 +143,17 @@ class TrainingState:
         """A state dict of the current objects to load into; `fit_template` limits it to what
         a checkpoint holds for this rank, once its manifest is known."""
         sd = self.capture({}, rank, reuse=False)  # DCP loads into it: never the cached dicts
-        self._template_model = dict(sd.get("model", {}))
-        if "optim" in sd and not deepspeed_state.is_engine(self.model):  # DCP's optimizer state dict
+        # Whether the template's tensors are the objects' own, worked out now (while the
+        # restore's files are still being read) rather than after the read: `apply` then only
+        # checks that DCP loaded into those very tensors. Nothing touches the objects between.
+        model = sd.get("model", {}) if self.model is not None and not deepspeed_state.is_engine(self.model) else {}
+        self._template_model = dict(model) if model and _template_is_live(self.model, model) else {}
+        self._template_optim = ({}, [])
+        if self._template_model and "optim" in sd:  # DCP's optimizer state dict
             osd = sd["optim"]
-            self._template_optim = (
-                {fqn: dict(values) for fqn, values in osd["state"].items()},
-                [list(g["params"]) for g in osd["param_groups"]],
-            )
+            state = {fqn: dict(values) for fqn, values in osd["state"].items()}
+            if _optim_template_is_live(self.optimizers, state):
+                self._template_optim = (state, [list(g["params"]) for g in osd["param_groups"]])
         return sd
 
     def fit_template(self, sd: dict[str, Any], rank: int, world: int, saved_world: int) -> dict[str, Any]:
@@ -174,7 +178,7 @@ class TrainingState:
             deepspeed_state.apply(self.model, sd)
         elif "optim" in sd:
             # The model's half skipped when loading it would copy each tensor onto itself.
-            in_place = _loaded_in_place(self.model, sd["model"], self._template_model)
+            in_place = _loaded_in_place(sd["model"], self._template_model)
             if in_place and _optim_loaded_in_place(self.optimizers, sd["optim"], *self._template_optim):
                 _load_hyperparameters(self.optimizers, sd["optim"]["param_groups"])
             else:
@@ -184,7 +188,7 @@ class TrainingState:
                     model_state_dict={} if in_place else sd["model"],
                     optim_state_dict=sd["optim"],
                 )
-        elif "model" in sd and not _loaded_in_place(self.model, sd["model"], self._template_model):
+        elif "model" in sd and not _loaded_in_place(sd["model"], self._template_model):
             set_model_state_dict(self.model, sd["model"])
         self._template_model, self._template_optim = {}, ({}, [])  # views: they must not outlive a replaced tensor
         for i, sched in enumerate(self.schedulers):
@@ -336,15 +340,15 @@ def _fingerprint(tensors: list[torch.Tensor], local: list[torch.Tensor], optimiz
     return tuple(parts)
 
 
-def _loaded_in_place(model: torch.nn.Module, loaded: dict[str, Any], template: dict[str, Any]) -> bool:
-    """Whether loading the model's restored state dict `loaded` would only copy each tensor
-    onto itself, so that it can be skipped (its Python costs more than the read of a 100 MB
-    restore's model, and seconds with 10,000 tensors): DCP loaded every value into the very
-    tensors of the `template` (none replaced); each of those is exactly the memory of a
-    parameter or buffer; and no module does more on load than copy (no overridden loading
-    method, no load hooks but FSDP2's, which have nothing to do when no parameter was
+def _template_is_live(model: torch.nn.Module, template: dict[str, Any]) -> bool:
+    """Whether loading a restored state dict into the model can be skipped when DCP loaded
+    every value into the very tensors of its `template` (`_loaded_in_place`), as loading it
+    would only copy each tensor onto itself (its Python costs more than the read of a 100 MB
+    restore's model, and seconds with 10,000 tensors): each of those tensors is exactly the
+    memory of a parameter or buffer; and no module does more on load than copy (no overridden
+    loading method, no load hooks but FSDP2's, which have nothing to do when no parameter was
     replaced) nor makes its state dict other than of its tensors (`_walk`)."""
-    if not template or loaded.keys() != template.keys() or any(loaded[k] is not t for k, t in template.items()):
+    if not template:
         return False
     modules = list(model.modules())
     tensors, _, plain = _walk(modules)
@@ -358,34 +362,27 @@ def _loaded_in_place(model: torch.nn.Module, loaded: dict[str, Any], template: d
     return _where(mine) <= live
 
 
-def _optim_loaded_in_place(
-    optimizers: list[torch.optim.Optimizer], loaded: Any, state: dict[str, dict[str, Any]], params: list[list[Any]]
-) -> bool:
-    """Whether loading the optimizers' restored state dict `loaded` would only copy each state
-    tensor onto itself and set the groups' hyperparameters (`_load_hyperparameters`), so that
-    DCP's set_state_dict (its Python is more than a 100 MB restore's read of the optimizer
-    state, and a third of a second with 10,000 tensors) can be skipped: DCP loaded every state
-    value into the very tensors of the template (`state`, by FQN; none replaced, none a plain
-    value); those are exactly the memory of all of the optimizers' state tensors, one each;
-    the saved groups are the template's (`params`), one for each of the optimizers' groups,
-    with the same keys; and no optimizer does more on load (no overridden load_state_dict,
-    no load hooks)."""
-    if not state or not isinstance(loaded, dict) or not isinstance(loaded.get("state"), dict):
-        return False
-    if any(
+def _loaded_in_place(loaded: dict[str, Any], template: dict[str, Any]) -> bool:
+    """Whether the model's restored state dict `loaded` holds the very tensors of a live
+    `template` (`_template_is_live`; empty if not): none replaced, none added or missing."""
+    return bool(template) and loaded.keys() == template.keys() and all(loaded[k] is t for k, t in template.items())
+
+
+def _optim_template_is_live(optimizers: list[torch.optim.Optimizer], state: dict[str, dict[str, Any]]) -> bool:
+    """Whether DCP's set_state_dict (its Python is more than a 100 MB restore's read of the
+    optimizer state, and a third of a second with 10,000 tensors) can be skipped when DCP
+    loaded every state value into the very tensors of the template's `state` (by FQN), as it
+    would only copy each onto itself and set the groups' hyperparameters
+    (`_optim_loaded_in_place`): those tensors, none a plain value, are exactly the memory of
+    all of the optimizers' state tensors, one each; and no optimizer does more on load (no
+    overridden load_state_dict, no load hooks)."""
+    if not state or any(
         type(o).load_state_dict is not torch.optim.Optimizer.load_state_dict
         or o._optimizer_load_state_dict_pre_hooks
         or o._optimizer_load_state_dict_post_hooks
         for o in optimizers
     ):
         return False
-    got = loaded["state"]
-    if got.keys() != state.keys():
-        return False
-    for fqn, values in state.items():
-        now = got[fqn]
-        if not isinstance(now, dict) or now.keys() != values.keys() or any(now[k] is not v for k, v in values.items()):
-            return False
     mine = [v for values in state.values() for v in values.values()]
     live = [v for o in optimizers for st in o.state.values() for v in st.values()]
     if len(mine) != len(live) or not all(isinstance(v, torch.Tensor) for v in itertools.chain(mine, live)):
@@ -394,8 +391,25 @@ def _optim_loaded_in_place(
     if not set(map(type, mine)) | set(map(type, live)) <= _PLAIN_TENSORS:
         return False
     live_at = _where(live)
-    if len(live_at) != len(live) or _where(mine) != live_at:
+    return len(live_at) == len(live) and _where(mine) == live_at
+
+
+def _optim_loaded_in_place(
+    optimizers: list[torch.optim.Optimizer], loaded: Any, state: dict[str, dict[str, Any]], params: list[list[Any]]
+) -> bool:
+    """Whether the optimizers' restored state dict `loaded` holds the very tensors of a live
+    template's `state` (`_optim_template_is_live`; empty if not), none replaced, added or
+    missing, and the template's groups (`params`), one for each of the optimizers' groups,
+    with the same keys: then only the hyperparameters are left to set (`_load_hyperparameters`)."""
+    if not state or not isinstance(loaded, dict) or not isinstance(loaded.get("state"), dict):
         return False
+    got = loaded["state"]
+    if got.keys() != state.keys():
+        return False
+    for fqn, values in state.items():
+        now = got[fqn]
+        if not isinstance(now, dict) or now.keys() != values.keys() or any(now[k] is not v for k, v in values.items()):
+            return False
     groups = loaded.get("param_groups")
     live_groups = [g for o in optimizers for g in o.param_groups]
     return (
