@@ -78,8 +78,11 @@ def restore(
     newest = 0.0
     while True:
         # Rank 0 picks the next candidate afresh after each failure: the catalog reads only
-        # the manifests it needs to know the newest (catalog.restore_candidates).
+        # the manifests it needs to know the newest (catalog.restore_candidates). From a local
+        # root the pick's manifest goes round with it, in the same collective; from an object
+        # store it follows (`_try_restore`), as the ranks build their templates meanwhile.
         plan: list[int] | str = []
+        doc: bytes | str | None = None
         if ctrl.rank == 0:
             try:
                 plan, more, passed, created = _restore_plan(store, mode, key, tried)
@@ -87,7 +90,9 @@ def restore(
                 newest = max(newest, created)
             except CheckpointError as e:
                 plan = f"{type(e).__name__}: {e}"
-        plan, taken, passed, newest = ctrl.broadcast((plan, taken, passed if ctrl.rank == 0 else [], newest))
+            if plan and not isinstance(plan, str) and store.is_local:
+                doc = _read_manifest(store, plan[0])
+        plan, taken, passed, newest, doc = ctrl.broadcast((plan, taken, passed if ctrl.rank == 0 else [], newest, doc))
         problems += passed
         if isinstance(plan, str):
             kind = plan.partition(":")[0]  # the error's type name, as rank 0 raised it
@@ -96,13 +101,13 @@ def restore(
             break
         step = plan[0]
         tried.append(step)
-        outcome, why, restored = _try_restore(store, ctrl, state, step, handoff, key)
+        outcome, why, restored = _try_restore(store, ctrl, state, step, handoff, key, doc)
         # One collective for the outcome, whether a spool was used, and whether any rank has
         # values left unloaded (only then are they gathered, to be named).
         worst, spooled, unasked = ctrl.max([outcome, int(handoff is not None and handoff.local is not None), _has_unasked(restored)])
         if worst == 1 and spooled:  # a spool's copy may be what failed: the root's decides
             log.warning("restoring %s with the node spool's copies failed (%s); reading it all from %s", step_dir_name(step), why, store.display)
-            outcome, why, restored = _try_restore(store, ctrl, state, step, None, key)
+            outcome, why, restored = _try_restore(store, ctrl, state, step, None, key, doc)
             worst, unasked = ctrl.max([outcome, _has_unasked(restored)])
         if worst == 0:
             assert restored is not None
@@ -215,27 +220,33 @@ def _restore_plan(store: Store, mode: str | int, key: SigningKey | None, tried: 
 _PREPARE_ERRORS = (CheckpointError, ValueError, TypeError, KeyError)
 
 
+def _read_manifest(store: Store, step: int) -> bytes | str:
+    """Rank 0's one read of the manifest of `step`, which goes to every rank: its bytes, or
+    the error (its type's name first)."""
+    try:
+        return store.read_bytes(f"{step_dir_name(step)}/{MANIFEST_NAME}")
+    except CheckpointError as e:
+        return f"{type(e).__name__}: {e}"
+
+
 def _try_restore(
-    store: Store, ctrl: Group, state: TrainingState, step: int, handoff: Handoff | None, key: SigningKey | None
-) -> tuple[int, str, Restored | None]:
-    """Load `step` into the objects: 0 ok, 1 invalid (fall back), 2 storage error, 3 the
-    training state does not match the checkpoint's (no fallback can help). Every phase
-    ends with all ranks knowing its outcome, so no rank enters a collective alone."""
+    store: Store, ctrl: Group, state: TrainingState, step: int, handoff: Handoff | None, key: SigningKey | None,
+    doc: bytes | str | None,
+) -> tuple[int, str, Restored | None]:  # fmt: skip
+    """Load `step` into the objects, given its manifest `doc` as rank 0 read it (or why it
+    could not; None: rank 0 reads it now): 0 ok, 1 invalid (fall back), 2 storage error,
+    3 the training state does not match the checkpoint's (no fallback can help). Every
+    phase ends with all ranks knowing its outcome, so no rank enters a collective alone."""
     rel = step_dir_name(step)
     rank = ctrl.rank
     # From a local disk (the root, the node spool) the rank's files come into the page cache
-    # while it builds its template, so the manifest that names them goes round first. From an
+    # while it builds its template, so the manifest that names them is needed first. From an
     # object store, where nothing is warmed, every rank builds its template while rank 0
     # reads the manifest (else they wait for that read, and rank 0 then for their templates).
     local = store.is_local or (handoff is not None and handoff.local is not None)
     base = None if local else _template(state, rank)
-    doc: bytes | str = b""
-    if rank == 0:  # one read of the manifest, the same for every rank
-        try:
-            doc = store.read_bytes(f"{rel}/{MANIFEST_NAME}")
-        except CheckpointError as e:
-            doc = f"{type(e).__name__}: {e}"
-    doc = ctrl.broadcast(doc)
+    if doc is None:  # the same on every rank: rank 0 sent it or not
+        doc = ctrl.broadcast(_read_manifest(store, step) if rank == 0 else None)
     if isinstance(doc, str):
         return (2 if doc.startswith("StorageError") else 1), doc, None
     prep: tuple[int, str] = (0, "")
