@@ -267,10 +267,13 @@ class Checkpointer:
         # and the loop's must never interleave), made at the first save: a restarted job's
         # restore does not wait for it.
         self._ctrl = Group.new(self.timeout_s)
+        # The node agent, if one serves this rank's spool (the spool is the node's, not the
+        # root's): whether any rank has one goes round with the lease's outcome.
+        agent = Handoff.find(self._spool, self.store, self._ctrl.rank, self._storage_options)
         # IMPORTANT: the root's lease first, before anything there is read or written.
-        self._lease = take_for_job(self.store, self.lease, self._ctrl)
+        self._lease, any_agent = take_for_job(self.store, self.lease, self._ctrl, flag=agent is not None)
         try:
-            return self._start()
+            return self._start(agent, any_agent)
         except BaseException as e:
             # Said in the job's history (`ckpt events`), and to the next run as how this one
             # ended; not a failure of the machine for the MTBF (a bad checkpoint would count
@@ -283,14 +286,14 @@ class Checkpointer:
                     self._lease.close(release=False)
             raise
 
-    def _start(self) -> Checkpointer:
+    def _start(self, agent: Handoff | None, any_agent: bool) -> Checkpointer:
         """The rest of entering, once the root is this job's."""
         self._slot.open()
         self.history = History(self.store, self._ctrl.world, enabled=self._ctrl.rank == 0)
         self._cadence.start(self.store, self._ctrl.rank, self._ctrl.world)
         self.metrics.identify(self._ctrl.rank, self._ctrl.world)
         self.metrics.schedule(self.schedule)
-        self._handoff = self._link_agent()
+        self._handoff = self._link_agent(agent, any_agent)
         if self.restore_mode != "none":
             began = time.perf_counter()
             restored, self._taken, self._newest = restore(self.store, self._ctrl, self.state, self.restore_mode, self._handoff, self._signing_key)
@@ -347,11 +350,11 @@ class Checkpointer:
         """How many times the ranks met at a step boundary to agree (``agree_every_s``)."""
         return self._cadence.agreement.meetings
 
-    def _link_agent(self) -> Handoff | None:
-        """The node agent, if one serves this rank's spool. If any rank has one, all ranks
-        commit its way (the last rank durable commits); ranks without write to the root."""
-        handoff = Handoff.find(self._spool, self.store, self._ctrl.rank, self._storage_options)
-        if self._ctrl.any(handoff is not None) and handoff is None:
+    def _link_agent(self, handoff: Handoff | None, any_agent: bool) -> Handoff | None:
+        """This rank's node agent (`handoff`, if one serves its spool). If any rank has one
+        (`any_agent`), all ranks commit its way (the last rank durable commits); ranks
+        without write to the root."""
+        if any_agent and handoff is None:
             handoff = Handoff(self.store, None, self._ctrl.rank)
         if handoff is not None and handoff.spool is not None:
             self._preempt.watch(handoff.spool.notice_file)

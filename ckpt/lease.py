@@ -435,11 +435,13 @@ class LeaseKeeper:
         log.error("%s", self.lost)
 
 
-def take_for_job(store: Store, policy: Lease | None, group: Any) -> LeaseKeeper | None:
+def take_for_job(store: Store, policy: Lease | None, group: Any, flag: bool = False) -> tuple[LeaseKeeper | None, bool]:
     """Rank 0 of `group` (a `ckpt.commit.Group`) takes the root's lease under `policy`
     (None: no lease), once it saw the root is not a checkpoint's own step directory; every
     rank learns the outcome and raises the same error, so that none goes on alone into a
-    collective. Returns rank 0's keeper (None elsewhere)."""
+    collective. Returns rank 0's keeper (None elsewhere), and whether any rank's `flag` was
+    set: what the ranks must learn next (whether a node agent serves any of them) rides on
+    the lease's one collective."""
     keeper, error = None, None
     if group.rank == 0:
         try:
@@ -454,7 +456,8 @@ def take_for_job(store: Store, policy: Lease | None, group: Any) -> LeaseKeeper 
             error = e
     # Always, whatever this rank's settings say: a collective must never depend on them.
     try:
-        told = group.broadcast(None if error is None else (type(error).__name__, str(error)))
+        failed, anyone = group.max([int(error is not None), int(flag)])
+        told = group.broadcast(None if error is None else (type(error).__name__, str(error))) if failed else None
     except BaseException:
         if keeper is not None:  # the job is not starting: nothing may keep renewing its hold
             keeper.close(release=False)
@@ -464,7 +467,7 @@ def take_for_job(store: Store, policy: Lease | None, group: Any) -> LeaseKeeper 
     if told is not None:
         kind, text = told
         raise {"LeaseHeld": LeaseHeld, "StorageError": StorageError, "ValueError": ValueError}.get(kind, CheckpointError)(text)
-    return keeper
+    return keeper, bool(anyone)
 
 
 def _is_checkpoint(store: Store) -> bool:
