@@ -147,13 +147,18 @@ class TrainingState:
         # restore's files are still being read) rather than after the read: `apply` then only
         # checks that DCP loaded into those very tensors. Nothing touches the objects between.
         model = sd.get("model", {}) if self.model is not None and not deepspeed_state.is_engine(self.model) else {}
-        self._template_model = dict(model) if model and _template_is_live(self.model, model) else {}
-        self._template_optim = ({}, [])
-        if self._template_model and "optim" in sd:  # DCP's optimizer state dict
-            osd = sd["optim"]
-            state = {fqn: dict(values) for fqn, values in osd["state"].items()}
-            if _optim_template_is_live(self.optimizers, state):
-                self._template_optim = (state, [list(g["params"]) for g in osd["param_groups"]])
+        self._template_model, self._template_optim = {}, ({}, [])
+        try:  # only a shortcut: whatever it cannot tell (a tensor it cannot look into), it says no
+            if model and _template_is_live(self.model, model):
+                self._template_model = dict(model)
+            if self._template_model and "optim" in sd:  # DCP's optimizer state dict
+                osd = sd["optim"]
+                state = {fqn: dict(values) for fqn, values in osd["state"].items()}
+                if _optim_template_is_live(self.optimizers, state):
+                    self._template_optim = (state, [list(g["params"]) for g in osd["param_groups"]])
+        except Exception as e:  # IMPORTANT: never this rank alone out of the restore's collectives
+            log.debug("the restore loads the state dicts again (%s: %s)", type(e).__name__, e)
+            self._template_model, self._template_optim = {}, ({}, [])
         return sd
 
     def fit_template(self, sd: dict[str, Any], rank: int, world: int, saved_world: int) -> dict[str, Any]:

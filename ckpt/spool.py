@@ -212,7 +212,12 @@ class Spool:
     def agent(self) -> dict[str, Any] | None:
         """The agent's last heartbeat, if it is recent: None when no agent serves this spool."""
         doc = read_json(self.agent_file)
-        if not isinstance(doc, dict) or doc.get("stopped") or time.time() - float(doc.get("heartbeat", 0)) > AGENT_STALE_S:
+        if not isinstance(doc, dict) or doc.get("stopped"):
+            return None
+        beat = doc.get("heartbeat", 0)
+        # A heartbeat that is not a number is no agent's: never an error here (every rank of
+        # a job asks this before its first collective, and one that raised would leave alone).
+        if isinstance(beat, bool) or not isinstance(beat, (int, float)) or not time.time() - beat <= AGENT_STALE_S:
             return None
         return doc
 

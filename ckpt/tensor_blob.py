@@ -454,13 +454,19 @@ _PLAIN_RECORDS = frozenset(("data.pkl", ".format_version", ".storage_alignment",
 _NOT_PLAIN: Any = object()
 
 
-class _PlainUnpickler(pickle.Unpickler):
-    """Builds plain values only: a global (any class or function) or a persistent id (a
-    tensor's storage) is refused, so nothing is imported, called or rebuilt. What is left are
-    the pickle opcodes of numbers, strings, None, booleans, and tuples, lists and dicts of them."""
+class _PlainUnpickler(pickle._Unpickler):
+    """Builds plain values only: a global (any class or function), an extension code (which
+    stands for one) or a persistent id (a tensor's storage) is refused, so nothing is
+    imported, called or rebuilt. What is left are the pickle opcodes of numbers, strings,
+    None, booleans, and tuples, lists and dicts of them. The pure-Python unpickler, not the
+    C one: its memo is a dict, so a forged memo index cannot make it allocate gigabytes, and
+    its extension lookup can be refused (the C one answers from copyreg's cache)."""
 
     def find_class(self, module: str, name: str) -> Any:
         raise pickle.UnpicklingError(f"not a plain value: {module}.{name}")
+
+    def get_extension(self, code: int) -> Any:
+        raise pickle.UnpicklingError(f"not a plain value: extension code {code}")
 
     def persistent_load(self, pid: Any) -> Any:
         raise pickle.UnpicklingError("not a plain value: a persistent id")
@@ -468,8 +474,10 @@ class _PlainUnpickler(pickle.Unpickler):
 
 def load_value(blob: bytes | io.BytesIO) -> Any:
     """A value torch.save wrote (a DCP bytes item), as `torch.load(weights_only=True)` loads
-    it. Plain values are unpickled without any global by the C unpickler, ~4x faster; anything
-    else (a tensor, an OrderedDict, a set, a class) goes to torch.load, whose allowlist decides."""
+    it. Plain values are unpickled without any global, 3-4x faster; anything else (a tensor,
+    an OrderedDict, a set, a class) goes to torch.load, whose allowlist decides. (The plain
+    path also takes a few plain values torch's refuses, such as an int of thousands of
+    digits; never anything that can import or call.)"""
     data = blob.getvalue() if isinstance(blob, io.BytesIO) else blob
     value = _plain(data)
     if value is _NOT_PLAIN:

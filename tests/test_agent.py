@@ -555,3 +555,16 @@ def test_only_where_the_store_is_goes_to_the_spool_never_credentials():
     options = {"endpoint_url": "http://minio:9000", "key": "AKIA", "secret": "s3cr3t", "token": "t", "account_key": "k",
                "client_kwargs": {"region_name": "eu-west-1", "aws_secret_access_key": "x"}, "s3_additional_kwargs": {"SSECustomerKey": "k"}}
     assert public_options(options) == {"endpoint_url": "http://minio:9000", "client_kwargs": {"region_name": "eu-west-1"}}
+
+
+@pytest.mark.parametrize("beat", ["soon", None, True, [1], float("nan"), "1e12"])
+def test_a_heartbeat_that_is_not_a_number_is_no_agent_and_no_error(tmp_path, beat):
+    """Every rank asks for its node's agent before the job's first collective: an agent file
+    that does not parse as an agent's must say "none", never raise on one rank alone."""
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    (spool / "agent.json").write_text(json.dumps({"heartbeat": beat, "budget": 1}))
+    assert Spool(str(spool)).agent() is None
+    assert Handoff.find(str(spool), Store(str(tmp_path / "root")), 0, None) is None
+    (spool / "agent.json").write_text(json.dumps({"heartbeat": time.time(), "budget": 1}))
+    assert Spool(str(spool)).agent() is not None  # a live one still counts

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import copyreg
 import io
 import json
 import os
@@ -20,6 +21,7 @@ import struct
 import tracemalloc
 import warnings
 import zipfile
+import zlib
 from pathlib import Path
 
 import pytest
@@ -364,7 +366,7 @@ def test_a_flipped_bit_in_a_pickled_value_is_caught_before_it_is_unpickled(tmp_p
 
 
 @pytest.mark.parametrize("where", ["pickled_value", "value_pickle_in_its_zip", "tensor_pickle"])
-def test_a_malicious_pickle_never_runs(tmp_path, where):
+def test_a_malicious_pickle_never_runs(tmp_path, where, monkeypatch):
     """Swapped in with the same size: the checksum refuses it. With the manifest rewritten
     to match: a tensor pickle is not recognised, so it is only ever torch.load'ed with
     weights_only, which refuses it too; a value's pickle is refused by the plain-value
@@ -380,6 +382,14 @@ def test_a_malicious_pickle_never_runs(tmp_path, where):
         blob = (step / DATA).read_bytes()[off : off + length]
         at = off + record_offset(blob, "/data.pkl")
         size = zipfile.ZipFile(io.BytesIO(blob)).getinfo("archive/data.pkl").file_size
+        # The zip's CRCs rewritten to match, as a forger would: the plain unpickler, not the
+        # zip's check, is what meets the payload.
+        old_crc, new_crc = (struct.pack("<I", zipfile.ZipFile(io.BytesIO(blob)).getinfo("archive/data.pkl").CRC), struct.pack("<I", zlib.crc32(malicious(marker, size))))
+        assert blob.count(old_crc) >= 2
+        fixed = blob.replace(old_crc, new_crc)
+        data = bytearray((step / DATA).read_bytes())
+        data[off : off + length] = fixed
+        (step / DATA).write_bytes(bytes(data))
     else:
         off, length = item(step, "extra.h.w")
         blob = (step / DATA).read_bytes()[off : off + length]
@@ -390,6 +400,17 @@ def test_a_malicious_pickle_never_runs(tmp_path, where):
     (step / DATA).write_bytes(bytes(data))
     pickle.loads(malicious(tmp_path / "probe", size))
     assert (tmp_path / "probe").exists()  # the payload is live
+    if where == "value_pickle_in_its_zip":
+        with zipfile.ZipFile(io.BytesIO(data[off : off + length])) as z:
+            assert z.testzip() is None and z.read("archive/data.pkl") == malicious(marker, size)
+    refused: list[str] = []
+    real_find_class = tensor_blob._PlainUnpickler.find_class
+
+    def find_class(self, module, name_):
+        refused.append(f"{module}.{name_}")
+        return real_find_class(self, module, name_)
+
+    monkeypatch.setattr(tensor_blob._PlainUnpickler, "find_class", find_class)
 
     like = {"w": torch.randn(8), "name": name}
     with pytest.raises(ckpt.RestoreFailed, match="checksum mismatch"):
@@ -397,10 +418,11 @@ def test_a_malicious_pickle_never_runs(tmp_path, where):
     assert not marker.exists()
 
     recommit(step)
-    with pytest.raises(ckpt.RestoreFailed) as refused:
+    with pytest.raises(ckpt.RestoreFailed) as failed:
         restore(tmp_path / "root", like)
     assert not marker.exists()
-    assert "weights only" in str(refused.value).lower() or "weights_only" in str(refused.value), refused.value
+    assert "weights only" in str(failed.value).lower() or "weights_only" in str(failed.value), failed.value
+    assert refused == (["io.open"] if where == "value_pickle_in_its_zip" else [])
 
 
 # -- plain values -------------------------------------------------------------------------------
@@ -458,16 +480,21 @@ def test_any_other_value_is_left_to_torch_load(name, count_torch_load):
     assert len(count_torch_load) == 1
 
 
-def test_a_value_pickle_that_would_call_anything_is_refused_whatever_its_zip_says(tmp_path):
-    """A zip as torch.save writes it, CRCs right, whose data.pkl calls open(): the plain
-    unpickler refuses its global, torch.load's allowlist refuses it too; nothing runs."""
-    marker = tmp_path / "PWNED"
+def value_blob(pkl: bytes) -> bytes:
+    """A zip laid out as torch.save's of a plain value, CRCs right, whose data.pkl is `pkl`."""
     real = zipfile.ZipFile(io.BytesIO(_blob(0)))
     out = io.BytesIO()
     with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as z:
         for info in real.infolist():
-            z.writestr(info.filename, malicious(marker, 200) if info.filename.endswith("/data.pkl") else real.read(info))
-    blob = out.getvalue()
+            z.writestr(info.filename, pkl if info.filename.endswith("/data.pkl") else real.read(info))
+    return out.getvalue()
+
+
+def test_a_value_pickle_that_would_call_anything_is_refused_whatever_its_zip_says(tmp_path):
+    """A zip as torch.save writes it, CRCs right, whose data.pkl calls open(): the plain
+    unpickler refuses its global, torch.load's allowlist refuses it too; nothing runs."""
+    marker = tmp_path / "PWNED"
+    blob = value_blob(malicious(marker, 200))
     pickle.loads(malicious(tmp_path / "probe", 200))
     assert (tmp_path / "probe").exists()  # the payload is live
     with zipfile.ZipFile(io.BytesIO(blob)) as z:
@@ -476,6 +503,30 @@ def test_a_value_pickle_that_would_call_anything_is_refused_whatever_its_zip_say
     with pytest.raises(pickle.UnpicklingError, match="(?i)weights.only"):
         tensor_blob.load_value(blob)
     assert not marker.exists()
+
+
+def test_the_plain_path_refuses_extension_codes_and_persistent_ids_and_a_forged_memo_index_costs_nothing():
+    # An extension code stands for a global (copyreg's registry): the C unpickler would call
+    # os.getcwd from its cache without asking find_class.
+    copyreg.add_extension("os", "getcwd", 240)
+    try:
+        pickle.loads(pickle.dumps(os.getcwd, protocol=2))  # fills copyreg's cache
+        ext = b"\x80\x02\x82\xf0)R."  # EXT1 240, (), REDUCE: os.getcwd()
+        assert pickle.loads(ext) == os.getcwd()  # the payload is live
+        assert tensor_blob._plain(value_blob(ext)) is tensor_blob._NOT_PLAIN
+    finally:
+        copyreg.remove_extension("os", "getcwd", 240)
+    persistent = b"\x80\x02X\x01\x00\x00\x000Q."  # BINPERSID "0": a storage
+    assert tensor_blob._plain(value_blob(persistent)) is tensor_blob._NOT_PLAIN
+    # LONG_BINPUT 2**24: the C unpickler grows its memo array to twice that (256 MiB).
+    bomb = b"\x80\x02Nr" + struct.pack("<I", 1 << 24) + b"."
+    tracemalloc.start()
+    try:
+        assert tensor_blob._plain(value_blob(bomb)) is None
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 8 << 20, peak
 
 
 def test_many_param_groups_come_back_with_their_own_hyperparameters(tmp_path):

@@ -428,11 +428,13 @@ ALLOWED_UNPICKLING = {
     "broadcast_object_list and gather_object, which it replaces, unpickled them), never storage",
     ("dcp_io.py", "_MetadataUnpickler", "pickle.Unpickler"): "the allowlisting unpickler of checksum-verified .metadata",
     ("dcp_io.py", "load_metadata", "_MetadataUnpickler"): "checksum-verified bytes, through the allowlist",
-    ("tensor_blob.py", "_PlainUnpickler", "pickle.Unpickler"): "the unpickler that refuses every global and "
-    "persistent id: plain values only (test_restore_stream.py's plain-value tests)",
+    ("tensor_blob.py", "_PlainUnpickler", "pickle._Unpickler"): "the unpickler that refuses every global, "
+    "extension code and persistent id: plain values only (test_restore_stream.py's plain-value tests)",
     ("tensor_blob.py", "_plain", "_PlainUnpickler"): "checksum-verified bytes, through the refusing unpickler",
 }
 PICKLE_MODULES = {"pickle", "_pickle", "cPickle", "dill", "cloudpickle", "joblib", "marshal", "shelve"}
+# The C unpickler's names and the pure-Python one's (pickle._Unpickler, _load, _loads).
+UNPICKLING_NAMES = ("load", "loads", "Unpickler", "Unpickler_", "_load", "_loads", "_Unpickler")
 
 
 def unguarded_unpickling(source: str, filename: str) -> list[str]:
@@ -452,7 +454,7 @@ def unguarded_unpickling(source: str, filename: str) -> list[str]:
             inner = child.name if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and scope == "" else scope
             where = f"{filename}:{getattr(child, 'lineno', '?')}"
             if isinstance(child, ast.ImportFrom) and (child.module or "").split(".")[0] in PICKLE_MODULES | {"torch"}:
-                bad = [a.name for a in child.names if a.name in ("load", "loads", "Unpickler", "Unpickler_")]
+                bad = [a.name for a in child.names if a.name in UNPICKLING_NAMES]
                 if bad:
                     found.append(f"{where}: from {child.module} import {bad}")
             if isinstance(child, ast.Import):
@@ -464,7 +466,7 @@ def unguarded_unpickling(source: str, filename: str) -> list[str]:
                     weights_only = [k for k in child.keywords if k.arg == "weights_only"]  # type: ignore[union-attr]
                     if not (weights_only and isinstance(weights_only[0].value, ast.Constant) and weights_only[0].value.value is True):
                         found.append(f"{where}: {name} without weights_only=True")
-                elif (head in PICKLE_MODULES and name.rsplit(".", 1)[-1] in ("load", "loads", "Unpickler")) or name in {k[2] for k in ALLOWED_UNPICKLING}:
+                elif (head in PICKLE_MODULES and name.rsplit(".", 1)[-1] in UNPICKLING_NAMES) or name in {k[2] for k in ALLOWED_UNPICKLING}:
                     if (filename, inner, name) not in ALLOWED_UNPICKLING:
                         found.append(f"{where}: {name} in {inner or 'module level'}")
             visit(child, inner)
@@ -484,8 +486,10 @@ def test_every_unpickling_in_ckpt_is_weights_only_or_allowlisted():
         "def f(b):\n    torch.load(b)\n    torch.load(b, weights_only=False)\n    pickle.loads(b)\n"
         "class U(pickle.Unpickler):\n    pass\n"
         "def _recv(b):\n    return pickle.load(b)\n"
+        "class V(pickle._Unpickler):\n    pass\n"
+        "from pickle import _loads\n"
     )
-    assert len(unguarded_unpickling(bad, "writer_proc.py")) == 7
+    assert len(unguarded_unpickling(bad, "writer_proc.py")) == 9
     assert unguarded_unpickling("import torch\ntorch.load(b, map_location='cpu', weights_only=True)\n", "x.py") == []
 
 
