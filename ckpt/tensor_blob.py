@@ -475,10 +475,9 @@ class _PlainUnpickler(pickle._Unpickler):
 def load_value(blob: bytes | io.BytesIO) -> Any:
     """A value torch.save wrote (a DCP bytes item), as `torch.load(weights_only=True)` loads
     it. Plain values are unpickled without any global, about twice as fast (26 us against 58
-    here); anything else (a tensor,
-    an OrderedDict, a set, a class) goes to torch.load, whose allowlist decides. (The plain
-    path also takes a few plain values torch's refuses, such as an int of thousands of
-    digits; never anything that can import or call.)"""
+    here); anything else (a tensor, an OrderedDict, a set, a class) goes to torch.load, whose
+    allowlist decides. (The plain path also takes a few plain values torch's refuses, such as
+    an int of thousands of digits; never anything that can import or call.)"""
     data = blob.getvalue() if isinstance(blob, io.BytesIO) else blob
     value = _plain(data)
     if value is _NOT_PLAIN:
