@@ -13,6 +13,7 @@ written by whoever makes the last rank durable in the root (`ckpt.spool`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import pickle
 import secrets
@@ -41,6 +42,7 @@ from .spool import claim
 from .storage import Store, step_dir_name
 
 if TYPE_CHECKING:
+    from .copier import Copier
     from .handoff import Handoff
     from .signing import SigningKey
 
@@ -207,6 +209,7 @@ def persist(
     guard: Callable[[], None] | None = None,
     after: float = 0.0,
     unready: str | None = None,
+    copier: Copier | None = None,
 ) -> Manifest:
     """Write and commit `staged` as step `step` (`sinks` writes files to a store). Returns
     the manifest on every rank: committed, or with `handoff` handed off for the commit.
@@ -215,7 +218,8 @@ def persist(
     more: called before the step directory is claimed and again just before the commit.
     The commit is dated after `after` (the root's newest commit this job knows of).
     `unready`: why this rank cannot write (its staging copy failed); every rank learns at
-    the first collective that the save failed, none waits for this one until `timeout_s`."""
+    the first collective that the save failed, none waits for this one until `timeout_s`.
+    `copier`: the staging copies still being made; a copy that fails fails the write."""
     rel = step_dir_name(step)
     began = time.time() - (time.perf_counter() - started)
     refusal, save_id = None, f"{secrets.randbits(63):016x}" if group.rank == 0 else ""
@@ -247,7 +251,9 @@ def persist(
         handoff.writing(chosen, rel)
     try:
         try:
-            mine, layout, target = _write_data(chosen, group, rel, step, staged, sinks, arenas, resaver, None if replan else layout, store)
+            mine, layout, target = _write_data(
+                chosen, group, rel, step, staged, sinks, arenas, resaver, None if replan else layout, store, copier
+            )
         except CheckpointException as e:  # DCP's save, which its ranks fail together
             if handoff is not None and chosen is not store and isinstance(_own_failure(e, group.rank), DiskFull):
                 handoff.spool_filled()  # so that the next save does not fail the same way
@@ -414,6 +420,7 @@ def _write_data(
     resaver: Resaver,
     layout: Layout | None,
     root: Store,
+    copier: Copier | None = None,
 ) -> tuple[Any, Layout | None, Store]:
     """Every rank's data file, durable in `store` (the root, or the node spool); rank 0's
     `.metadata` too when DCP plans the save (`layout` None: on every rank alike). Returns
@@ -423,7 +430,8 @@ def _write_data(
     if layout is None:
         # DCP's own save: its ranks fail together, so a spool that fills fails this save
         # (and the next save goes to the root: `Handoff.spool_filled`).
-        writer = Writer(store, rel, step, sinks(store), arenas)  # local roots: directories are made as files are written
+        # Local roots: directories are made as files are written.
+        writer = Writer(store, rel, step, sinks(store), arenas, copier.ready if copier is not None else None)
         # The state's layout does not change between saves: rank 0's global planning is paid once.
         planner = DefaultSavePlanner(enable_plan_caching=True)
         planner._cached_plans_key = group.plan_key  # DCP keys its cache by class: one per Checkpointer
@@ -440,13 +448,15 @@ def _write_data(
         tries = [store] if store.url == root.url else [store, root]
         for where in tries:
             try:
-                entry, placed = layout.write(sinks(where), rel, staged, arenas, group.rank, step)
+                gate = functools.partial(copier.gate_fd, layout) if copier is not None else None
+                entry, placed = layout.write(sinks(where), rel, staged, arenas, group.rank, step, gate)
                 mine, store = (step, layout.generation, {layout.name: entry}, placed), where
                 break
             except DiskFull as e:
                 why = e
             except Exception as e:  # reported to rank 0 below, not left to hang the others
-                why = e
+                # A copy that failed fails the write: its own error says more than the writer's.
+                why = (copier.failure() if copier is not None else None) or e
                 break
             if where is not tries[-1]:
                 log.warning("rank %d: the node spool ran out of space writing step %d (%s); writing to %s directly", group.rank, step, why, root.display)

@@ -22,7 +22,7 @@ import io
 import math
 import os
 import pickle
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -51,8 +51,9 @@ _JOIN_UP_TO = 4 << 10  # adjacent literal pieces are joined up to this many byte
 
 class Sink(Protocol):
     def write(
-        self, rel: str, pieces: list[Piece], segments: Sequence[Segment], rank: int, step: int, fixed: Fixed | None = None
-    ) -> FileEntry: ...
+        self, rel: str, pieces: list[Piece], segments: Sequence[Segment], rank: int, step: int, fixed: Fixed | None = None,
+        gate_fd: int | None = None,
+    ) -> FileEntry: ...  # fmt: skip
 
 
 class Writer(StorageWriter):
@@ -62,9 +63,12 @@ class Writer(StorageWriter):
     """
 
     def __init__(
-        self, store: Store, step_dir: str, step: int, sink: Sink, arenas: Sequence[Arena] = ()
-    ) -> None:
+        self, store: Store, step_dir: str, step: int, sink: Sink, arenas: Sequence[Arena] = (),
+        staged: Callable[[], None] | None = None,
+    ) -> None:  # fmt: skip
+        """`staged` waits for the staging copies still being made (raising if one failed)."""
         super().__init__()
+        self.staged = staged
         self.store = store
         self.step_dir = step_dir
         self.step = step
@@ -97,6 +101,8 @@ class Writer(StorageWriter):
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         self.data_name = name = f"{plan.storage_data.prefix}0{DATA_SUFFIX}"
+        if self.staged is not None:
+            self.staged()  # a failed copy fails the save here, where DCP tells every rank
         layout = FileLayout()
         results: list[WriteResult] = []
         # Tensors first, then the pickled objects: a pickle that grows from one save to the
@@ -171,10 +177,15 @@ def written(item: WriteItem, name: str, offset: int, length: int) -> WriteResult
     return WriteResult(index=item.index, size_in_bytes=length, storage_data=_StorageInfo(name, offset, length))
 
 
-def write_file(sink: Sink, rel: str, layout: FileLayout, arenas: Sequence[Arena], rank: int, step: int) -> FileEntry:
-    """Has the sink write a laid-out data file, durably; its checksum comes back."""
+def write_file(
+    sink: Sink, rel: str, layout: FileLayout, arenas: Sequence[Arena], rank: int, step: int,
+    gate: Callable[[], int | None] | None = None,
+) -> FileEntry:  # fmt: skip
+    """Has the sink write a laid-out data file, durably; its checksum comes back. `gate`
+    gives the file descriptor that tells how far the staging copies have come, if they are
+    still being made (`ckpt.copier`): the sink takes it over."""
     segments = [s for a in arenas for s in a.segments.values()]
-    entry = sink.write(rel, layout.pieces, segments, rank, step, layout.fixed)
+    entry = sink.write(rel, layout.pieces, segments, rank, step, layout.fixed, gate() if gate is not None else None)
     if entry.size != layout.size:  # IMPORTANT: the offsets in .metadata must be the file's
         raise OSError(f"{rel}: {entry.size} bytes written, {layout.size} laid out")
     return entry

@@ -18,6 +18,10 @@ once: a `Prefix` gathers them into an image of their bytes, headers filled in on
 later write copies only the arena ranges into it (a state of 10,000 small tensors is 40,000
 pieces, which one by one cost the writer two copies of the state in Python) and writes the
 image and the page-aligned ranges in a few large writes.
+
+A save whose staging copies are still being made hands the writer a `Gate`: the writer reads
+an arena range only once the copies have reached its place in the file, and writes what it
+holds while it waits, so the disk starts on the first bytes staged instead of after the last.
 """
 
 from __future__ import annotations
@@ -27,9 +31,11 @@ import errno
 import fcntl
 import mmap
 import os
-from collections.abc import Iterable, Mapping
+import struct
+from collections.abc import Iterable, Iterator, Mapping
 
 from .checksum import Hasher, block_size, checksum
+from .errors import SaveFailed
 from .manifest import FileEntry
 from .storage import Store, storage_errors
 
@@ -64,6 +70,44 @@ class Progress:
 
 PROGRESS = Progress()
 
+#: What a gate's pipe carries: a file position, 8 bytes, big-endian.
+GATE_WORD = struct.Struct("!q")
+GATE_OPEN = 1 << 62  # every copy made: the whole file may be read
+GATE_FAILED = -1  # a copy failed: nothing more comes
+
+
+class Gate:
+    """The writer's side of staging copies still being made (`ckpt.copier`): after each batch
+    of copies the copier writes to a pipe the position in the file before which every arena
+    byte is staged; `GATE_OPEN` once all are, `GATE_FAILED` if a copy failed. The pipe, not a
+    word of shared memory, orders the copies' stores before the reader's loads (the write and
+    the read are system calls), in this process or another. Owns `fd`."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.staged_to = 0  # arena bytes before this file position may be read
+        self._partial = b""
+
+    def ready(self, end: int) -> bool:
+        return end <= self.staged_to
+
+    def wait(self, end: int) -> None:
+        """Block until the arena bytes before file position `end` are staged."""
+        while self.staged_to < end:
+            data = os.read(self.fd, 4096)
+            if not data:
+                raise SaveFailed("the staging copies of this save ended without finishing (the trainer's log says why)")
+            data = self._partial + data
+            cut = len(data) - len(data) % GATE_WORD.size
+            self._partial = data[cut:]
+            for (pos,) in GATE_WORD.iter_unpack(data[:cut]):
+                if pos == GATE_FAILED:
+                    raise SaveFailed("a staging copy of this save failed (the trainer's log says why)")
+                self.staged_to = max(self.staged_to, pos)
+
+    def close(self) -> None:
+        os.close(self.fd)
+
 
 def write_file(
     store: Store,
@@ -74,29 +118,34 @@ def write_file(
     rank: int = -1,
     direct: bool = True,
     prefix: Prefix | None = None,
+    gate: Gate | None = None,
 ) -> FileEntry:
     """Write `pieces` (literal bytes and arena ranges) as the file `rel` of `store`; with
-    `prefix`, the file starts with its pieces and `pieces` are the rest."""
+    `prefix`, the file starts with its pieces and `pieces` are the rest. With `gate`, each
+    arena range is read once the staging copies have reached it."""
     pieces = list(pieces)
-    runs = prefix.gather() if prefix is not None else []
-    block = block_size(sum(map(piece_len, pieces)) + sum(map(len, runs)))
+    size = sum(map(piece_len, pieces)) + (prefix.size if prefix is not None else 0)
+    block = block_size(size)
+    views = _views(prefix, pieces, segments, gate)
     if store.is_local and direct and hasattr(os, "O_DIRECT"):
         path = store.path(rel)
         with storage_errors(f"writing {store.display}/{rel}"):
             os.makedirs(os.path.dirname(path), exist_ok=True)
             try:
-                return _write_direct(path, runs, pieces, segments, Hasher(block, algo=store.checksum_algo)).entry(rank)
+                return _write_direct(path, views, Hasher(block, algo=store.checksum_algo)).entry(rank)
             except _NoDirectIO:
-                pass  # the filesystem refused O_DIRECT: the buffered path below
+                # The filesystem refused O_DIRECT at its first write: nothing was read yet
+                # but what that write took, which the buffered path below reads again.
+                views = _views(prefix, pieces, segments, gate)
     in_flight = (store.transfer.concurrency + 1) * store.transfer.part_size  # an upload's parts
     try:
         with store.open_write(rel) as f:
             hasher = Hasher(block, algo=store.checksum_algo)
             if store.is_local:
-                _writev_all(f.fileno(), _views(runs, pieces, segments), hasher)
+                _writev_all(f.fileno(), views, hasher)
                 PROGRESS.waiting = hasher.size  # the fsync, on leaving: the whole file may be dirty
             else:
-                for view in _views(runs, pieces, segments):
+                for view, _ in filter(None, views):  # an upload sends whole parts: it cannot write less
                     PROGRESS.waiting = len(view) + in_flight
                     f.write(view)
                     hasher.update(view)
@@ -107,16 +156,31 @@ def write_file(
     return hasher.entry(rank)
 
 
-def _views(runs: list[memoryview], pieces: list[Piece], segments: Mapping[int, memoryview]) -> Iterable[memoryview]:
-    for run in runs:
-        yield from _sliced(run)
+#: A file's bytes in order, as `_views` yields them: a view and whether it lies on a page of
+#: memory (and so of the file, for an arena range on a page); None when the next bytes wait
+#: for the staging copies, so that the writer first writes what it holds.
+Views = Iterator["tuple[memoryview, bool] | None"]
+
+
+def _views(prefix: Prefix | None, pieces: list[Piece], segments: Mapping[int, memoryview], gate: Gate | None) -> Views:
+    pos = 0
+    if prefix is not None:
+        yield from prefix.views(gate)
+        pos = prefix.size
     for piece in pieces:
         if isinstance(piece, bytes):
             if piece:
-                yield memoryview(piece)
-        else:
-            seg, off, length = piece
-            yield from _sliced(segments[seg][off : off + length])
+                yield memoryview(piece), False
+            pos += len(piece)
+            continue
+        seg, off, length = piece
+        pos += length
+        if gate is not None and not gate.ready(pos):
+            yield None
+            gate.wait(pos)
+        # Arena segments start on a page, so an offset on a page is an aligned address.
+        for view in _sliced(segments[seg][off : off + length]):
+            yield view, off % ALIGN == 0
 
 
 def _sliced(view: memoryview) -> Iterable[memoryview]:
@@ -125,10 +189,15 @@ def _sliced(view: memoryview) -> Iterable[memoryview]:
         yield view[at : at + _SLICE]
 
 
-def _writev_all(fd: int, views: Iterable[memoryview], hasher: Hasher) -> None:
+def _writev_all(fd: int, views: Views, hasher: Hasher) -> None:
     batch: list[memoryview] = []
     queued = 0
-    for view in views:
+    for item in views:
+        if item is None:  # the next bytes are not staged yet: write these meanwhile
+            _writev_batch(fd, batch)
+            batch, queued = [], 0
+            continue
+        view = item[0]
         hasher.update(view)
         batch.append(view)
         queued += len(view)
@@ -154,9 +223,7 @@ class _NoDirectIO(Exception):
     pass
 
 
-def _write_direct(
-    path: str, runs: list[memoryview], pieces: list[Piece], segments: Mapping[int, memoryview], hasher: Hasher
-) -> Hasher:
+def _write_direct(path: str, views: Views, hasher: Hasher) -> Hasher:
     try:
         fd = os.open(
             path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT | os.O_CLOEXEC, 0o644
@@ -167,15 +234,11 @@ def _write_direct(
         raise
     try:
         out = _DirectFile(fd, hasher)
-        for run in runs:  # page-aligned in memory, each starting on a page of the file
-            out.write(run, aligned=True)
-        for piece in pieces:
-            if isinstance(piece, bytes):
-                out.write(memoryview(piece), aligned=False)
+        for item in views:
+            if item is None:  # the next bytes are not staged yet: write these meanwhile
+                out.flush()
             else:
-                seg, off, length = piece
-                # Arena segments start on a page, so an offset on a page is an aligned address.
-                out.write(segments[seg][off : off + length], aligned=off % ALIGN == 0)
+                out.write(*item)
         out.finish()
         # The fsync: the data went to the device already, but for its last page, where O_DIRECT
         # is honoured (some filesystems take the flag and buffer all the same).
@@ -231,9 +294,13 @@ class _DirectFile:
             self.fill += n
             view = view[n:]
 
-    def finish(self) -> None:
+    def flush(self) -> None:
+        """Write what is queued and the bounce buffer's whole pages."""
         self._queue_bounce()
         self._flush()
+
+    def finish(self) -> None:
+        self.flush()
         if self.fill:
             fcntl.fcntl(self.fd, fcntl.F_SETFL, fcntl.fcntl(self.fd, fcntl.F_GETFL) & ~os.O_DIRECT)
             tail = memoryview(self.bounce)[: self.fill]
@@ -281,23 +348,38 @@ class _DirectFile:
 class Prefix:
     """The fixed first pieces of a file, gathered for writing it again and again: their bytes
     in file order are runs, each a page-aligned range of an arena segment (written as it is)
-    or of an image made once, which holds the literal pieces and into which `gather` copies
-    the other arena ranges before each write. Built where the file is written (the writer
-    process), from the segments mapped there; `close` before any of them is unmapped."""
+    or of an image made once, which holds the literal pieces and into which `views` copies
+    the other arena ranges of a run before it is written. Built where the file is written
+    (the writer process), from the segments mapped there; `close` before any of them is
+    unmapped."""
 
     def __init__(self, runs: _Runs, segments: Mapping[int, memoryview]) -> None:
         plan, fills, size = runs
-        self.nbytes = size
+        self.nbytes = size  # the image's
+        self.size = sum(n for _, _, n in plan)  # the file's
         self._image = mmap.mmap(-1, max(size, 1))
         view = memoryview(self._image)
-        self._copies: list[tuple[memoryview, memoryview]] = []
+        copies: list[tuple[int, memoryview, memoryview]] = []  # (image offset, into, from)
         for at, piece in fills:
             if isinstance(piece, bytes):
                 view[at : at + len(piece)] = piece
             else:
                 seg, off, n = piece
-                self._copies.append((view[at : at + n], segments[seg][off : off + n]))
-        self._runs = [view[off : off + n] if seg < 0 else segments[seg][off : off + n] for seg, off, n in plan]
+                copies.append((at, view[at : at + n], segments[seg][off : off + n]))
+        # Each run, the file position where it ends, whether it reads the arena, and the
+        # arena ranges copied into it (an image run's; both in the image's order).
+        self._runs: list[tuple[memoryview, int, bool, list[tuple[memoryview, memoryview]]]] = []
+        pos = i = 0
+        for seg, off, n in plan:
+            pos += n
+            if seg >= 0:
+                self._runs.append((segments[seg][off : off + n], pos, True, []))
+                continue
+            mine = []
+            while i < len(copies) and copies[i][0] < off + n:
+                mine.append(copies[i][1:])
+                i += 1
+            self._runs.append((view[off : off + n], pos, bool(mine), mine))
 
     @classmethod
     def build(cls, pieces: list[Piece], segments: Mapping[int, memoryview]) -> Prefix | None:
@@ -305,19 +387,25 @@ class Prefix:
         runs = _lay_out_runs(pieces)
         return cls(runs, segments) if runs[2] <= _PREFIX_IMAGE_MAX else None
 
-    def gather(self) -> list[memoryview]:
-        """The runs, with the arena's current bytes copied into the image."""
-        for dst, src in self._copies:
-            dst[:] = src
-        return self._runs
+    def views(self, gate: Gate | None = None) -> Views:
+        """The runs in file order (see `_views`), each image run with the arena's current
+        bytes copied into it, once `gate` says they are staged."""
+        for run, end, arena, copies in self._runs:
+            if arena and gate is not None and not gate.ready(end):
+                yield None
+                gate.wait(end)
+            for dst, src in copies:
+                dst[:] = src
+            for part in _sliced(run):
+                yield part, True
 
     def close(self) -> None:
-        for dst, src in self._copies:
-            dst.release()
-            src.release()
-        for run in self._runs:
+        for run, _, _, copies in self._runs:
             run.release()
-        self._copies, self._runs = [], []
+            for dst, src in copies:
+                dst.release()
+                src.release()
+        self._runs = []
         self._image.close()
 
 
@@ -391,15 +479,16 @@ class Prefixes:
         return self._built
 
     def write(
-        self, store: Store, rel: str, key: int | None, rest: list[Piece], segments: Mapping[int, memoryview], rank: int
-    ) -> FileEntry:
+        self, store: Store, rel: str, key: int | None, rest: list[Piece], segments: Mapping[int, memoryview], rank: int,
+        gate: Gate | None = None,
+    ) -> FileEntry:  # fmt: skip
         """Write the file `rel`: the prefix `key` (learnt before), then `rest`; with no key,
         `rest` is all of it, and the prefix is dropped (a save of a new layout)."""
         if key is None:
             self.drop()
-            return write_file(store, rel, rest, segments, rank=rank)
+            return write_file(store, rel, rest, segments, rank=rank, gate=gate)
         prefix = self.get(key, segments)
-        return write_file(store, rel, rest if prefix else self.pieces + rest, segments, rank=rank, prefix=prefix)
+        return write_file(store, rel, rest if prefix else self.pieces + rest, segments, rank=rank, prefix=prefix, gate=gate)
 
     def release(self) -> None:
         """Let go of the segments (and the image); the next write builds the prefix again."""

@@ -21,7 +21,9 @@ from __future__ import annotations
 import dataclasses
 import io
 import itertools
+import operator
 import pickle
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -33,9 +35,9 @@ from ._faults import fault_point
 from ._gc import gc_paused
 from .arena import Arena
 from .dcp_write import FileLayout, Sink, Writer, write_file
-from .filewrite import Image
+from .filewrite import GATE_OPEN, Image, piece_len
 from .manifest import METADATA_NAME, FileEntry
-from .stage import _ATOMS, _MEMO_PATHS
+from .stage import _ATOMS, _MEMO_PATHS, Pair
 from .storage import Store
 
 # Where a rank's pickled objects landed in its file this save, sent to rank 0 for `.metadata`
@@ -98,6 +100,12 @@ def _real_path(root: Any, path: tuple[Any, ...]) -> tuple[Any, ...] | None:
 
 
 _SAVED_MAX = 1 << 20  # a larger pickle is not kept from save to save
+# Staging copies in the order of the file (`Layout.copy_order`): smaller ones are made first,
+# all in one batch (the file's small tensors lead it); then batches from this size, doubling
+# up to the last: the writer starts on the first batch while the copies go on.
+_ORDERED_FROM = 256 << 10
+_FIRST_BATCH = 4 << 20
+_BATCH_MAX = 64 << 20
 
 
 def _plain(obj: Any, depth: int = 0) -> bool:
@@ -139,15 +147,67 @@ class Layout:
     # By object: its plain pickle and torch.save bytes at the last save (see `_saved`).
     saved: dict[MetadataIndex, tuple[bytes, bytes]] = dataclasses.field(default_factory=dict, repr=False)
 
+    # The last copy order worked out: the copies' buffers (by id), their batches, the rest.
+    _order: tuple[tuple[int, ...], list[tuple[int, list[int]]], list[int]] | None = dataclasses.field(default=None, repr=False)
+
     @gc_paused  # in the background, but a collection it set off would hold the trainer's GIL
     def fits(self, staged: Any) -> bool:
         return shape_of(staged, self.known) == self.shape
 
-    def write(self, sink: Sink, step_dir: str, staged: Any, arenas: list[Arena], rank: int, step: int) -> tuple[FileEntry, Placed]:
-        """This rank's data file for `staged` (which `fits`), durable on return."""
+    def write(
+        self, sink: Sink, step_dir: str, staged: Any, arenas: list[Arena], rank: int, step: int,
+        gate: Callable[[], int | None] | None = None,
+    ) -> tuple[FileEntry, Placed]:  # fmt: skip
+        """This rank's data file for `staged` (which `fits`), durable on return; `gate`, see
+        `dcp_write.write_file` (for copies made in the order of `copy_order`)."""
         layout, placed = self._lay_out(staged)
         fault_point("write_item", rank, step)
-        return write_file(sink, f"{step_dir}/{self.name}", layout, arenas, rank, step), placed
+        return write_file(sink, f"{step_dir}/{self.name}", layout, arenas, rank, step, gate), placed
+
+    def copy_order(self, pairs: list[Pair], arenas: list[Arena]) -> tuple[list[tuple[int, list[Pair]]], list[Pair]]:
+        """The staging copies `pairs` of a state that `fits`, in batches in the order this
+        layout's file needs them, each with the file position before which every arena byte
+        is staged once it and the batches before it are made (the last: GATE_OPEN); and the
+        large copies this file does not hold (DCP saves a replicated tensor in one rank's
+        file only). Worked out once for the same buffers (held by `staged`, so their ids
+        stay theirs)."""
+        ids = tuple(map(id, map(operator.itemgetter(0), pairs)))
+        if self._order is None or self._order[0] != ids:
+            self._order = (ids, *self._batches(pairs, arenas))
+        _, batches, rest = self._order
+        return [(mark, [pairs[i] for i in idx]) for mark, idx in batches], [pairs[i] for i in rest]
+
+    def _batches(self, pairs: list[Pair], arenas: list[Arena]) -> tuple[list[tuple[int, list[int]]], list[int]]:
+        places, pos = {}, 0  # arena place -> file position, of the tensor part's arena ranges
+        for piece in self.tensor_pieces:
+            if not isinstance(piece, bytes):
+                places[piece[:2]] = pos
+            pos += piece_len(piece)
+        first: list[int] = []  # small: made before the others
+        rest: list[int] = []  # large, not in the file
+        ordered: list[tuple[int, int, int]] = []  # (file position, bytes, index)
+        for i, (dst, _) in enumerate(pairs):
+            n = dst.numel() * dst.element_size()
+            if n < _ORDERED_FROM:
+                first.append(i)
+                continue
+            where = next((w for a in arenas if (w := a.locate(dst)) is not None), None)
+            at = places.get(where) if where is not None else None
+            if at is None:
+                rest.append(i)
+            else:
+                ordered.append((at, n, i))
+        ordered.sort()
+        batches: list[tuple[int, list[int]]] = []
+        idx, size, target = first, 0, _FIRST_BATCH
+        for at, n, i in ordered:
+            if size >= target:  # everything before `at` is in the batches so far
+                batches.append((at, idx))
+                idx, size, target = [], 0, min(2 * target, _BATCH_MAX)
+            idx.append(i)
+            size += n
+        batches.append((GATE_OPEN, idx))
+        return batches, rest
 
     @gc_paused
     def _lay_out(self, staged: Any) -> tuple[FileLayout, Placed]:

@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from ._faults import fault_point
 from .arena import Arena
 from .commit import Group, persist
+from .copier import Copier
 from .dcp_write import Sink
 from .errors import SaveFailed, dcp_causes
 from .manifest import Manifest
@@ -58,10 +59,12 @@ class SaveSlot:
         self._staged = threading.Event()  # set: no staging copy is pending
         self._staged.set()
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._copy_pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._inflight: concurrent.futures.Future[Manifest] | None = None
 
     def open(self) -> None:
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ckpt-save")
+        self._copy_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ckpt-copy")
 
     def stage(
         self, capture: Callable[[], Any], budget: int, group_max: Callable[[list[int]], list[int]], defer: Callable[[Any, Any], bool] | None,
@@ -138,8 +141,9 @@ class SaveSlot:
         unready = f"{type(staged.failed).__name__}: {staged.failed}" if staged.failed is not None else None
         sinks: Callable[[Store], Sink] = ThreadSink
         arenas: list[Arena] = []
+        copier = None
         try:
-            self.copy(staged.copies, group.rank, step)
+            copier = self.copy(staged, group.rank, step)
             if unready is None:
                 sinks, arenas = self.writer(staged.copies, timeout_s)
         except Exception as e:  # told to the other ranks at persist's first collective
@@ -148,7 +152,7 @@ class SaveSlot:
         try:
             return persist(
                 self.store, group, step, staged.state, sinks=sinks, arenas=arenas, resaver=self.resaver,
-                need=self.stager.bytes_staged, unready=unready, **commit,
+                need=self.stager.bytes_staged, unready=unready, copier=copier, **commit,
             )  # fmt: skip
         except SaveFailed:
             raise
@@ -156,16 +160,27 @@ class SaveSlot:
             raise SaveFailed(f"save of step {step} to {self.store.display} failed: {dcp_causes(e)}") from e
         except Exception as e:
             raise SaveFailed(f"save of step {step} to {self.store.display} failed: {e}") from e
-
-    def copy(self, copies: Copies | None, rank: int, step: int) -> None:
-        """In the background save, first: the copies left to it. The loop may go on then,
-        whatever happened."""
-        try:
-            if copies is not None:
-                fault_point("staging", rank, step)
-                copies.run()
         finally:
+            if copier is not None:
+                copier.close()  # IMPORTANT: the next save reuses the buffers
+
+    def copy(self, staged: Staged, rank: int, step: int) -> Copier | None:
+        """In the background save, first: the copies left to it, started in a thread of their
+        own in the order the data file needs them (`ckpt.copier`), so the write need not wait
+        for the last. The loop may go on once they have ended, however they ended."""
+        copies = staged.copies
+        if copies is None or staged.failed is not None:
             self.staging_done()
+            return None
+        assert self._copy_pool is not None, "use the Checkpointer as a context manager"
+        try:
+            fault_point("staging", rank, step)
+            layout = self.resaver.layout if self.resaver.can_resave(staged.state) else None
+            batches, rest = layout.copy_order(copies.pairs, self.stager.arenas) if layout is not None else (None, copies.pairs)
+            return Copier(copies, batches, rest, self._copy_pool, self.staging_done, rank=rank, step=step, order=layout)
+        except BaseException:
+            self.staging_done()
+            raise
 
     def writer(self, copies: Copies | None, timeout_s: float) -> tuple[Callable[[Store], Sink], list[Arena]]:
         """Where the save's bytes are written from: the writer process over the staging
@@ -192,6 +207,9 @@ class SaveSlot:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+        if self._copy_pool is not None:
+            self._copy_pool.shutdown(wait=True)
+            self._copy_pool = None
         self.sinks.close()
 
 

@@ -215,16 +215,28 @@ class Copies:
     def bytes(self) -> int:
         return sum(d.numel() * d.element_size() for d, _ in self.pairs)
 
-    def run(self) -> None:
+    def run(self, batches: list[tuple[int, list[Pair]]] | None = None, done: Callable[[int], None] | None = None) -> None:
+        """Make the copies: all at once, or by `batches` (the same pairs in another order,
+        each with a mark) calling `done(mark)` as each batch has landed in host memory."""
+        if batches is None:
+            batches = [(0, self.pairs)]
         if self._ready is None:
-            _copy_all(self.pairs, non_blocking=False)
+            for mark, pairs in batches:
+                _copy_all(pairs, non_blocking=False)
+                if done is not None:
+                    done(mark)
         else:
             stream = self._side_streams.get(self._device.index)
             if stream is None:
                 stream = self._side_streams[self._device.index] = torch.cuda.Stream(self._device)
             stream.wait_event(self._ready)
             with torch.cuda.device(self._device), torch.cuda.stream(stream):
-                _copy_all(self.pairs, non_blocking=True)  # into pinned buffers: DMA on the stream
+                for mark, pairs in batches:
+                    _copy_all(pairs, non_blocking=True)  # into pinned buffers: DMA on the stream
+                    if done is not None:
+                        # IMPORTANT: this batch, and (after the event) the copies made at once
+                        stream.synchronize()
+                        done(mark)
             stream.synchronize()  # the deferred copies, and (after the event) the ones made at once
         self.pairs, self.sync, self.cuda, self._ready = [], False, False, None
 

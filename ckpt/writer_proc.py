@@ -31,7 +31,7 @@ from typing import Any, Protocol
 
 from ._faults import fault_point
 from .errors import DiskFull, SaveFailed, StorageError
-from .filewrite import PROGRESS, Fixed, Piece, Prefixes, piece_len
+from .filewrite import PROGRESS, Fixed, Gate, Piece, Prefixes, piece_len
 from .manifest import FileEntry
 from .redact import redact
 from .storage import Store
@@ -85,12 +85,19 @@ class ThreadSink:
         self._prefixes = Prefixes()
 
     def write(
-        self, rel: str, pieces: list[Piece], segments: Iterable[Segment], rank: int, step: int, fixed: Fixed | None = None
-    ) -> FileEntry:
-        if fixed is not None:
-            self._prefixes.learn(fixed[0], pieces[: fixed[1]])
-            pieces = pieces[fixed[1] :]
-        return self._prefixes.write(self.store, rel, fixed[0] if fixed is not None else None, pieces, {s.id: s.view for s in segments}, rank)
+        self, rel: str, pieces: list[Piece], segments: Iterable[Segment], rank: int, step: int, fixed: Fixed | None = None,
+        gate_fd: int | None = None,
+    ) -> FileEntry:  # fmt: skip
+        gate = Gate(gate_fd) if gate_fd is not None else None
+        try:
+            if fixed is not None:
+                self._prefixes.learn(fixed[0], pieces[: fixed[1]])
+                pieces = pieces[fixed[1] :]
+            key = fixed[0] if fixed is not None else None
+            return self._prefixes.write(self.store, rel, key, pieces, {s.id: s.view for s in segments}, rank, gate)
+        finally:
+            if gate is not None:
+                gate.close()
 
     def close(self) -> None:
         self._prefixes.drop()
@@ -130,9 +137,18 @@ class ProcessSink:
             raise OSError(f"the writer process cannot open {store.display}: {reply[-1]}")
 
     def write(
-        self, rel: str, pieces: list[Piece], segments: Iterable[Segment], rank: int, step: int, fixed: Fixed | None = None
+        self, rel: str, pieces: list[Piece], segments: Iterable[Segment], rank: int, step: int, fixed: Fixed | None = None,
+        gate_fd: int | None = None,
+    ) -> FileEntry:  # fmt: skip
+        try:
+            return self._write(rel, pieces, list(segments), rank, step, fixed, gate_fd)
+        finally:
+            if gate_fd is not None:
+                os.close(gate_fd)  # sent with the write (the writer has its own), or never sent
+
+    def _write(
+        self, rel: str, pieces: list[Piece], segments: list[Segment], rank: int, step: int, fixed: Fixed | None, gate_fd: int | None
     ) -> FileEntry:
-        segments = list(segments)
         new = [s for s in segments if s.id not in self._sent]
         for i in range(0, len(new), _MAX_FDS):
             batch = new[i : i + _MAX_FDS]
@@ -151,7 +167,8 @@ class ProcessSink:
         nbytes = sum(map(piece_len, pieces)) + (self._prefix_bytes if fixed is not None else 0)
         deadline = self.timeout_s + nbytes / _SLOWEST_BYTES_PER_S
         message = ("write", rel, pieces, live, rank, step, fixed[0] if fixed is not None else None)
-        reply = self._call(pickle.dumps(message, protocol=5), deadline, f"writing {rel}", stall_s=self.timeout_s)
+        gate = [gate_fd] if gate_fd is not None else []
+        reply = self._call(pickle.dumps(message, protocol=5), deadline, f"writing {rel}", gate, stall_s=self.timeout_s)
         if reply[0] == "ok":
             entry: FileEntry = reply[1]
             return entry
@@ -360,6 +377,7 @@ def serve(sock: socket.socket) -> None:
         elif msg[0] == "write":
             beat.writing()
             _, rel, pieces, live, rank, step, key = msg
+            gate = Gate(fds[0]) if fds else None  # the staging copies still being made
             if set(maps) - set(live):
                 prefixes.release()  # IMPORTANT: its views of a segment would keep it mapped
             for seg_id in set(maps) - set(live):
@@ -369,7 +387,7 @@ def serve(sock: socket.socket) -> None:
             try:
                 if store is None:
                     raise RuntimeError("write before init")
-                entry = prefixes.write(store, rel, key, pieces, {i: memoryview(maps[i]) for i in live}, rank)
+                entry = prefixes.write(store, rel, key, pieces, {i: memoryview(maps[i]) for i in live}, rank, gate)
                 reply = ("ok", entry)
             except Exception as e:  # reported to the trainer, which fails the save
                 kind = next((c.__name__ for c in _PASSED_ON if isinstance(e, c)), type(e).__name__)
@@ -378,6 +396,9 @@ def serve(sock: socket.socket) -> None:
                     kind,
                     str(e) if isinstance(e, StorageError) else f"{type(e).__name__}: {e}",
                 )
+            finally:
+                if gate is not None:
+                    gate.close()
             beat.reply(pickle.dumps(reply))
 
 
