@@ -6,12 +6,13 @@ rank <rank> reaches <point> while saving step <step>; `*` matches any rank or st
 says when), and
 `<point>:<rank>:<step>:nth=<k>` kills on the k-th time the rule matches in this process (a
 point deeper into a file, a later chunk), and `<point>:<rank>:<step>:raise` raises
-`RuntimeError` at `capture`, `prepare` or `staging` (a failure the process lives through: a
-state_dict() that raises, no shared memory, a device error in a copy; at the other points it
-would leave the ranks in different collectives). Points: `capture` (on the training thread,
-a save begun, its state not captured yet), `prepare` (on the training thread, the state
-captured, its host buffers not set up yet), `staging` (in the background save, the copies
-left to it not made yet), `write_item` (between two items of a data file),
+`RuntimeError` at `capture`, `prepare`, `staging` or `copying` (a failure the process lives
+through: a state_dict() that raises, no shared memory, a device error in a copy; at the other
+points it would leave the ranks in different collectives). Points: `capture` (on the training
+thread, a save begun, its state not captured yet), `prepare` (on the training thread, the
+state captured, its host buffers not set up yet), `staging` (in the background save, the
+copies left to it not made yet), `copying` (in the copier's thread, after each batch of those
+copies, the writer under way), `write_item` (between two items of a data file),
 `writer_process` (in the writer process, before it writes a data file), `before_manifest`
 (all data files and `.metadata` durable, the manifest not yet written), `after_manifest`,
 `retention` (rank 0 deleting an old checkpoint, `<step>` the deleted one: its manifest gone,

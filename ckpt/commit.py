@@ -449,6 +449,8 @@ def _write_data(
         for where in tries:
             try:
                 gate = functools.partial(copier.gate_fd, layout) if copier is not None else None
+                if copier is not None and layout.objects_hold_tensors:
+                    copier.ready()  # IMPORTANT: the objects are pickled before the file is written
                 entry, placed = layout.write(sinks(where), rel, staged, arenas, group.rank, step, gate)
                 mine, store = (step, layout.generation, {layout.name: entry}, placed), where
                 break

@@ -16,10 +16,10 @@ before it lays out anything (`ready`), as it did before the copies went to a thr
 from __future__ import annotations
 
 import concurrent.futures
-import functools
 import logging
 import os
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 
 from ._faults import fault_point
 from .filewrite import GATE_FAILED, GATE_OPEN, GATE_WORD
@@ -27,12 +27,17 @@ from .stage import Copies, Pair
 
 log = logging.getLogger(__name__)
 
+# How long the copies wait for the write's request before they start all the same (seconds).
+_HOLD_S = 0.02
+
 
 class Copier:
-    """One save's deferred copies, made in `pool`'s thread once the write (or anything
-    else) needs them: started then, not before, they leave the two cores here to the save's
-    first agreement and the write's request. `done` is called when they have ended, however
-    they ended."""
+    """One save's deferred copies, made in `pool`'s thread. They start when the file's write
+    (or anything else) needs them, or `_HOLD_S` after the save began, whichever comes first:
+    held back, they leave the two cores here to the save's first agreement and the write's
+    request, and a slow store (rank 0 claims the step directory before that agreement) holds
+    them, and so the loop's next `optimizer.step()`, for no longer than that. `done` is
+    called when they have ended, however they ended."""
 
     def __init__(
         self,
@@ -49,26 +54,24 @@ class Copier:
         """`batches`, `rest`: the copies in the file's order and those it does not hold
         (`Layout.copy_order` of `order`, the layout), or None and all copies in `rest`."""
         self.order = order if batches is not None else None
-        self._read, self._write = os.pipe()
         self._rank, self._step = rank, step
         self._done = done
-        self._start = functools.partial(pool.submit, self._run, copies, batches or [], rest)
-        self._future: concurrent.futures.Future[None] | None = None
-
-    def _started(self, file_only: bool = False) -> concurrent.futures.Future[None]:
-        """The copies, started by the first that needs them: the write of the file laid out
-        as `order` (`file_only`: only what that file holds), or whoever waits for them all
-        (a save that DCP plans lays its file out anew)."""
-        if self._future is None:
-            self._future = self._start(file_only)
-        return self._future
-
-    def _run(self, copies: Copies, batches: list[tuple[int, list[Pair]]], rest: list[Pair], file_only: bool) -> None:
-        # IMPORTANT: the copies the file does not hold are skipped only for that file's write:
-        # nothing else reads this save's buffers, and the next save makes its own copies.
+        self._go = threading.Event()
+        self._file_only = False  # the file's write took the gate: the rest may be skipped
+        self._gate_given = False
+        self._read, self._write = os.pipe()
         try:
+            self._future = pool.submit(self._run, copies, batches or [], rest)
+        except BaseException:
+            os.close(self._read)
+            os.close(self._write)
+            raise
+
+    def _run(self, copies: Copies, batches: list[tuple[int, list[Pair]]], rest: list[Pair]) -> None:
+        try:
+            self._go.wait(_HOLD_S)
             try:
-                copies.run(batches if file_only else [*batches, (GATE_OPEN, rest)], self._batch_done)
+                copies.run(self._in_order(batches, rest), self._batch_done)
             except BaseException:
                 log.error("rank %d: a staging copy of step %d failed", self._rank, self._step, exc_info=True)
                 self._tell(GATE_FAILED)
@@ -78,44 +81,51 @@ class Copier:
             os.close(self._write)
             self._done()
 
+    def _in_order(self, batches: list[tuple[int, list[Pair]]], rest: list[Pair]) -> Iterator[tuple[int, list[Pair]]]:
+        yield from batches
+        # IMPORTANT: the copies the file does not hold are skipped only once the file's write
+        # has begun: nothing else reads this save's buffers, and the next save makes its own
+        # copies. A save DCP plans (the ranks' layouts did not all fit) needs every one.
+        if not self._file_only:
+            yield GATE_OPEN, rest
+
     def _batch_done(self, mark: int) -> None:
         if mark != GATE_OPEN:  # the last batch's is told once the copies have ended well
             self._tell(mark)
-        fault_point("copying", self._rank, self._step)  # after the first batch, the writer under way
+        fault_point("copying", self._rank, self._step)  # after each batch, the writer under way
 
     def _tell(self, mark: int) -> None:
-        os.write(self._write, GATE_WORD.pack(mark))  # a handful of words: never fills the pipe
+        # A save's batches are at most ~60 (Layout.copy_order), and so are its words: they
+        # fit in a pipe of one page (512 words), so this never blocks, read or not.
+        os.write(self._write, GATE_WORD.pack(mark))
 
     def gate_fd(self, order: object) -> int | None:
-        """For the write of a file laid out as `order`: the pipe's read end, which the caller
-        takes over, while the copies go on; for any other write, or a second one, None once
-        every copy is made (raising if one failed)."""
-        if order is self.order and order is not None and self._future is None:
+        """For the write of a file laid out as `order`: a read end of the pipe, which the
+        caller takes over, while the copies go on; for any other write, or a second one,
+        None once every copy is made (raising if one failed)."""
+        if order is self.order and order is not None and not self._gate_given:
+            self._gate_given = self._file_only = True
             # A copy of the read end: this one stays open until the copies end, so that what
             # they tell never meets a closed pipe (EPIPE; SIGPIPE, where a program restored it).
             fd = os.dup(self._read)
-            self._started(file_only=True)
+            self._go.set()
             return fd
         self.ready()
         return None
 
     def ready(self) -> None:
-        """Wait until the copies are made (all, unless the file's write started them);
+        """Wait until the copies are made (all, unless the file's write took the gate);
         raises the error of one that failed."""
-        self._started().result()
+        self._go.set()
+        self._future.result()
 
     def failure(self) -> BaseException | None:
-        """The error of a copy that failed, once the copies have ended; None if none failed
-        or none was started."""
-        return self._future.exception() if self._future is not None else None
+        """Once the copies have ended: the error of one that failed, if any."""
+        self._go.set()
+        return self._future.exception()
 
     def close(self) -> None:
-        """Wait for the copies to end (the loop reuses their buffers at the next save). A
-        save that ended before anything needed them makes none: nothing reads its buffers."""
-        if self._future is None:
-            self._future = concurrent.futures.Future()
-            self._future.set_result(None)
-            os.close(self._write)
-            self._done()
+        """Wait for the copies to end (the loop reuses their buffers at the next save)."""
+        self._go.set()
         concurrent.futures.wait([self._future])
         os.close(self._read)

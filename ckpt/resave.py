@@ -105,7 +105,7 @@ _SAVED_MAX = 1 << 20  # a larger pickle is not kept from save to save
 # up to the last: the writer starts on the first batch while the copies go on.
 _ORDERED_FROM = 256 << 10
 _FIRST_BATCH = 4 << 20
-_BATCH_MAX = 64 << 20
+_BATCH_MAX = 64 << 20  # ... or a 48th of the bytes: the marks of a save's batches are few
 
 
 def _plain(obj: Any, depth: int = 0) -> bool:
@@ -121,6 +121,18 @@ def _plain(obj: Any, depth: int = 0) -> bool:
     if t is dict:
         return _ATOMS.issuperset(map(type, obj)) and all(_plain(v, depth + 1) for v in obj.values())
     return False
+
+
+def _holds_tensor(obj: Any, depth: int = 0) -> bool:
+    if isinstance(obj, (torch.Tensor, ShardedTensor)):
+        return True
+    if depth > 32:
+        return True  # too deep to look: as if it did
+    if isinstance(obj, dict):
+        obj = obj.values()
+    elif not isinstance(obj, (list, tuple)):
+        return False
+    return any(_holds_tensor(v, depth + 1) for v in obj)
 
 
 def _element(root: Any, path: tuple[Any, ...]) -> Any:
@@ -143,6 +155,9 @@ class Layout:
     objects: list[tuple[MetadataIndex, tuple[Any, ...]]]  # pickled after the tensors
     metadata: Metadata | None = None
     metadata_image: Image | None = dataclasses.field(default=None, repr=False)  # its pickle, page-aligned
+    # An object pickled after the tensors holds a tensor (a tuple of them, which DCP does
+    # not look into): its staging copies are made before it is pickled (`ckpt.commit`).
+    objects_hold_tensors: bool = False
     key: int = dataclasses.field(default_factory=lambda: next(_keys))
     # By object: its plain pickle and torch.save bytes at the last save (see `_saved`).
     saved: dict[MetadataIndex, tuple[bytes, bytes]] = dataclasses.field(default_factory=dict, repr=False)
@@ -200,10 +215,11 @@ class Layout:
         ordered.sort()
         batches: list[tuple[int, list[int]]] = []
         idx, size, target = first, 0, _FIRST_BATCH
+        most = max(_BATCH_MAX, sum(n for _, n, _ in ordered) // 48)  # at most ~60 batches
         for at, n, i in ordered:
             if size >= target:  # everything before `at` is in the batches so far
                 batches.append((at, idx))
-                idx, size, target = [], 0, min(2 * target, _BATCH_MAX)
+                idx, size, target = [], 0, min(2 * target, most)
             idx.append(i)
             size += n
         batches.append((GATE_OPEN, idx))
@@ -287,4 +303,5 @@ class Resaver:
             objects=objects,
             metadata=writer.metadata,
             metadata_image=writer.metadata_image,
+            objects_hold_tensors=any(_holds_tensor(_element(staged, path)) for _, path in objects),
         )

@@ -17,7 +17,7 @@ import copy
 import dataclasses
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -215,9 +215,9 @@ class Copies:
     def bytes(self) -> int:
         return sum(d.numel() * d.element_size() for d, _ in self.pairs)
 
-    def run(self, batches: list[tuple[int, list[Pair]]] | None = None, done: Callable[[int], None] | None = None) -> None:
-        """Make the copies: all at once, or by `batches` (the same pairs in another order,
-        each with a mark) calling `done(mark)` as each batch has landed in host memory."""
+    def run(self, batches: Iterable[tuple[int, list[Pair]]] | None = None, done: Callable[[int], None] | None = None) -> None:
+        """Make the copies: all at once, or by `batches` (the pairs in another order, each
+        batch with a mark) calling `done(mark)` as each batch has landed in host memory."""
         if batches is None:
             batches = [(0, self.pairs)]
         if self._ready is None:

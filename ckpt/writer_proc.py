@@ -377,7 +377,9 @@ def serve(sock: socket.socket) -> None:
         elif msg[0] == "write":
             beat.writing()
             _, rel, pieces, live, rank, step, key = msg
-            gate = Gate(fds[0]) if fds else None  # the staging copies still being made
+            gate = Gate(fds.pop()) if fds else None  # the staging copies still being made
+            for fd in fds:  # none other is sent with a write
+                os.close(fd)
             if set(maps) - set(live):
                 prefixes.release()  # IMPORTANT: its views of a segment would keep it mapped
             for seg_id in set(maps) - set(live):

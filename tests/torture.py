@@ -47,6 +47,7 @@ RANK_TIMEOUT_S = 10.0  # the Checkpointer's timeout_s in the worker
 SAVES = list(range(1, STEPS // EVERY + 1))
 PHASES = {
     "staging": ("rank", SAVES),
+    "copying": ("rank", SAVES),  # the copier's batch (one a save here), its writer under way
     "write_item": ("rank", [1, 2, 3, 5, 8, 13]),
     "writer_process": ("writer", [1, 2]),  # not every save of a run reaches the same writer process
     "before_manifest": ("rank", SAVES),
