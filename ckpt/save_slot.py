@@ -169,7 +169,7 @@ class SaveSlot:
         own in the order the data file needs them (`ckpt.copier`), so the write need not wait
         for the last. The loop may go on once they have ended, however they ended."""
         copies = staged.copies
-        if copies is None or staged.failed is not None:
+        if copies is None or staged.failed is not None or not copies.pending:
             self.staging_done()
             return None
         assert self._copy_pool is not None, "use the Checkpointer as a context manager"

@@ -212,6 +212,11 @@ class Copies:
             self._ready.record(torch.cuda.current_stream(self._device))
 
     @property
+    def pending(self) -> bool:
+        """Whether `run` has anything to do: copies, or copies made at once to wait for."""
+        return bool(self.pairs) or self._ready is not None
+
+    @property
     def bytes(self) -> int:
         return sum(d.numel() * d.element_size() for d, _ in self.pairs)
 
