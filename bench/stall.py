@@ -757,10 +757,10 @@ def _time_staging_copies() -> None:
 
     run = Copies.run
 
-    def timed(self: Any) -> None:
+    def timed(self: Any, *args: Any, **kwargs: Any) -> None:
         t = time.thread_time()
         try:
-            run(self)
+            run(self, *args, **kwargs)
         finally:
             _STAGING_COPY_CPU[0] += time.thread_time() - t
 
