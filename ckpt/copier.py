@@ -57,8 +57,7 @@ class Copier:
         self._rank, self._step = rank, step
         self._done = done
         self._go = threading.Event()
-        self._file_only = False  # the file's write took the gate: the rest may be skipped
-        self._gate_given = False
+        self._gate_given = False  # the file's write took the gate: the rest may be skipped
         self._read, self._write = os.pipe()
         try:
             self._future = pool.submit(self._run, copies, batches or [], rest)
@@ -86,7 +85,7 @@ class Copier:
         # IMPORTANT: the copies the file does not hold are skipped only once the file's write
         # has begun: nothing else reads this save's buffers, and the next save makes its own
         # copies. A save DCP plans (the ranks' layouts did not all fit) needs every one.
-        if not self._file_only:
+        if not self._gate_given:
             yield GATE_OPEN, rest
 
     def _batch_done(self, mark: int) -> None:
@@ -104,7 +103,7 @@ class Copier:
         caller takes over, while the copies go on; for any other write, or a second one,
         None once every copy is made (raising if one failed)."""
         if order is self.order and order is not None and not self._gate_given:
-            self._gate_given = self._file_only = True
+            self._gate_given = True
             # A copy of the read end: this one stays open until the copies end, so that what
             # they tell never meets a closed pipe (EPIPE; SIGPIPE, where a program restored it).
             fd = os.dup(self._read)

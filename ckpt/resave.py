@@ -37,7 +37,7 @@ from .arena import Arena
 from .dcp_write import FileLayout, Sink, Writer, write_file
 from .filewrite import GATE_OPEN, Image, piece_len
 from .manifest import METADATA_NAME, FileEntry
-from .stage import _ATOMS, _MEMO_PATHS, Pair
+from .stage import _ATOMS, _MEMO_PATHS, Pair, tensor_bytes
 from .storage import Store
 
 # Where a rank's pickled objects landed in its file this save, sent to rank 0 for `.metadata`
@@ -121,18 +121,6 @@ def _plain(obj: Any, depth: int = 0) -> bool:
     if t is dict:
         return _ATOMS.issuperset(map(type, obj)) and all(_plain(v, depth + 1) for v in obj.values())
     return False
-
-
-def _holds_tensor(obj: Any, depth: int = 0) -> bool:
-    if isinstance(obj, (torch.Tensor, ShardedTensor)):
-        return True
-    if depth > 32:
-        return True  # too deep to look: as if it did
-    if isinstance(obj, dict):
-        obj = obj.values()
-    elif not isinstance(obj, (list, tuple)):
-        return False
-    return any(_holds_tensor(v, depth + 1) for v in obj)
 
 
 def _element(root: Any, path: tuple[Any, ...]) -> Any:
@@ -303,5 +291,5 @@ class Resaver:
             objects=objects,
             metadata=writer.metadata,
             metadata_image=writer.metadata_image,
-            objects_hold_tensors=any(_holds_tensor(_element(staged, path)) for _, path in objects),
+            objects_hold_tensors=any(tensor_bytes(_element(staged, path)) for _, path in objects),
         )
