@@ -76,7 +76,7 @@ class Transfer:
 
     part_size: int = 64 * MiB
     """Bytes per part of a multipart upload. S3 wants at least 5 MiB and at most 10,000
-    parts, so 64 MiB allows files up to 640 GiB. A file no larger than one part is one PUT."""
+    parts, so 64 MiB allows files up to 640 GiB. A file of up to two parts is one PUT."""
     concurrency: int = 8
     """Parts of one file uploaded at the same time."""
     read_size: int = 32 * MiB

@@ -65,7 +65,8 @@ def store(s3_root, s3_options):
 
 
 @pytest.mark.parametrize(
-    "size", [0, 1, PART, PART + 1, 23 * MiB], ids=["0", "1", "part", "part+1", "23MiB"]
+    "size", [0, 1, PART, PART + 1, 2 * PART, 2 * PART + 1, 23 * MiB],
+    ids=["0", "1", "part", "part+1", "2parts", "2parts+1", "23MiB"],
 )
 def test_every_size_round_trips_byte_for_byte_with_s3fs_on_either_side(
     store, s3_root, s3_endpoint, size
@@ -84,7 +85,21 @@ def test_every_size_round_trips_byte_for_byte_with_s3fs_on_either_side(
     with store.open_read("ours") as f:
         assert read_in_odd_pieces(f, size) == data
     parts = etag(s3_endpoint, bucket, f"{prefix}/ours").partition("-")[2]
-    assert parts == ("" if size <= PART else str(-(-size // PART)))  # up to one part: one PUT
+    assert parts == ("" if size <= 2 * PART else str(-(-size // PART)))  # up to two parts: one PUT
+    assert not uploads_in_progress(s3_endpoint, bucket)
+
+
+def test_parts_are_held_while_one_put_may_do_and_go_as_soon_as_the_file_outgrows_two(store, s3_root, s3_endpoint):
+    data = payload(2 * PART + 1)
+    bucket, prefix = s3_root.removeprefix("s3://").split("/", 1)
+    with store.open_write("held") as f:
+        for at in range(0, 2 * PART, MiB):
+            f.write(data[at : at + MiB])  # copied pieces: the held parts are the upload's own
+        assert uploads_in_progress(s3_endpoint, bucket) == []  # two parts: still one PUT
+        f.write(data[2 * PART :])
+        assert len(uploads_in_progress(s3_endpoint, bucket)) == 1  # begun before the block ends
+    assert store.read_bytes("held") == data
+    assert etag(s3_endpoint, bucket, f"{prefix}/held").endswith("-3")
 
 
 def test_a_memoryview_of_an_mmap_goes_out_without_being_held_after_the_block(store):
