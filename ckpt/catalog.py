@@ -14,7 +14,7 @@ import functools
 import logging
 import math
 from collections.abc import Collection, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, BinaryIO
 
 from .checksum import Hasher, algorithm, checksum
@@ -77,11 +77,24 @@ def _blocks_holding(items: list[tuple[int, int]], entry: FileEntry) -> list[tupl
     return ranges
 
 
-def verify_file(store: Store, step_dir: str, name: str, manifest: Manifest) -> None:
+# A file the manifest says is no larger is checked from one whole read (`.metadata`, mostly):
+# on an object store a streaming reader's HEAD before its GET would double the round trips.
+WHOLE_READ_MAX = 8 << 20
+
+
+def verify_file(store: Store, step_dir: str, name: str, manifest: Manifest) -> bytes | None:
     """Check one file's size and checksum against the manifest, holding at most a few
-    chunks of it in memory."""
+    chunks of it in memory; a small file is read whole, and returned once checked."""
+    where = f"{store.display}/{step_dir}/{name}"
+    entry = _entry(where, name, manifest)
+    if entry.size <= WHOLE_READ_MAX:
+        data = store.read_small(f"{step_dir}/{name}", entry.size)
+        if data is not None:  # else larger than the manifest says: the reader below says so
+            _check(where, entry, len(data), checksum(data, entry.block, algorithm(entry, where)))
+            return data
     with VerifyingReader.open(store, step_dir, name, manifest) as src:
         src.finish()
+    return None
 
 
 class VerifyingReader:
@@ -117,7 +130,7 @@ class VerifyingReader:
         where = f"{store.display}/{step_dir}/{name}"
         entry = _entry(where, name, manifest)
         ranges = _blocks_holding(items, entry) if items is not None else None
-        with store.open_read(f"{step_dir}/{name}", ranges) as f:
+        with store.open_read(f"{step_dir}/{name}", ranges, entry.size) as f:
             yield cls(f, where, entry, partial=items is not None)
 
     @property
@@ -262,6 +275,11 @@ class Entry:
     bytes_on_store: int = 0
     # Checked with a signing key: "signed-ok", "unsigned" or "BAD" (ckpt.signing); else None.
     signature: str | None = None
+    # The manifest's bytes as read, and `.metadata`'s once checked (when read whole), kept
+    # where asked (`inspect(keep_doc=True)`): a restore hands the ranks the very manifest that
+    # was checked, and rank 0 loads that `.metadata`, without reading either again.
+    doc: bytes | None = field(default=None, repr=False, compare=False)
+    metadata: bytes | None = field(default=None, repr=False, compare=False)
 
     @property
     def dir(self) -> str:
@@ -277,18 +295,23 @@ def check_ranks(manifest: Manifest, where: str) -> None:
 
 
 def inspect(
-    store: Store, listing: StepListing, *, metadata: bool = False, deep: bool = False, key: SigningKey | None = None
-) -> Entry:
-    """Classify one step directory. Reads its manifest; with `metadata`, also checks the
-    checksum of `.metadata`; with `deep`, of every file. With `key`, a manifest not signed
-    with it is corrupt: never to be trusted."""
+    store: Store, listing: StepListing, *, metadata: bool = False, deep: bool = False, key: SigningKey | None = None,
+    keep_doc: bool = False, doc: bytes | None = None,
+) -> Entry:  # fmt: skip
+    """Classify one step directory. Reads its manifest (unless given its bytes, `doc`); with
+    `metadata`, also checks the checksum of `.metadata`; with `deep`, of every file. With
+    `key`, a manifest not signed with it is corrupt: never to be trusted. `keep_doc`: the
+    entry keeps the manifest's bytes."""
     entry = Entry(listing.step, INCOMPLETE, bytes_on_store=sum(listing.files.values()))
     if not listing.has_manifest:
         entry.problem = "no manifest (never committed, or still being written)"
         return entry
     where = f"{store.display}/{entry.dir}"
     try:
-        manifest = Manifest.from_json(store.read_bytes(f"{entry.dir}/{MANIFEST_NAME}"), where)
+        doc = store.read_bytes(f"{entry.dir}/{MANIFEST_NAME}") if doc is None else doc
+        if keep_doc:
+            entry.doc = doc
+        manifest = Manifest.from_json(doc, where)
         entry.manifest = manifest
         if manifest.step != listing.step:
             raise InvalidCheckpoint(f"{where}: manifest is for step {manifest.step}")
@@ -313,7 +336,9 @@ def inspect(
 
                 load_metadata(read_verified(store, entry.dir, name, manifest))
             else:
-                verify_file(store, entry.dir, name, manifest)
+                checked = verify_file(store, entry.dir, name, manifest)
+                if keep_doc and name == METADATA_NAME:
+                    entry.metadata = checked
     except (InvalidCheckpoint, NotFound) as e:
         entry.state, entry.problem = CORRUPT, str(e)
         return entry
@@ -426,18 +451,22 @@ def restore_candidates(
         while unread and not (good and _written(unread[0])[0] < good[0].manifest.created - CLOCK_SKEW_S):  # type: ignore[union-attr]
             n = 1 if store.is_local else 16  # a remote store's in parallel: latency, not bytes
             batch, unread = unread[:n], unread[n:]
-            for entry in _inspect_all(store, batch, key=key):
+            for entry in _inspect_all(store, batch, key=key, keep_doc=True):
                 entries.append(entry)
                 if entry.state == COMMITTED:
                     good.append(entry)
             good.sort(key=lambda e: (e.manifest.created, e.step), reverse=True)  # type: ignore[union-attr]
         if not good:
             break
-        checked = inspect(store, listings[good[0].step], metadata=True, key=key)
+        checked = inspect(store, listings[good[0].step], metadata=True, key=key, keep_doc=True, doc=good[0].doc)
         if checked.state == COMMITTED:
             break
         entries[entries.index(good[0])] = checked
         good.pop(0)  # and read on: older manifests may hold the newest good one now
+    for e in entries:
+        e.doc = e.metadata = None  # but the first candidate's: a restore reads from that one
+    if good:
+        good[0] = checked
     skipped = sorted(
         (e for e in entries if e.state != COMMITTED and (not good or e.step > good[0].step or e.state == CORRUPT)),
         key=lambda e: e.step,
@@ -475,7 +504,7 @@ def find(store: Store, step: int | None, key: SigningKey | None = None) -> Entry
         return good[0]
     if step not in listings:
         raise NotFound(f"no checkpoint at step {step} under {store.display}")
-    entry = inspect(store, listings[step], metadata=True, key=key)
+    entry = inspect(store, listings[step], metadata=True, key=key, keep_doc=True)
     if entry.state != COMMITTED:
         raise InvalidCheckpoint(f"step {step} is {'untrusted' if untrusted(entry) else entry.state}: {entry.problem}")
     return entry

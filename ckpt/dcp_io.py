@@ -58,7 +58,7 @@ from torch.futures import Future
 from . import tensor_blob
 from .catalog import VerifyingReader, read_verified
 from .errors import InvalidCheckpoint
-from .manifest import Manifest
+from .manifest import METADATA_NAME, Manifest
 from .storage import Store
 
 # A single process saving without torch.distributed is a supported use, not a mistake.
@@ -72,18 +72,22 @@ class _VerifiedFiles(FileSystemBase):
     size and checksum matched the manifest, so neither `.metadata` (a pickle) nor any data
     is decoded from bytes that were not the ones written."""
 
-    def __init__(self, store: Store, step_dir: str, manifest: Manifest) -> None:
+    def __init__(self, store: Store, step_dir: str, manifest: Manifest, metadata: bytes | None = None) -> None:
         self.store = store
         self.step_dir = step_dir
         self.manifest = manifest
         self.read_bytes = 0
+        self._metadata = metadata  # `.metadata`, checked against this manifest already
 
     @contextlib.contextmanager
     def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[io.BytesIO]:
         if "r" not in mode or "+" in mode:
             raise PermissionError("a checkpoint is read-only once committed")
         name = os.path.basename(os.fspath(path))
-        data = read_verified(self.store, self.step_dir, name, self.manifest)
+        if name == METADATA_NAME and self._metadata is not None:
+            data, self._metadata = self._metadata, None
+        else:
+            data = read_verified(self.store, self.step_dir, name, self.manifest)
         self.read_bytes += len(data)
         yield io.BytesIO(data)
 
@@ -156,10 +160,13 @@ class _Reader(FileSystemReader):
     (pickled values, any blob the parser does not know) waits until all that was read of the
     file matched the manifest."""
 
-    def __init__(self, store: Store, step_dir: str, manifest: Manifest, before_read: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self, store: Store, step_dir: str, manifest: Manifest, before_read: Callable[[], None] | None = None,
+        metadata: bytes | None = None,
+    ) -> None:  # fmt: skip
         super().__init__(step_dir)
         self._before_read = before_read
-        self.fs = _VerifiedFiles(store, step_dir, manifest)
+        self.fs = _VerifiedFiles(store, step_dir, manifest, metadata)
         self.path = step_dir
         self.store = store
         self.manifest = manifest
@@ -500,9 +507,13 @@ def _load_blob(blob: bytes, reqs: list[ReadItem], planner: LoadPlanner) -> None:
         planner.commit_tensor(req, target)
 
 
-def make_reader(store: Store, step_dir: str, manifest: Manifest, before_read: Callable[[], None] | None = None) -> _Reader:
-    """The reader of one checkpoint; `before_read` is called as it starts to read data."""
-    return _Reader(store, step_dir, manifest, before_read)
+def make_reader(
+    store: Store, step_dir: str, manifest: Manifest, before_read: Callable[[], None] | None = None,
+    metadata: bytes | None = None,
+) -> _Reader:  # fmt: skip
+    """The reader of one checkpoint; `before_read` is called as it starts to read data;
+    `metadata`: its `.metadata`, already checked against `manifest` (not read again)."""
+    return _Reader(store, step_dir, manifest, before_read, metadata)
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):

@@ -326,12 +326,12 @@ class Tiered:
         return data
 
     @contextlib.contextmanager
-    def open_read(self, rel: str, ranges: list[tuple[int, int]] | None = None) -> Iterator[BinaryIO]:
+    def open_read(self, rel: str, ranges: list[tuple[int, int]] | None = None, size: int | None = None) -> Iterator[BinaryIO]:
         local: BinaryIO | None = None
         if self._from(rel) == "spool":
             with contextlib.suppress(FileNotFoundError):  # pruned by the agent meanwhile: the root has it
                 local = open(self.local.path(rel), "rb")
-        with local if local is not None else self.store.open_read(rel, ranges) as f:
+        with local if local is not None else self.store.open_read(rel, ranges, size) as f:
             counting = _Counting(f)
             try:
                 yield counting  # type: ignore[misc]

@@ -78,19 +78,23 @@ def restore(
     newest = 0.0
     while True:
         # Rank 0 picks the next candidate afresh after each failure: the catalog reads only
-        # the manifests it needs to know the newest (catalog.restore_candidates). From a local
-        # root the pick's manifest goes round with it, in the same collective; from an object
-        # store it follows (`_try_restore`), as the ranks build their templates meanwhile.
+        # the manifests it needs to know the newest (catalog.restore_candidates), and the
+        # pick's manifest, as it read and checked it, goes round with the pick in the same
+        # collective (read again only if it did not keep it: it reads it, once, in
+        # `_try_restore`, as the ranks build their templates meanwhile).
         plan: list[int] | str = []
         doc: bytes | str | None = None
+        metadata = None  # rank 0's: the pick's `.metadata`, as the catalog checked it
         if ctrl.rank == 0:
             try:
-                plan, more, passed, created = _restore_plan(store, mode, key, tried)
+                plan, more, passed, created, first = _restore_plan(store, mode, key, tried)
                 taken |= more
                 newest = max(newest, created)
+                if first is not None:
+                    doc, metadata = first.doc, first.metadata if first.doc is not None else None
             except CheckpointError as e:
                 plan = f"{type(e).__name__}: {e}"
-            if plan and not isinstance(plan, str) and store.is_local:
+            if plan and not isinstance(plan, str) and doc is None and store.is_local:
                 doc = _read_manifest(store, plan[0])
         plan, taken, passed, newest, doc = ctrl.broadcast((plan, taken, passed if ctrl.rank == 0 else [], newest, doc))
         problems += passed
@@ -101,13 +105,13 @@ def restore(
             break
         step = plan[0]
         tried.append(step)
-        outcome, why, restored = _try_restore(store, ctrl, state, step, handoff, key, doc)
+        outcome, why, restored = _try_restore(store, ctrl, state, step, handoff, key, doc, metadata)
         # One collective for the outcome, whether a spool was used, and whether any rank has
         # values left unloaded (only then are they gathered, to be named).
         worst, spooled, unasked = ctrl.max([outcome, int(handoff is not None and handoff.local is not None), _has_unasked(restored)])
         if worst == 1 and spooled:  # a spool's copy may be what failed: the root's decides
             log.warning("restoring %s with the node spool's copies failed (%s); reading it all from %s", step_dir_name(step), why, store.display)
-            outcome, why, restored = _try_restore(store, ctrl, state, step, None, key, doc)
+            outcome, why, restored = _try_restore(store, ctrl, state, step, None, key, doc, metadata)
             worst, unasked = ctrl.max([outcome, _has_unasked(restored)])
         if worst == 0:
             assert restored is not None
@@ -178,16 +182,19 @@ def _newest(entries: list[catalog.Entry]) -> float:
     return max((e.manifest.created for e in entries if e.manifest is not None), default=0.0)
 
 
-def _restore_plan(store: Store, mode: str | int, key: SigningKey | None, tried: list[int]) -> tuple[list[int], set[int], list[str], float]:
+def _restore_plan(
+    store: Store, mode: str | int, key: SigningKey | None, tried: list[int]
+) -> tuple[list[int], set[int], list[str], float, catalog.Entry | None]:
     """Rank 0: the next step to try (none left: []), after the `tried` ones failed; the steps
-    that hold a manifest; falling back, the corrupt ones passed over on the way; and the
-    newest commit time it saw (`newest_commit`)."""
+    that hold a manifest; falling back, the corrupt ones passed over on the way; the newest
+    commit time it saw (`newest_commit`); and the catalog's entry of the step to try (with
+    the manifest and `.metadata` it read and checked, where it kept them)."""
     if isinstance(mode, int):
         if tried:
-            return [], set(), [], 0.0
+            return [], set(), [], 0.0, None
         store.check_reachable()
         entry = catalog.find(store, mode, key)
-        return [entry.step], {s for s, lst in store.scan().items() if lst.has_manifest}, [], newest_commit(store, key)
+        return [entry.step], {s for s, lst in store.scan().items() if lst.has_manifest}, [], newest_commit(store, key), entry
     if not tried:
         store.check_reachable()
     good, skipped = catalog.restore_candidates(store, key, exclude=set(tried))
@@ -198,7 +205,7 @@ def _restore_plan(store: Store, mode: str | int, key: SigningKey | None, tried: 
             log.warning("passing over %s/%s: %s", store.display, e.dir, e.problem)
         if good:
             log.info("falling back to %s/%s", store.display, good[0].dir)
-        return [e.step for e in good[:1]], taken, [f"{e.dir}: {e.problem}" for e in passed], _newest(good)
+        return [e.step for e in good[:1]], taken, [f"{e.dir}: {e.problem}" for e in passed], _newest(good), _first(good)
     for e in skipped:
         log.warning("passing over %s/%s: %s", store.display, e.dir, e.problem)
     if good:
@@ -212,7 +219,11 @@ def _restore_plan(store: Store, mode: str | int, key: SigningKey | None, tried: 
             + "values). To start fresh, pass restore='none' (the corrupt directories are kept "
             + "and their steps skipped) or use a new root."
         )
-    return [e.step for e in good[:1]], taken, [], _newest(good)
+    return [e.step for e in good[:1]], taken, [], _newest(good), _first(good)
+
+
+def _first(good: list[catalog.Entry]) -> catalog.Entry | None:
+    return good[0] if good else None
 
 
 # What preparing a restore may raise (a manifest that does not parse or match, a state that
@@ -231,12 +242,13 @@ def _read_manifest(store: Store, step: int) -> bytes | str:
 
 def _try_restore(
     store: Store, ctrl: Group, state: TrainingState, step: int, handoff: Handoff | None, key: SigningKey | None,
-    doc: bytes | str | None,
+    doc: bytes | str | None, metadata: bytes | None = None,
 ) -> tuple[int, str, Restored | None]:  # fmt: skip
     """Load `step` into the objects, given its manifest `doc` as rank 0 read it (or why it
-    could not; None: rank 0 reads it now): 0 ok, 1 invalid (fall back), 2 storage error,
-    3 the training state does not match the checkpoint's (no fallback can help). Every
-    phase ends with all ranks knowing its outcome, so no rank enters a collective alone."""
+    could not; None: rank 0 reads it now) and on rank 0 perhaps its `.metadata`, checked
+    against that manifest: 0 ok, 1 invalid (fall back), 2 storage error, 3 the training
+    state does not match the checkpoint's (no fallback can help). Every phase ends with all
+    ranks knowing its outcome, so no rank enters a collective alone."""
     rel = step_dir_name(step)
     rank = ctrl.rank
     # From a local disk (the root, the node spool) the rank's files come into the page cache
@@ -278,7 +290,7 @@ def _try_restore(
             prep = (1, f"{type(e).__name__}: {e}")
         if ctrl.max([prep[0]])[0]:
             return (*prep, None) if prep[0] else (1, "another rank could not prepare the restore", None)
-        return _load(ctrl, state, store, rel, manifest, sd, tiered, warm.stop)
+        return _load(ctrl, state, store, rel, manifest, sd, tiered, warm.stop, metadata)
 
 
 def _template(state: TrainingState, rank: int) -> dict[str, Any] | Exception:
@@ -291,14 +303,14 @@ def _template(state: TrainingState, rank: int) -> dict[str, Any] | Exception:
 
 def _load(
     ctrl: Group, state: TrainingState, store: Store, rel: str, manifest: Manifest, sd: dict[str, Any],
-    tiered: Tiered | None, before_read: Callable[[], None],
+    tiered: Tiered | None, before_read: Callable[[], None], metadata: bytes | None = None,
 ) -> tuple[int, str, Restored | None]:  # fmt: skip
     """The second half of `_try_restore`: read the step into `sd` and apply it."""
     rank = ctrl.rank
     # Each rank plans and reads its part alone (DCP's default load planning has no global
     # step: its collectives would only carry the plans around and wait); the ranks then
     # agree on the outcome before anything is applied, as applying may take collectives.
-    reader = make_reader(tiered or store, rel, manifest, before_read)  # type: ignore[arg-type]
+    reader = make_reader(tiered or store, rel, manifest, before_read, metadata)  # type: ignore[arg-type]
     planner = SafeLoadPlanner(optional_in_checkpoint)
     loaded = _outcome(lambda: dcp.load(sd, storage_reader=reader, planner=planner, no_dist=True))
     if ctrl.max([loaded[0]])[0]:

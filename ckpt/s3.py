@@ -27,7 +27,7 @@ from botocore.exceptions import ClientError
 from fsspec.asyn import sync
 from s3fs import S3FileSystem
 
-from .errors import NotFound, StorageError
+from .errors import InvalidCheckpoint, NotFound, StorageError
 from .s3_retry import (
     GaveUp,
     ShortRead,
@@ -236,9 +236,9 @@ class S3Transfers:
         finally:
             up.close()
 
-    def reader(self, path: str, where: str, ranges: list[tuple[int, int]] | None = None) -> Reader:
+    def reader(self, path: str, where: str, ranges: list[tuple[int, int]] | None = None, size: int | None = None) -> Reader:
         """The object `path`, to read (and close: a `with` block does); see `Reader`."""
-        return Reader(self, path, where, ranges)
+        return Reader(self, path, where, ranges, size)
 
 
 class Upload(io.RawIOBase):
@@ -486,21 +486,31 @@ class Reader(_Stream):
     in flight ahead of the position, so the reader waits only when it outruns the network.
     Given `ranges` ((start, end), in order), it fetches ahead only within them: a reader that
     needs a few blocks of a large object does not have all of it sent. A read elsewhere is
-    served all the same, and from then on the hint is ignored."""
+    served all the same, and from then on the hint is ignored.
 
-    def __init__(self, t: S3Transfers, path: str, where: str, ranges: list[tuple[int, int]] | None = None) -> None:
+    Every range comes from one version of the object (its ETag). Given the object's `size`
+    (a manifest says it), no HEAD goes first: the first GETs go out at once, the first answer's
+    ETag is asked of the GETs sent after it and compared with the others', and an object of
+    another size is an InvalidCheckpoint that says so."""
+
+    def __init__(
+        self, t: S3Transfers, path: str, where: str, ranges: list[tuple[int, int]] | None = None, size: int | None = None
+    ) -> None:  # fmt: skip
         self._t, self._where = t, where
         self._bucket, self._key, _ = t.fs.split_path(path)
-        try:
-            head = t.call(f"reading {where}", "head_object", Bucket=self._bucket, Key=self._key)
-        except StorageError as e:
-            if isinstance(e.__cause__, FileNotFoundError) or is_code(
-                e.__cause__, "404", "NoSuchKey"
-            ):
-                raise NotFound(f"{where} does not exist") from e.__cause__
-            raise
-        self.size = int(head["ContentLength"])
-        self._etag = head.get("ETag")  # IMPORTANT: every range from the same version of the object
+        self._expected = size is not None
+        self._etag: str | None = None  # IMPORTANT: every range from the same version of the object
+        if size is None:
+            try:
+                head = t.call(f"reading {where}", "head_object", Bucket=self._bucket, Key=self._key)
+            except StorageError as e:
+                if isinstance(e.__cause__, FileNotFoundError) or is_code(
+                    e.__cause__, "404", "NoSuchKey"
+                ):
+                    raise NotFound(f"{where} does not exist") from e.__cause__
+                raise
+            size, self._etag = int(head["ContentLength"]), head.get("ETag")
+        self.size = size
         self._ranges = ranges
         # (start, end, its GET), in order
         self._ahead: collections.deque[tuple[int, int, concurrent.futures.Future[bytes]]] = (
@@ -582,21 +592,45 @@ class Reader(_Stream):
         self._ahead.clear()
 
     async def _get(self, start: int, end: int) -> bytes:
-        async def once() -> bytes:
+        async def once() -> tuple[bytes, int | None, str | None]:
             kw = {"IfMatch": self._etag} if self._etag else {}
-            resp = await self._t.fs._call_s3(
-                "get_object",
-                Bucket=self._bucket,
-                Key=self._key,
-                Range=f"bytes={start}-{end - 1}",
-                **kw,
-            )
             try:
+                resp = await self._t.fs._call_s3(
+                    "get_object",
+                    Bucket=self._bucket,
+                    Key=self._key,
+                    Range=f"bytes={start}-{end - 1}",
+                    **kw,
+                )
+            except FileNotFoundError as e:
+                if self._expected and (is_code(e, "NoSuchKey") or not isinstance(botocore_error(e), ClientError)):
+                    return b"", None, None  # no such object (fsspec's sync would raise a returned exception)
+                raise
+            except OSError as e:
+                if self._expected and is_code(e, "InvalidRange", "416"):
+                    return b"", 0, None  # it ends before `start`: shorter than said
+                raise
+            try:
+                if resp.get("ContentRange"):
+                    total = int(resp["ContentRange"].rsplit("/", 1)[1])
+                else:  # the whole object: the range covered all of it
+                    total = int(resp["ContentLength"])
+                if total != self.size:
+                    return b"", total, None
                 data = await resp["Body"].read()
             finally:
                 resp["Body"].close()
             if len(data) != end - start:
                 raise ShortRead(f"{len(data)} of {end - start} bytes")
-            return data
+            return data, total, resp.get("ETag")
 
-        return await self._t.retry(f"reading {self._where} (bytes {start}-{end - 1})", once)
+        data, total, etag = await self._t.retry(f"reading {self._where} (bytes {start}-{end - 1})", once)
+        if total is None:
+            raise NotFound(f"{self._where} does not exist")
+        if total != self.size:
+            raise InvalidCheckpoint(f"{self._where}: {total if total else 'fewer than ' + str(start + 1)} bytes, {self.size} expected")
+        if self._etag is None:
+            self._etag = etag  # the version the GETs sent from now on ask for
+        elif etag is not None and etag != self._etag:
+            raise StorageError(f"reading {self._where}: the object changed while it was read (ETag {etag}, not {self._etag})")
+        return data

@@ -203,6 +203,7 @@ class Store:
         #: The checksum of the files written here (`ckpt.checksum`): BLAKE3 for a signing job.
         self.checksum_algo = CHECKSUM_ALGO
         self._s3: S3Transfers | None = None  # parallel, retried transfers; others use fsspec's files
+        self._bucket_seen = False  # check_reachable found the bucket
         if protocol in ("s3", "s3a"):
             from .s3 import S3Transfers
 
@@ -273,13 +274,16 @@ class Store:
     def check_reachable(self) -> None:
         """Fail now, with a clear error, if the root's bucket (on an object store) does not
         exist: an empty listing must mean "no checkpoint yet", never "wrong bucket"."""
-        if self.is_local:
+        if self.is_local or self._bucket_seen:
             return
         bucket = self.root.split("/", 1)[0]
         with storage_errors(f"checking {self.display}"):
             self.fs.invalidate_cache()
             if not self._bucket_exists(bucket):
                 raise StorageError(f"{self.display}: bucket {bucket!r} does not exist (or is not visible with these credentials)")
+        # Once is enough: what a Checkpointer does on entering (the lease, then the restore's
+        # listing) asks twice, one round trip each, and a bucket that goes later fails loudly.
+        self._bucket_seen = True
 
     def list_dir(self, rel: str) -> list[str]:
         """Names of the files directly under `rel` (empty if it does not exist)."""
@@ -326,6 +330,25 @@ class Store:
             except FileNotFoundError as e:
                 raise NotFound(f"{self.display}/{rel} does not exist") from e
 
+    def read_small(self, rel: str, at_most: int) -> bytes | None:
+        """The whole file in one request when it holds at most `at_most` bytes, else None
+        (never more than `at_most` + 1 bytes in memory). NotFound if there is no such file."""
+        where = f"{self.display}/{rel}"
+        with storage_errors(f"reading {where}"):
+            try:
+                if self._s3 is not None:
+                    data = self._s3.get_small(self.path(rel), where, limit=max(at_most, 1))
+                    if data is None:
+                        return None
+                elif self.is_local:
+                    with open(self.path(rel), "rb") as f:
+                        data = f.read(at_most + 1)
+                else:
+                    data = self.fs.cat_file(self.path(rel), start=0, end=at_most + 1)
+            except FileNotFoundError as e:
+                raise NotFound(f"{where} does not exist") from e
+        return data if len(data) <= at_most else None
+
     def _cat(self, path: str) -> bytes:
         """A whole file of a root that is not S3's (a local one without fsspec's layers: a
         save reads the lease twice this way)."""
@@ -335,14 +358,15 @@ class Store:
         return self.fs.cat_file(path)
 
     @contextlib.contextmanager
-    def open_read(self, rel: str, ranges: list[tuple[int, int]] | None = None) -> Iterator[BinaryIO]:
+    def open_read(self, rel: str, ranges: list[tuple[int, int]] | None = None, size: int | None = None) -> Iterator[BinaryIO]:
         """A sequential binary stream over one file (`read`, `readinto`, `seek`). On S3 it
         reads ahead with parallel ranged GETs (`Transfer.read_size`, `readahead`), only
         within `ranges` ((start, end) byte ranges, in order) when the caller knows that it
-        will read nothing else."""
+        will read nothing else; given the file's `size` (a manifest's), without asking the
+        store for it first (a file of another size is an InvalidCheckpoint as it is read)."""
         with storage_errors(f"reading {self.display}/{rel}"):
             if self._s3 is not None:
-                with self._s3.reader(self.path(rel), f"{self.display}/{rel}", ranges) as f:
+                with self._s3.reader(self.path(rel), f"{self.display}/{rel}", ranges, size) as f:
                     yield f
                 return
             try:

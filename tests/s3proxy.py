@@ -33,6 +33,7 @@ class FaultyProxy:
         self.upstream = urlsplit(upstream).netloc
         self.seen: Counter[str] = Counter()
         self.ranges: list[str] = []  # the Range header of every ranged GET
+        self.requests: list[tuple[str, str]] = []  # (kind, path) of every request, in order
         self.failed: Counter[str] = Counter()
         self.injected: Counter[str] = Counter()  # by fault, for the random ones
         self._plan: dict[str, list[str]] = {}
@@ -102,6 +103,7 @@ class FaultyProxy:
             kind = req.command.lower()
         with self._lock:
             self.seen[kind] += 1
+            self.requests.append((kind, urlsplit(req.path).path))
             plan = self._plan.get(kind, [])
             action = plan[0] if plan else None
             if plan and plan[0] != "always":

@@ -647,8 +647,8 @@ def bytes_read(monkeypatch):
     real = Store.open_read
 
     @contextlib.contextmanager
-    def counting(self, rel, ranges=None):
-        with real(self, rel, ranges) as f:
+    def counting(self, rel, ranges=None, size=None):
+        with real(self, rel, ranges, size) as f:
             yield _CountingFile(f, counts, os.path.basename(rel))
 
     monkeypatch.setattr(Store, "open_read", counting)

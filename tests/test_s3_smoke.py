@@ -26,3 +26,30 @@ def test_a_bucket_that_does_not_exist_is_a_storage_error_not_a_fresh_start(s3_en
     with pytest.raises(ckpt.StorageError, match="does not exist"):
         with ckpt.Checkpointer("s3://no-such-bucket-ckpt/run", model=m):
             pass
+
+
+def test_a_restore_reads_each_manifest_once_and_asks_no_object_for_its_size(s3_root, s3_options):
+    """Round trips are what a restore waits for on an object store: the step's manifest and
+    `.metadata` are read once (the ones checked are the ones restored from), the bucket is
+    checked once, and the files (sizes known from the manifest) read without a HEAD first."""
+    from s3proxy import FaultyProxy
+
+    torch.manual_seed(0)
+    m = torch.nn.Linear(64, 64)
+    with ckpt.Checkpointer(s3_root, model=m, storage_options=s3_options, interval=None, save_on_exit=False) as cp:
+        cp.step_done()
+        cp.save(blocking=True)
+    proxy = FaultyProxy(s3_options["endpoint_url"])
+    try:
+        m2 = torch.nn.Linear(64, 64)
+        with ckpt.Checkpointer(s3_root, model=m2, storage_options={**s3_options, "endpoint_url": proxy.url}, save_on_exit=False) as cp:
+            assert cp.step == 1
+            seen = list(proxy.requests)
+    finally:
+        proxy.close()
+    assert torch.equal(m2.weight, m.weight)
+    bucket, step_dir = s3_root.removeprefix("s3://").split("/")[0], "/".join([s3_root.removeprefix("s3://"), "step-0000000001"])
+    reads = [path.removeprefix(f"/{step_dir}/") for kind, path in seen if kind == "range" and path.startswith(f"/{step_dir}/")]
+    assert reads.count("manifest.json") == 1, seen
+    assert reads.count(".metadata") == 1, seen  # checked by the catalog, then loaded from those bytes
+    assert [path.strip("/") for kind, path in seen if kind == "head"] == [bucket], seen

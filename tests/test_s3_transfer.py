@@ -16,7 +16,7 @@ import pytest
 import s3fs
 from s3proxy import FaultyProxy
 
-from ckpt.errors import NotFound, StorageError
+from ckpt.errors import InvalidCheckpoint, NotFound, StorageError
 from ckpt.storage import MiB, Store, Transfer
 
 PART = 5 * MiB  # S3's smallest part, so that a few MiB make several parts
@@ -379,3 +379,51 @@ def test_objects_a_store_refuses_to_delete_fail_retention_loudly_and_nothing_is_
     assert sorted(root.scan()) == [3]
     with ckpt.Checkpointer(s3_root, model=model, **kw) as cp:
         assert cp.restored_step == 3
+
+
+def test_a_reader_told_the_size_sends_no_head_and_an_object_of_another_size_is_invalid(proxy, s3_root, s3_options):
+    """A checkpoint's files are read with the manifest's sizes: the GETs go out at once (a
+    HEAD first costs a round trip per file), and a file of another size, or none, says so."""
+    store = through(proxy, s3_root, s3_options)
+    data = payload(7 * MiB + 3)
+    with store.open_write("f") as f:
+        f.write(data)
+    proxy.seen.clear()
+    with store.open_read("f", size=len(data)) as f:
+        assert f.read() == data
+    assert proxy.seen["head"] == 0 and proxy.seen["range"] == 4  # 2 MiB ranges
+
+    for said in (len(data) + 1, len(data) - 1, 9 * MiB):  # longer, shorter, past its end
+        with pytest.raises(InvalidCheckpoint, match=rf"{len(data)} bytes, {said} expected"):
+            with store.open_read("f", size=said) as f:
+                f.read()
+    with pytest.raises(InvalidCheckpoint, match=rf"fewer than {8 * MiB + 1} bytes, {9 * MiB} expected"):
+        with store.open_read("f", [(8 * MiB, 9 * MiB)], size=9 * MiB) as f:  # a range it does not hold
+            f.seek(8 * MiB)
+            f.read()
+    with pytest.raises(NotFound, match="missing does not exist"):
+        with store.open_read("missing", size=10) as f:
+            f.read()
+
+
+def test_a_reader_told_the_size_refuses_an_object_replaced_while_it_reads(proxy, s3_root, s3_options):
+    store = through(proxy, s3_root, s3_options, readahead=1)
+    first, second = payload(6 * MiB), payload(6 * MiB)
+    with store.open_write("f") as f:
+        f.write(first)
+    with pytest.raises(StorageError, match="PreconditionFailed|412"):
+        with store.open_read("f", size=len(first)) as f:
+            assert f.read(2 * MiB) == first[: 2 * MiB]  # its ETag is the one asked for from now on
+            with store.open_write("f") as w:
+                w.write(second)
+            f.read()
+
+
+def test_read_small_reads_a_file_up_to_its_limit_whole_and_no_more(proxy, s3_root, s3_options, tmp_path):
+    for store in (through(proxy, s3_root, s3_options), Store(tmp_path)):
+        data = payload(5000)
+        store.put_atomic("x", data)
+        assert store.read_small("x", 5000) == data and store.read_small("x", 9000) == data
+        assert store.read_small("x", 4999) is None
+        with pytest.raises(NotFound):
+            store.read_small("missing", 10)
