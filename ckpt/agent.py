@@ -358,7 +358,7 @@ class Agent:
             f = open(src, "rb")
         except FileNotFoundError:
             raise SpoolCopyBad(f"{src} is missing from the spool") from None
-        with f, store.open_write(rel) as out:
+        with f, store.open_write(rel, entry.size) as out:
             while chunk := f.read(self._limiter.chunk):
                 if self._abandon.is_set():
                     raise Abandoned()

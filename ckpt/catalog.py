@@ -88,10 +88,11 @@ def verify_file(store: Store, step_dir: str, name: str, manifest: Manifest) -> b
     where = f"{store.display}/{step_dir}/{name}"
     entry = _entry(where, name, manifest)
     if entry.size <= WHOLE_READ_MAX:
-        data = store.read_small(f"{step_dir}/{name}", entry.size)
-        if data is not None:  # else larger than the manifest says: the reader below says so
-            _check(where, entry, len(data), checksum(data, entry.block, algorithm(entry, where)))
-            return data
+        data = store.read_small(f"{step_dir}/{name}", WHOLE_READ_MAX)
+        if data is None:
+            raise InvalidCheckpoint(f"{where}: longer than the {entry.size} bytes the manifest says")
+        _check(where, entry, len(data), checksum(data, entry.block, algorithm(entry, where)))
+        return data
     with VerifyingReader.open(store, step_dir, name, manifest) as src:
         src.finish()
     return None
@@ -301,7 +302,7 @@ def inspect(
     """Classify one step directory. Reads its manifest (unless given its bytes, `doc`); with
     `metadata`, also checks the checksum of `.metadata`; with `deep`, of every file. With
     `key`, a manifest not signed with it is corrupt: never to be trusted. `keep_doc`: the
-    entry keeps the manifest's bytes."""
+    entry keeps the manifest's bytes, and `.metadata`'s once checked (if read whole)."""
     entry = Entry(listing.step, INCOMPLETE, bytes_on_store=sum(listing.files.values()))
     if not listing.has_manifest:
         entry.problem = "no manifest (never committed, or still being written)"
@@ -430,7 +431,7 @@ def retire(store: Store, scans: Scans, keep: Keep, key: SigningKey | None, *, in
 
 
 def restore_candidates(
-    store: Store, key: SigningKey | None = None, exclude: set[int] | frozenset[int] = frozenset()
+    store: Store, key: SigningKey | None = None, exclude: set[int] | frozenset[int] = frozenset(), keep: bool = False
 ) -> tuple[list[Entry], list[Entry]]:
     """(committed checkpoints newest commit first, the directories that were passed over).
 
@@ -442,7 +443,8 @@ def restore_candidates(
     candidate. Directories with a manifest left unread come last, newest written first, for
     a restore that must fall back that far (it checks each as it tries it), in an order that
     is exact only for the first: a restore that falls back asks again, `exclude`-ing the steps
-    it tried. With `key`, only checkpoints signed with it are candidates."""
+    it tried. With `key`, only checkpoints signed with it are candidates. `keep`: the first
+    keeps the bytes of its manifest and `.metadata` that were checked (`Entry.doc`)."""
     listings = {step: lst for step, lst in store.scan().items() if step not in exclude}
     entries = [inspect(store, lst) for lst in listings.values() if not lst.has_manifest]  # nothing to read
     unread = sorted((lst for lst in listings.values() if lst.has_manifest), key=_written, reverse=True)
@@ -451,14 +453,14 @@ def restore_candidates(
         while unread and not (good and _written(unread[0])[0] < good[0].manifest.created - CLOCK_SKEW_S):  # type: ignore[union-attr]
             n = 1 if store.is_local else 16  # a remote store's in parallel: latency, not bytes
             batch, unread = unread[:n], unread[n:]
-            for entry in _inspect_all(store, batch, key=key, keep_doc=True):
+            for entry in _inspect_all(store, batch, key=key, keep_doc=keep):
                 entries.append(entry)
                 if entry.state == COMMITTED:
                     good.append(entry)
             good.sort(key=lambda e: (e.manifest.created, e.step), reverse=True)  # type: ignore[union-attr]
         if not good:
             break
-        checked = inspect(store, listings[good[0].step], metadata=True, key=key, keep_doc=True, doc=good[0].doc)
+        checked = inspect(store, listings[good[0].step], metadata=True, key=key, keep_doc=keep, doc=good[0].doc)
         if checked.state == COMMITTED:
             break
         entries[entries.index(good[0])] = checked
@@ -484,14 +486,14 @@ def _written(lst: StepListing) -> tuple[float, int]:
     return (lst.manifest_mtime if lst.manifest_mtime is not None else math.inf), lst.step
 
 
-def find(store: Store, step: int | None, key: SigningKey | None = None) -> Entry:
+def find(store: Store, step: int | None, key: SigningKey | None = None, keep: bool = False) -> Entry:
     """The committed checkpoint at `step` (newest when None); NotFound or InvalidCheckpoint.
-    With `key`, only one signed with it."""
+    With `key`, only one signed with it; `keep`, see `restore_candidates`."""
     listings = store.scan()
     if not listings:
         raise NotFound(f"no checkpoints under {store.display}")
     if step is None:
-        good, skipped = restore_candidates(store, key)
+        good, skipped = restore_candidates(store, key, keep=keep)
         passed = [e for e in skipped if e.state == CORRUPT or untrusted(e)]
         if not good and passed:  # committed once, by their listing: say why none is now
             why = first_few([f"{e.dir}: {e.problem}" for e in passed], "; ")
@@ -504,7 +506,7 @@ def find(store: Store, step: int | None, key: SigningKey | None = None) -> Entry
         return good[0]
     if step not in listings:
         raise NotFound(f"no checkpoint at step {step} under {store.display}")
-    entry = inspect(store, listings[step], metadata=True, key=key, keep_doc=True)
+    entry = inspect(store, listings[step], metadata=True, key=key, keep_doc=keep)
     if entry.state != COMMITTED:
         raise InvalidCheckpoint(f"step {step} is {'untrusted' if untrusted(entry) else entry.state}: {entry.problem}")
     return entry

@@ -139,7 +139,7 @@ def write_file(
                 views = _views(prefix, pieces, segments, gate)
     in_flight = (store.transfer.concurrency + 1) * store.transfer.part_size  # an upload's parts
     try:
-        with store.open_write(rel) as f:
+        with store.open_write(rel, size) as f:
             hasher = Hasher(block, algo=store.checksum_algo)
             if store.is_local:
                 _writev_all(f.fileno(), views, hasher)

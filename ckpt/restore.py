@@ -193,11 +193,11 @@ def _restore_plan(
         if tried:
             return [], set(), [], 0.0, None
         store.check_reachable()
-        entry = catalog.find(store, mode, key)
+        entry = catalog.find(store, mode, key, keep=True)
         return [entry.step], {s for s, lst in store.scan().items() if lst.has_manifest}, [], newest_commit(store, key), entry
     if not tried:
         store.check_reachable()
-    good, skipped = catalog.restore_candidates(store, key, exclude=set(tried))
+    good, skipped = catalog.restore_candidates(store, key, exclude=set(tried), keep=True)
     taken = {e.step for e in good} | {e.step for e in skipped if e.state == catalog.CORRUPT} | set(tried)
     if tried:  # falling back: the corrupt ones newer than the next candidate were said before
         passed = [e for e in skipped if e.state == catalog.CORRUPT and (not good or e.step < good[0].step)]
@@ -253,8 +253,9 @@ def _try_restore(
     rank = ctrl.rank
     # From a local disk (the root, the node spool) the rank's files come into the page cache
     # while it builds its template, so the manifest that names them is needed first. From an
-    # object store, where nothing is warmed, every rank builds its template while rank 0
-    # reads the manifest (else they wait for that read, and rank 0 then for their templates).
+    # object store, where nothing is warmed, every rank builds its template first (while rank
+    # 0 reads the manifest, when the catalog did not keep it: else they would wait for that
+    # read, and rank 0 then for their templates).
     local = store.is_local or (handoff is not None and handoff.local is not None)
     base = None if local else _template(state, rank)
     if doc is None:  # the same on every rank: rank 0 sent it or not

@@ -42,6 +42,7 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 MAX_PARTS = 10_000  # S3's limit for one multipart upload
+PUT_MAX = 5 << 30  # S3's largest PUT, and largest part
 KEEP_FROM = 1 * MiB  # smaller pieces are copied: a reference per tiny header costs more
 
 # A process's S3 file systems, one per set of options. A new one makes a botocore client on
@@ -223,10 +224,11 @@ class S3Transfers:
         return asyncio.run_coroutine_threadsafe(coro, self.fs.loop)  # type: ignore[arg-type]
 
     @contextlib.contextmanager
-    def upload(self, path: str, where: str) -> Iterator[Upload]:
+    def upload(self, path: str, where: str, size: int | None = None) -> Iterator[Upload]:
         """The object `path`, visible once the block exits without error; `where` names it in
-        messages. On any failure nothing is left: no object, no incomplete upload."""
-        up = Upload(self, path, where)
+        messages; `size`, if known, the bytes that will be written. On any failure nothing is
+        left: no object, no incomplete upload."""
+        up = Upload(self, path, where, size)
         try:
             yield up
             up.commit()
@@ -247,14 +249,17 @@ class Upload(io.RawIOBase):
 
     A part is a list of pieces: references to the caller's buffers that own their memory and
     are at least KEEP_FROM long, and copies of everything else. The object becomes visible
-    only at `commit`: one PUT for a file of at most two parts, else the completion of the
-    upload. So full parts are held (`_held`) until the file outgrows two: a multipart upload
-    costs three more requests, its small last part is a request of its own, and a file of up
-    to about 100 MB is one PUT as AWS advises (and as s3fs's `pipe_file` sends it)."""
+    only at `commit`: one PUT for a file of at most two parts (and 5 GiB), else the completion
+    of the upload. A multipart upload costs three more requests and its small last part is a
+    request of its own, so a file of up to about 100 MB is one PUT, as AWS advises (and as
+    s3fs's `pipe_file` sends it). Told the file's `size`, the upload knows from the start
+    which it is; else full parts are held (`_held`) until the file outgrows one PUT."""
 
-    def __init__(self, t: S3Transfers, path: str, where: str) -> None:
+    def __init__(self, t: S3Transfers, path: str, where: str, size: int | None = None) -> None:
         self._t, self._where = t, where
         self._bucket, self._key, _ = t.fs.split_path(path)
+        self._one_put = min(2 * t.config.part_size, PUT_MAX)  # the most one PUT carries
+        self._multipart = size is not None and size > self._one_put
         self._pieces: list[memoryview | bytearray] = []  # of the part being filled
         self._fill = 0  # bytes in those pieces
         self._held: list[list[memoryview | bytearray]] = []  # full parts, while one PUT may do
@@ -278,9 +283,9 @@ class Upload(io.RawIOBase):
         size = len(view)
         keep = view.obj is not None and size >= KEEP_FROM
         part = self._t.config.part_size
-        multipart = self._size + size > 2 * part
+        multipart = self._multipart or self._size + size > self._one_put
         while view:
-            # A full part waits for more bytes, so that a file of one part is one PUT.
+            # A full part goes once more bytes follow (one PUT: it is held until commit).
             if self._fill == part:
                 self._held.append(self._pieces)
                 self._pieces, self._fill = [], 0
@@ -369,7 +374,9 @@ class Upload(io.RawIOBase):
     def commit(self) -> None:
         what = f"writing {self._where}"
         if self._upload_id is None:
-            self._t.run(self._send, what, "put_object", [*itertools.chain(*self._held), *self._pieces])
+            pieces = [*itertools.chain(*self._held), *self._pieces]
+            self._let_go()  # the request's own list is emptied once it is sent, as a part's is
+            self._t.run(self._send, what, "put_object", pieces)
             return
         if self._fill:
             self._send_part(self._pieces)
@@ -398,12 +405,13 @@ class Upload(io.RawIOBase):
         for fut in self._running:
             fut.cancel()
         self._running.clear()
-        self._pieces.clear()
-        self._held.clear()
         try:
             # IMPORTANT: no part may still be sending, or it could outlive the abort (and
             # keep reading the caller's buffers after the block exits).
-            self._t.run(self._stop_tasks)
+            try:
+                self._t.run(self._stop_tasks)
+            finally:
+                self._let_go()
             if self._upload_id is not None:
                 self._t.call(
                     f"aborting the upload of {self._where}", "abort_multipart_upload",
@@ -414,6 +422,14 @@ class Upload(io.RawIOBase):
             logger.warning(
                 "%s; a lifecycle rule (AbortIncompleteMultipartUpload) removes what is left", e
             )
+
+    def _let_go(self) -> None:
+        """Drop every reference to the caller's buffers that the parts not sent hold (a list
+        may still be referenced elsewhere: a traceback's frame)."""
+        for pieces in self._held:
+            pieces.clear()
+        self._held.clear()
+        self._pieces.clear()
 
     async def _stop_tasks(self) -> None:
         tasks = list(self._tasks)

@@ -12,9 +12,11 @@ import concurrent.futures
 import contextlib
 import errno
 import logging
+import math
 import os
 import re
 import shutil
+import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -67,6 +69,11 @@ def _no_room(e: BaseException | None) -> bool:
     return False
 
 
+# How long check_reachable trusts its last look (a bucket deleted then is a listing found
+# empty: "no checkpoint", a fresh start).
+BUCKET_SEEN_S = 10.0
+
+
 @dataclass(frozen=True)
 class Transfer:
     """How files move to and from an S3 root (other roots ignore it). Memory per open file:
@@ -76,7 +83,8 @@ class Transfer:
 
     part_size: int = 64 * MiB
     """Bytes per part of a multipart upload. S3 wants at least 5 MiB and at most 10,000
-    parts, so 64 MiB allows files up to 640 GiB. A file of up to two parts is one PUT."""
+    parts, so 64 MiB allows files up to 640 GiB. A file of up to two parts (and 5 GiB) is one
+    PUT."""
     concurrency: int = 8
     """Parts of one file uploaded at the same time."""
     read_size: int = 32 * MiB
@@ -96,8 +104,8 @@ class Transfer:
     hangs thus fails a save after about `attempts` times this, never later."""
 
     def __post_init__(self) -> None:
-        if self.part_size < 5 * MiB:
-            raise ValueError(f"Transfer.part_size must be at least 5 MiB (S3's minimum part), not {self.part_size}")
+        if not 5 * MiB <= self.part_size <= 5 * 1024 * MiB:
+            raise ValueError(f"Transfer.part_size must be from 5 MiB to 5 GiB (S3's smallest and largest part), not {self.part_size}")
         if min(self.concurrency, self.read_size, self.readahead, self.attempts) < 1 or self.timeout_s <= 0:
             raise ValueError(f"Transfer's counts and sizes must be positive: {self}")
 
@@ -203,7 +211,7 @@ class Store:
         #: The checksum of the files written here (`ckpt.checksum`): BLAKE3 for a signing job.
         self.checksum_algo = CHECKSUM_ALGO
         self._s3: S3Transfers | None = None  # parallel, retried transfers; others use fsspec's files
-        self._bucket_seen = False  # check_reachable found the bucket
+        self._bucket_seen = -math.inf  # when check_reachable last found the bucket
         if protocol in ("s3", "s3a"):
             from .s3 import S3Transfers
 
@@ -274,16 +282,16 @@ class Store:
     def check_reachable(self) -> None:
         """Fail now, with a clear error, if the root's bucket (on an object store) does not
         exist: an empty listing must mean "no checkpoint yet", never "wrong bucket"."""
-        if self.is_local or self._bucket_seen:
+        if self.is_local or time.monotonic() - self._bucket_seen < BUCKET_SEEN_S:
             return
         bucket = self.root.split("/", 1)[0]
         with storage_errors(f"checking {self.display}"):
             self.fs.invalidate_cache()
             if not self._bucket_exists(bucket):
                 raise StorageError(f"{self.display}: bucket {bucket!r} does not exist (or is not visible with these credentials)")
-        # Once is enough: what a Checkpointer does on entering (the lease, then the restore's
-        # listing) asks twice, one round trip each, and a bucket that goes later fails loudly.
-        self._bucket_seen = True
+        # What a Checkpointer does on entering (the lease, then the restore's listing) asks
+        # twice within a second: a round trip each on the restore's path.
+        self._bucket_seen = time.monotonic()
 
     def list_dir(self, rel: str) -> list[str]:
         """Names of the files directly under `rel` (empty if it does not exist)."""
@@ -362,8 +370,9 @@ class Store:
         """A sequential binary stream over one file (`read`, `readinto`, `seek`). On S3 it
         reads ahead with parallel ranged GETs (`Transfer.read_size`, `readahead`), only
         within `ranges` ((start, end) byte ranges, in order) when the caller knows that it
-        will read nothing else; given the file's `size` (a manifest's), without asking the
-        store for it first (a file of another size is an InvalidCheckpoint as it is read)."""
+        will read nothing else. `size`: the file's size as a manifest says it; on S3 the
+        GETs then go out without a HEAD first, and an object of another size is an
+        InvalidCheckpoint as it is read (elsewhere the caller's checks find it)."""
         with storage_errors(f"reading {self.display}/{rel}"):
             if self._s3 is not None:
                 with self._s3.reader(self.path(rel), f"{self.display}/{rel}", ranges, size) as f:
@@ -383,9 +392,11 @@ class Store:
 
     # -- writing ----------------------------------------------------------------------------
     @contextlib.contextmanager
-    def open_write(self, rel: str) -> Iterator[BinaryIO]:
+    def open_write(self, rel: str, size: int | None = None) -> Iterator[BinaryIO]:
         """A new file that is durable when the block exits: fsync'd locally, a completed PUT
         (or multipart upload) on an object store. On error the partial file is removed.
+        `size`: the bytes that will be written, if known (on S3: one PUT or parts, from the
+        start).
 
         On S3 the bytes go out in parts while the block runs (`Transfer`), and a failure or
         an exception in the block aborts the upload: no object, no incomplete upload.
@@ -396,7 +407,7 @@ class Store:
         path = self.path(rel)
         with storage_errors(f"writing {self.display}/{rel}"):
             if self._s3 is not None:
-                with self._s3.upload(path, f"{self.display}/{rel}") as up:
+                with self._s3.upload(path, f"{self.display}/{rel}", size) as up:
                     yield up
                 return
             if self.is_local:

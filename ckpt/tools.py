@@ -99,7 +99,7 @@ def copy(src: Store, dst: Store, step: int | None = None, progress: bool | None 
                 resumed += 1
                 bar.add(f.size)
                 continue
-            with catalog.VerifyingReader.open(src, rel, name, manifest) as reader, dst.open_write(f"{rel}/{name}") as out:
+            with catalog.VerifyingReader.open(src, rel, name, manifest) as reader, dst.open_write(f"{rel}/{name}", f.size) as out:
                 left = f.size
                 while left:
                     data = reader.read(min(CHUNK, left))

@@ -700,11 +700,11 @@ def test_a_restore_reads_and_verifies_only_the_blocks_holding_what_it_loads(tmp_
 
 def test_a_blocked_file_cut_short_or_grown_is_caught(tmp_path):
     MiB = 1 << 20
-    step = save(tmp_path / "root", {"w": torch.randn(5 * MiB // 4)})
+    step = save(tmp_path / "root", {"w": torch.randn(9 * MiB // 4)})  # streamed: past WHOLE_READ_MAX
     store = Store(str(tmp_path / "root"))
     manifest = Manifest.from_json((step / MANIFEST_NAME).read_bytes())
     full = (step / DATA).stat().st_size
-    assert manifest.files[DATA].block == MiB
+    assert manifest.files[DATA].block == MiB and full > catalog.WHOLE_READ_MAX
     with open(step / DATA, "ab") as f:
         f.write(b"x")
     with pytest.raises(InvalidCheckpoint, match=f"{DATA}: {full + 1} bytes, manifest says {full}"):
@@ -718,7 +718,28 @@ def test_a_blocked_file_cut_short_or_grown_is_caught(tmp_path):
     with pytest.raises(InvalidCheckpoint, match=f"{DATA}: {full - MiB} bytes, manifest says {full}"):
         catalog.verify_file(store, step.name, DATA, manifest)
     with pytest.raises(CheckpointException, match=f"{DATA}: {full - MiB} bytes, manifest says {full}"):
-        load_step(step, {"extra": {"h": {"w": torch.zeros(5 * MiB // 4)}}})
+        load_step(step, {"extra": {"h": {"w": torch.zeros(9 * MiB // 4)}}})
+
+
+def test_a_small_file_checked_in_one_read_cut_short_or_grown_is_caught(tmp_path, monkeypatch):
+    monkeypatch.setattr(catalog, "WHOLE_READ_MAX", 64 << 10)
+    step = save(tmp_path / "root", {"w": torch.randn(10)})
+    store = Store(str(tmp_path / "root"))
+    manifest = Manifest.from_json((step / MANIFEST_NAME).read_bytes())
+    full = (step / METADATA_NAME).stat().st_size
+    assert full <= catalog.WHOLE_READ_MAX
+    assert catalog.verify_file(store, step.name, METADATA_NAME, manifest) == (step / METADATA_NAME).read_bytes()
+    with open(step / METADATA_NAME, "ab") as f:
+        f.write(b"x")
+    with pytest.raises(InvalidCheckpoint, match=f"{METADATA_NAME}: {full + 1} bytes, manifest says {full}"):
+        catalog.verify_file(store, step.name, METADATA_NAME, manifest)
+    with open(step / METADATA_NAME, "ab") as f:
+        f.write(b"x" * (64 << 10))
+    with pytest.raises(InvalidCheckpoint, match=f"{METADATA_NAME}: longer than the {full} bytes the manifest says"):
+        catalog.verify_file(store, step.name, METADATA_NAME, manifest)
+    os.truncate(step / METADATA_NAME, full - 1)
+    with pytest.raises(InvalidCheckpoint, match=f"{METADATA_NAME}: {full - 1} bytes, manifest says {full}"):
+        catalog.verify_file(store, step.name, METADATA_NAME, manifest)
 
 
 def test_a_partial_read_verifies_every_block_it_touched_and_nothing_past_the_manifests_size():

@@ -89,6 +89,38 @@ def test_every_size_round_trips_byte_for_byte_with_s3fs_on_either_side(
     assert not uploads_in_progress(s3_endpoint, bucket)
 
 
+def test_told_the_size_an_upload_sends_its_first_part_as_soon_as_it_is_full(store, s3_root, s3_endpoint):
+    bucket, prefix = s3_root.removeprefix("s3://").split("/", 1)
+    data = payload(3 * PART)
+    with store.open_write("sized", size=len(data)) as f:
+        f.write(data[: PART + 1])
+        assert len(uploads_in_progress(s3_endpoint, bucket)) == 1
+        f.write(data[PART + 1 :])
+    assert store.read_bytes("sized") == data and etag(s3_endpoint, bucket, f"{prefix}/sized").endswith("-3")
+    with store.open_write("small", size=2 * PART) as f:
+        f.write(data[: 2 * PART])
+        assert uploads_in_progress(s3_endpoint, bucket) == []
+    assert "-" not in etag(s3_endpoint, bucket, f"{prefix}/small")  # one PUT
+
+
+def test_an_aborted_upload_lets_go_of_the_held_parts_buffers(store, s3_root, s3_endpoint):
+    mm = mmap.mmap(-1, 2 * PART)
+    mm[:] = payload(len(mm))
+    view = memoryview(mm)
+    with pytest.raises(StorageError, match="the writer failed"):
+        with store.open_write("held") as f:
+            f.write(view)  # two parts: held for one PUT
+            raise RuntimeError("the writer failed")
+    view.release()
+    mm.close()  # BufferError if a held part still referred to it
+    assert not store.exists("held") and uploads_in_progress(s3_endpoint, bucket_of(s3_root)) == []
+
+
+def test_a_part_larger_than_s3_allows_is_refused():
+    with pytest.raises(ValueError, match="5 MiB to 5 GiB"):
+        Transfer(part_size=6 << 30)
+
+
 def test_parts_are_held_while_one_put_may_do_and_go_as_soon_as_the_file_outgrows_two(store, s3_root, s3_endpoint):
     data = payload(2 * PART + 1)
     bucket, prefix = s3_root.removeprefix("s3://").split("/", 1)
@@ -102,9 +134,10 @@ def test_parts_are_held_while_one_put_may_do_and_go_as_soon_as_the_file_outgrows
     assert etag(s3_endpoint, bucket, f"{prefix}/held").endswith("-3")
 
 
-def test_a_memoryview_of_an_mmap_goes_out_without_being_held_after_the_block(store):
+@pytest.mark.parametrize("size", [8 * MiB, 23 * MiB], ids=["one-put", "multipart"])
+def test_a_memoryview_of_an_mmap_goes_out_without_being_held_after_the_block(store, size):
     header = payload(1000)
-    mm = mmap.mmap(-1, 23 * MiB)
+    mm = mmap.mmap(-1, size)
     mm[:] = payload(len(mm))
     view = memoryview(mm)
 
