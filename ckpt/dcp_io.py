@@ -85,10 +85,10 @@ class _VerifiedFiles(FileSystemBase):
             raise PermissionError("a checkpoint is read-only once committed")
         name = os.path.basename(os.fspath(path))
         if name == METADATA_NAME and self._metadata is not None:
-            data, self._metadata = self._metadata, None  # handed over, not read
+            data, self._metadata = self._metadata, None  # read for this restore, by the catalog
         else:
             data = read_verified(self.store, self.step_dir, name, self.manifest)
-            self.read_bytes += len(data)
+        self.read_bytes += len(data)
         yield io.BytesIO(data)
 
     def concat_path(self, path: str | os.PathLike, suffix: str) -> str:
