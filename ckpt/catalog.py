@@ -444,7 +444,8 @@ def restore_candidates(
     a restore that must fall back that far (it checks each as it tries it), in an order that
     is exact only for the first: a restore that falls back asks again, `exclude`-ing the steps
     it tried. With `key`, only checkpoints signed with it are candidates. `keep`: the first
-    keeps the bytes of its manifest and `.metadata` that were checked (`Entry.doc`)."""
+    keeps the bytes of its manifest and of `.metadata` (if read whole: at most
+    WHOLE_READ_MAX) that were checked (`Entry.doc`, `Entry.metadata`)."""
     listings = {step: lst for step, lst in store.scan().items() if step not in exclude}
     entries = [inspect(store, lst) for lst in listings.values() if not lst.has_manifest]  # nothing to read
     unread = sorted((lst for lst in listings.values() if lst.has_manifest), key=_written, reverse=True)
@@ -453,7 +454,7 @@ def restore_candidates(
         while unread and not (good and _written(unread[0])[0] < good[0].manifest.created - CLOCK_SKEW_S):  # type: ignore[union-attr]
             n = 1 if store.is_local else 16  # a remote store's in parallel: latency, not bytes
             batch, unread = unread[:n], unread[n:]
-            for entry in _inspect_all(store, batch, key=key, keep_doc=keep):
+            for entry in _inspect_all(store, batch, key=key, keep_doc=True):  # for the check below
                 entries.append(entry)
                 if entry.state == COMMITTED:
                     good.append(entry)

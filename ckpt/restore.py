@@ -91,7 +91,7 @@ def restore(
                 taken |= more
                 newest = max(newest, created)
                 if first is not None:
-                    doc, metadata = first.doc, first.metadata if first.doc is not None else None
+                    doc, metadata = first.doc, first.metadata
             except CheckpointError as e:
                 plan = f"{type(e).__name__}: {e}"
             if plan and not isinstance(plan, str) and doc is None and store.is_local:

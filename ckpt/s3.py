@@ -36,13 +36,12 @@ from .s3_retry import (
     is_code,
     tried,
 )
-from .storage import MiB, Transfer
+from .storage import PUT_MAX, MiB, Transfer
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 MAX_PARTS = 10_000  # S3's limit for one multipart upload
-PUT_MAX = 5 << 30  # S3's largest PUT, and largest part
 KEEP_FROM = 1 * MiB  # smaller pieces are copied: a reference per tiny header costs more
 
 # A process's S3 file systems, one per set of options. A new one makes a botocore client on
@@ -252,8 +251,10 @@ class Upload(io.RawIOBase):
     only at `commit`: one PUT for a file of at most two parts (and 5 GiB), else the completion
     of the upload. A multipart upload costs three more requests and its small last part is a
     request of its own, so a file of up to about 100 MB is one PUT, as AWS advises (and as
-    s3fs's `pipe_file` sends it). Told the file's `size`, the upload knows from the start
-    which it is; else full parts are held (`_held`) until the file outgrows one PUT."""
+    s3fs's `pipe_file` sends it). Told the file's `size`, an upload that will need parts sends
+    the first as soon as it is full; else full parts are held (`_held`) until the file
+    outgrows one PUT. The size told is a hint: the bytes written decide, and a wrong one
+    costs requests, never the object's bytes."""
 
     def __init__(self, t: S3Transfers, path: str, where: str, size: int | None = None) -> None:
         self._t, self._where = t, where
@@ -325,18 +326,21 @@ class Upload(io.RawIOBase):
     async def _upload_part(
         self, number: int, pieces: list[memoryview | bytearray]
     ) -> tuple[int, str]:
+        what = f"writing {self._where} (part {number})"
+        out = await self._tracked(self._send(what, "upload_part", pieces, UploadId=self._upload_id, PartNumber=number))
+        return number, out["ETag"]
+
+    async def _tracked(self, request: Awaitable[T]) -> T:
+        """`request`, awaited in a task that `abort` can stop: one the caller gave up waiting
+        for (an interrupt in `run`) must not go on reading its buffers after the block."""
         task = asyncio.current_task()
         assert task is not None
         self._tasks.add(task)
         try:
-            what = f"writing {self._where} (part {number})"
-            out = await self._send(
-                what, "upload_part", pieces, UploadId=self._upload_id, PartNumber=number
-            )
-            return number, out["ETag"]
+            return await request
         finally:
             self._tasks.discard(task)
-            del task  # no cycle through this frame: a cancelled part is freed at once
+            del task  # no cycle through this frame: a cancelled request is freed at once
 
     async def _send(
         self, what: str, method: str, pieces: list[memoryview | bytearray], **kwargs: Any
@@ -376,7 +380,7 @@ class Upload(io.RawIOBase):
         if self._upload_id is None:
             pieces = [*itertools.chain(*self._held), *self._pieces]
             self._let_go()  # the request's own list is emptied once it is sent, as a part's is
-            self._t.run(self._send, what, "put_object", pieces)
+            self._t.run(self._tracked, self._send(what, "put_object", pieces))
             return
         if self._fill:
             self._send_part(self._pieces)

@@ -69,6 +69,8 @@ def _no_room(e: BaseException | None) -> bool:
     return False
 
 
+PUT_MAX = 5 << 30  # S3's largest PUT, and largest part
+
 # How long check_reachable trusts its last look (a bucket deleted then is a listing found
 # empty: "no checkpoint", a fresh start).
 BUCKET_SEEN_S = 10.0
@@ -104,7 +106,7 @@ class Transfer:
     hangs thus fails a save after about `attempts` times this, never later."""
 
     def __post_init__(self) -> None:
-        if not 5 * MiB <= self.part_size <= 5 * 1024 * MiB:
+        if not 5 * MiB <= self.part_size <= PUT_MAX:
             raise ValueError(f"Transfer.part_size must be from 5 MiB to 5 GiB (S3's smallest and largest part), not {self.part_size}")
         if min(self.concurrency, self.read_size, self.readahead, self.attempts) < 1 or self.timeout_s <= 0:
             raise ValueError(f"Transfer's counts and sizes must be positive: {self}")
@@ -281,7 +283,8 @@ class Store:
 
     def check_reachable(self) -> None:
         """Fail now, with a clear error, if the root's bucket (on an object store) does not
-        exist: an empty listing must mean "no checkpoint yet", never "wrong bucket"."""
+        exist: an empty listing must mean "no checkpoint yet", never "wrong bucket". A look
+        less than BUCKET_SEEN_S old is trusted."""
         if self.is_local or time.monotonic() - self._bucket_seen < BUCKET_SEEN_S:
             return
         bucket = self.root.split("/", 1)[0]
@@ -395,8 +398,8 @@ class Store:
     def open_write(self, rel: str, size: int | None = None) -> Iterator[BinaryIO]:
         """A new file that is durable when the block exits: fsync'd locally, a completed PUT
         (or multipart upload) on an object store. On error the partial file is removed.
-        `size`: the bytes that will be written, if known (on S3: one PUT or parts, from the
-        start).
+        `size`: the bytes that will be written, if known (a hint: on S3 a file that needs
+        parts sends its first as soon as it is full, rather than after holding two).
 
         On S3 the bytes go out in parts while the block runs (`Transfer`), and a failure or
         an exception in the block aborts the upload: no object, no incomplete upload.

@@ -53,3 +53,23 @@ def test_a_restore_reads_each_manifest_once_and_asks_no_object_for_its_size(s3_r
     assert reads.count("manifest.json") == 1, seen
     assert reads.count(".metadata") == 1, seen  # checked by the catalog, then loaded from those bytes
     assert [path.strip("/") for kind, path in seen if kind == "head"] == [bucket], seen
+
+
+def test_only_a_restore_keeps_the_checked_bytes_and_only_of_the_checkpoint_it_picks(tmp_path):
+    from ckpt import catalog
+    from ckpt.storage import Store
+
+    m = torch.nn.Linear(8, 8)
+    with ckpt.Checkpointer(tmp_path, model=m, interval=None, save_on_exit=False) as cp:
+        for _ in range(2):
+            cp.step_done()
+            cp.save(blocking=True)
+    store = Store(tmp_path)
+    good, _ = catalog.restore_candidates(store, keep=True)
+    assert [e.step for e in good] == [2, 1]
+    assert good[0].doc == (tmp_path / "step-0000000002" / "manifest.json").read_bytes()
+    assert good[0].metadata == (tmp_path / "step-0000000002" / ".metadata").read_bytes()
+    assert good[1].doc is good[1].metadata is None
+    plain, _ = catalog.restore_candidates(store)
+    assert all(e.doc is e.metadata is None for e in plain)
+    assert catalog.find(store, 1).doc is None and catalog.find(store, 1, keep=True).doc is not None

@@ -9,6 +9,7 @@ import itertools
 import logging
 import mmap
 import os
+import signal
 import time
 
 import boto3
@@ -460,3 +461,50 @@ def test_read_small_reads_a_file_up_to_its_limit_whole_and_no_more(proxy, s3_roo
         assert store.read_small("x", 4999) is None
         with pytest.raises(NotFound):
             store.read_small("missing", 10)
+
+
+def test_a_wrong_size_told_costs_requests_never_bytes(store, s3_root, s3_endpoint):
+    bucket, prefix = s3_root.removeprefix("s3://").split("/", 1)
+    data = payload(3 * PART)
+    with store.open_write("more", size=PART) as f:  # told one part, given three
+        f.write(data)
+    with store.open_write("fewer", size=3 * PART) as f:  # told three parts, given a byte
+        f.write(data[:1])
+    assert store.read_bytes("more") == data and store.read_bytes("fewer") == data[:1]
+    assert etag(s3_endpoint, bucket, f"{prefix}/more").endswith("-3")
+    assert uploads_in_progress(s3_endpoint, bucket) == []
+
+
+def test_one_put_never_carries_more_than_s3_takes(s3_root, s3_options):
+    from ckpt.s3 import Upload
+    from ckpt.storage import PUT_MAX
+
+    big = Store(s3_root, s3_options, Transfer(part_size=3 << 30))
+    assert Upload(big._s3, big.path("x"), "x")._one_put == PUT_MAX
+    assert Upload(Store(s3_root, s3_options)._s3, big.path("x"), "x")._one_put == 2 * Transfer().part_size
+
+
+def test_a_put_the_caller_stopped_waiting_for_is_stopped_and_lets_go_of_its_buffers(proxy, s3_root, s3_options):
+    """An interrupt while the one PUT is under way (here SIGALRM's handler raising, as ^C
+    does): the request is cancelled, not left reading the caller's memory after the block."""
+    store = through(proxy, s3_root, s3_options)
+    mm = mmap.mmap(-1, 2 * PART)
+    mm[:] = payload(len(mm))
+    view = memoryview(mm)
+    proxy.delay_s = (1.5, 1.5)
+    proxy.fail("put", "delay")
+
+    def interrupt(*_):
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.3)
+        with pytest.raises(KeyboardInterrupt):
+            with store.open_write("x", size=len(mm)) as f:
+                f.write(view)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+    view.release()
+    mm.close()  # BufferError if the PUT still held a view of it
