@@ -56,7 +56,11 @@ def read_verified(store: Store, step_dir: str, name: str, manifest: Manifest) ->
     files: `.metadata`; data files are streamed through `VerifyingReader`)."""
     where = f"{store.display}/{step_dir}/{name}"
     entry = _entry(where, name, manifest)
-    data = store.read_bytes(f"{step_dir}/{name}")
+    return _checked(where, entry, store.read_bytes(f"{step_dir}/{name}"))
+
+
+def _checked(where: str, entry: FileEntry, data: bytes) -> bytes:
+    """`data`, the whole file, once its size and checksum matched `entry`."""
     _check(where, entry, len(data), checksum(data, entry.block, algorithm(entry, where)))
     return data
 
@@ -91,8 +95,7 @@ def verify_file(store: Store, step_dir: str, name: str, manifest: Manifest) -> b
         data = store.read_small(f"{step_dir}/{name}", WHOLE_READ_MAX)
         if data is None:
             raise InvalidCheckpoint(f"{where}: longer than the {entry.size} bytes the manifest says")
-        _check(where, entry, len(data), checksum(data, entry.block, algorithm(entry, where)))
-        return data
+        return _checked(where, entry, data)
     with VerifyingReader.open(store, step_dir, name, manifest) as src:
         src.finish()
     return None
