@@ -85,6 +85,7 @@ def restore(
         plan: list[int] | str = []
         doc: bytes | str | None = None
         metadata = None  # rank 0's: the pick's `.metadata`, as the catalog checked it
+        error: Exception | None = None  # rank 0's, told to every rank: none is left in the broadcast
         if ctrl.rank == 0:
             try:
                 plan, more, passed, created, first = _restore_plan(store, mode, key, tried)
@@ -92,15 +93,19 @@ def restore(
                 newest = max(newest, created)
                 if first is not None:
                     doc, metadata = first.doc, first.metadata
-            except CheckpointError as e:
-                plan = f"{type(e).__name__}: {e}"
+            except Exception as e:
+                plan, error = f"{type(e).__name__}: {e}", e
             if plan and not isinstance(plan, str) and doc is None and store.is_local:
                 doc = _read_manifest(store, plan[0])
         plan, taken, passed, newest, doc = ctrl.broadcast((plan, taken, passed if ctrl.rank == 0 else [], newest, doc))
         problems += passed
         if isinstance(plan, str):
             kind = plan.partition(":")[0]  # the error's type name, as rank 0 raised it
-            raise (RestoreFailed if kind in ("NotFound", "InvalidCheckpoint", "RestoreFailed") else StorageError)(plan)
+            if kind in ("StorageError", "DiskFull"):
+                raise StorageError(plan) from error
+            if error is None or isinstance(error, CheckpointError):
+                raise RestoreFailed(plan if kind in ("NotFound", "InvalidCheckpoint", "RestoreFailed") else f"rank 0 could not pick a checkpoint: {plan}") from error
+            raise error  # rank 0's own: not one of ckpt's, its traceback says where
         if not plan:
             break
         step = plan[0]
@@ -148,16 +153,19 @@ def start_fresh(store: Store, ctrl: Group, key: SigningKey | None = None) -> tup
     """restore='none': train from step 0, never writing into what the root already holds.
     Returns the steps that hold a manifest, and the newest commit time among them."""
     got: tuple[set[int], float] | str = (set(), 0.0)
+    error: Exception | None = None  # rank 0's, told to every rank: none is left in the broadcast
     if ctrl.rank == 0:
         try:
             store.check_reachable()
             taken = {s for s, lst in store.scan().items() if lst.has_manifest}
             got = (taken, newest_commit(store, key) if taken else 0.0)
-        except CheckpointError as e:
-            got = str(e)
+        except Exception as e:
+            got, error = (str(e) if isinstance(e, CheckpointError) else f"rank 0: {type(e).__name__}: {e}"), e
     got = ctrl.broadcast(got)
     if isinstance(got, str):
-        raise StorageError(got)
+        if error is not None and not isinstance(error, CheckpointError):
+            raise error  # rank 0's own: not one of ckpt's, its traceback says where
+        raise StorageError(got) from error
     taken, newest = got
     if taken and ctrl.rank == 0:
         log.warning(
@@ -226,17 +234,12 @@ def _first(good: list[catalog.Entry]) -> catalog.Entry | None:
     return good[0] if good else None
 
 
-# What preparing a restore may raise (a manifest that does not parse or match, a state that
-# cannot be captured): that step is passed over, not the restore failed.
-_PREPARE_ERRORS = (CheckpointError, ValueError, TypeError, KeyError)
-
-
 def _read_manifest(store: Store, step: int) -> bytes | str:
     """Rank 0's one read of the manifest of `step`, which goes to every rank: its bytes, or
     the error (its type's name first)."""
     try:
         return store.read_bytes(f"{step_dir_name(step)}/{MANIFEST_NAME}")
-    except CheckpointError as e:
+    except Exception as e:  # told to every rank: none is left in the broadcast
         return f"{type(e).__name__}: {e}"
 
 
@@ -287,18 +290,30 @@ def _try_restore(
             if isinstance(base, Exception):
                 raise base
             sd = state.fit_template(base, rank, ctrl.world, manifest.world_size)
-        except _PREPARE_ERRORS as e:
+        except Exception as e:  # IMPORTANT: on one rank only, still told to all (below): that step is passed over
             prep = (1, f"{type(e).__name__}: {e}")
-        if ctrl.max([prep[0]])[0]:
-            return (*prep, None) if prep[0] else (1, "another rank could not prepare the restore", None)
+        if failed := _agreed(ctrl, *prep, "another rank could not prepare the restore"):
+            return (*failed, None)
         return _load(ctrl, state, store, rel, manifest, sd, tiered, warm.stop, metadata)
+
+
+def _agreed(ctrl: Group, code: int, why: str, otherwise: str) -> tuple[int, str] | None:
+    """Every rank's outcome of one phase (`code` and `why`, this rank's): None if it went well
+    on all, else a code of failure and why, every failing rank's reason on rank 0 (rare: so
+    that it can say what went wrong where), this rank's own (or `otherwise`) elsewhere. The
+    caller agrees on the worst code anyway."""
+    if not ctrl.max([code])[0]:
+        return None
+    whys = ctrl.gather((code, why)) or [(code, why)]  # rank 0 gets all; the others their own
+    text = "; ".join(f"rank {r}: {w}" if len(whys) > 1 else w for r, (c, w) in enumerate(whys) if c)
+    return max(max(c for c, _ in whys), 1), text or otherwise
 
 
 def _template(state: TrainingState, rank: int) -> dict[str, Any] | Exception:
     """The rank's template, or why it could not be built (said once the manifest was checked)."""
     try:
         return state.template(rank)
-    except _PREPARE_ERRORS as e:
+    except Exception as e:  # a state_dict() that raises, on this rank alone
         return e
 
 
@@ -314,15 +329,11 @@ def _load(
     reader = make_reader(tiered or store, rel, manifest, before_read, metadata)  # type: ignore[arg-type]
     planner = SafeLoadPlanner(optional_in_checkpoint)
     loaded = _outcome(lambda: dcp.load(sd, storage_reader=reader, planner=planner, no_dist=True))
-    if ctrl.max([loaded[0]])[0]:
-        # Rare: every rank's reason, so that rank 0 can say what went wrong where.
-        whys = ctrl.gather(loaded[:2]) or [loaded[:2]]  # rank 0 gets all; the others their own
-        code = max(max(c for c, _ in whys), 1)  # the caller agrees on the worst code anyway
-        text = "; ".join(f"rank {r}: {why}" if len(whys) > 1 else why for r, (c, why) in enumerate(whys) if c)
-        return code, text or "another rank could not load its part", None
+    if failed := _agreed(ctrl, *loaded[:2], "another rank could not load its part"):
+        return (*failed, None)
     applied = _outcome(lambda: state.apply(sd, rank))
-    if applied[0]:
-        return (*applied, None)
+    if failed := _agreed(ctrl, *applied[:2], "another rank could not apply what it read"):
+        return (*failed, None)
     _say_old_cuda_rng(planner, rank)
     counters = cast(dict, applied[2])
     source = tiered.source if tiered else "store"
@@ -402,5 +413,5 @@ def _outcome(load: Callable[[], Any]) -> tuple[int, str, Any]:
         if "Missing key in checkpoint" in text or "Size mismatch between saved" in text:
             return 3, text, None
         return 1, text, None
-    except (CheckpointError, RuntimeError, KeyError, ValueError, TypeError) as e:
+    except Exception as e:  # on this rank alone, maybe: told to all, none left in a collective
         return 1, f"{type(e).__name__}: {e}", None

@@ -242,3 +242,21 @@ def test_per_rank_extras_restore_on_every_rank_and_no_rank_calls_them_unrestored
         text = (tmp_path / "again" / f"rank{rank}.log").read_text()
         assert f"POS 0 {10 + rank}" in text, text
         assert "left unrestored" not in text, text
+
+
+@pytest.mark.parametrize("phase", ["state_dict", "load_state_dict"])
+def test_a_restore_that_fails_on_one_rank_with_a_users_error_fails_on_every_rank_at_once(phase, tmp_path):
+    """A user's object that raises on one rank only (an AttributeError, not one of ckpt's) in
+    the restore's template or as what was read is applied: before, that rank left the restore
+    while the others waited in a collective until its timeout and then raised something else."""
+    out = tmp_path / "out"
+    codes = run(2, HERE / "broken_state_worker.py", str(tmp_path / "root"), str(out), phase, log_dir=tmp_path, timeout=240)
+    logs = "\n".join((tmp_path / f"rank{r}.log").read_text()[-3000:] for r in range(2))
+    assert codes == [0, 0], logs
+    for rank in range(2):
+        got = json.loads(Path(f"{out}.{phase}.rank{rank}.json").read_text())
+        assert got["type"] == "RestoreFailed", (rank, got)
+        assert "AttributeError" in got["message"] and "'cursor'" in got["message"], (rank, got)
+        assert got["s"] < 30, (rank, got)  # long before the collectives' timeout (60 s)
+    # rank 0 says which rank failed, and why
+    assert "rank 1: AttributeError" in json.loads(Path(f"{out}.{phase}.rank0.json").read_text())["message"]
