@@ -15,7 +15,7 @@ import time
 from typing import Any
 
 from .errors import CheckpointError
-from .events import read_all
+from .events import read_runs
 from .policy import Auto, exposure
 from .storage import Store
 
@@ -60,7 +60,7 @@ class Coordinator:
         """Update the MTBF estimate with the job's past runs: `failed` ones are failures, all
         are exposure."""
         try:
-            runs, _ = read_all(store)
+            runs = read_runs(store)
         except CheckpointError as e:
             log.warning("could not read the job's history for the MTBF: %s", e)
             return

@@ -78,9 +78,41 @@ def write_event(store: Store, event: Event) -> None:
 def read_all(store: Store) -> tuple[list[RunRecord], list[Event]]:
     """Every run record and event under the root, oldest first. Unreadable objects are
     skipped: the history informs decisions, it never blocks a restore."""
-    runs: list[RunRecord] = []
-    events: list[Event] = []
-    names = [n for n in store.list_dir(EVENTS_DIR) if n.endswith(".json")]
+    read = _read(store, [n for n in store.list_dir(EVENTS_DIR) if n.endswith(".json")])
+    runs = sorted((r for r in read if isinstance(r, RunRecord)), key=lambda r: r.started)
+    return runs, sorted((e for e in read if isinstance(e, Event)), key=lambda e: e.time)
+
+
+def read_runs(store: Store) -> list[RunRecord]:
+    """Every run record under the root (not the events), oldest first."""
+    return sorted((r for r in _read(store, _run_names(store)) if isinstance(r, RunRecord)), key=lambda r: r.started)
+
+
+def previous_run(store: Store, current_run_id: str) -> RunRecord | None:
+    """The run before `current_run_id`: of the others, the one that started last. A run's id,
+    so its record's name, begins with its start time (to the second): only the records whose
+    names sort last are read (`_LOOK_BACK` at a time, further back while none can be read),
+    not the whole history, which grows by two objects a restart."""
+    names = [n for n in _run_names(store) if n != f"run-{current_run_id}.json"]
+    while names:
+        names, batch = names[:-_LOOK_BACK], names[-_LOOK_BACK:]
+        runs = [r for r in _read(store, batch) if isinstance(r, RunRecord) and r.run_id != current_run_id]
+        if runs:
+            return max(runs, key=lambda r: r.started)
+    return None
+
+
+# Run records read at a time for the previous run: more than the runs that may start within
+# one second (their names sort by the second, then at random).
+_LOOK_BACK = 4
+
+
+def _run_names(store: Store) -> list[str]:
+    return sorted(n for n in store.list_dir(EVENTS_DIR) if n.startswith("run-") and n.endswith(".json"))
+
+
+def _read(store: Store, names: list[str]) -> list[RunRecord | Event]:
+    """The records and events `names` (under events/) hold, those that can be read."""
 
     def read(name: str) -> bytes | None:
         try:
@@ -88,6 +120,7 @@ def read_all(store: Store) -> tuple[list[RunRecord], list[Event]]:
         except CheckpointError:
             return None
 
+    out: list[RunRecord | Event] = []
     # A job restarted a hundred times has two hundred objects here.
     for blob in store.each(read, names, "ckpt-history"):
         try:
@@ -100,17 +133,10 @@ def read_all(store: Store) -> tuple[list[RunRecord], list[Event]]:
             times = (obj.started, obj.updated) if isinstance(obj, RunRecord) else (obj.time,)
             if not all(type(t) in (int, float) and math.isfinite(t) for t in times):
                 continue  # hand-edited or not ours: it cannot be placed in time
-            (runs if cls is RunRecord else events).append(obj)  # type: ignore[arg-type]
+            out.append(obj)
         except (ValueError, TypeError, AttributeError):
             continue
-    runs.sort(key=lambda r: r.started)
-    events.sort(key=lambda e: e.time)
-    return runs, events
-
-
-def previous_run(runs: list[RunRecord], current_run_id: str) -> RunRecord | None:
-    earlier = [r for r in runs if r.run_id != current_run_id]
-    return earlier[-1] if earlier else None
+    return out
 
 
 class History:
@@ -150,11 +176,10 @@ class History:
 
     def _restart(self, step: int, restored: Any, began: float) -> None:
         try:
-            runs, _ = read_all(self.store)
+            prev = previous_run(self.store, self.record.run_id)
         except CheckpointError as e:
             log.warning("could not read the job's history: %s", e)
-            runs = []
-        prev = previous_run(runs, self.record.run_id)
+            prev = None
         self.restart_event = Event(
             kind="restart",
             time=began,

@@ -73,3 +73,41 @@ def test_only_a_restore_keeps_the_checked_bytes_and_only_of_the_checkpoint_it_pi
     plain, _ = catalog.restore_candidates(store)
     assert all(e.doc is e.metadata is None for e in plain)
     assert catalog.find(store, 1).doc is None and catalog.find(store, 1, keep=True).doc is not None
+
+
+def test_a_restart_reads_the_newest_run_records_not_the_whole_history(s3_root, s3_options):
+    """The restart event needs the run before this one, not every record of a history that
+    grows by two objects a restart: a few GETs of run records, whatever the history holds."""
+    import time
+
+    from s3proxy import FaultyProxy
+
+    from ckpt.events import RunRecord, write_run
+    from ckpt.storage import Store
+
+    m = torch.nn.Linear(8, 8)
+    with ckpt.Checkpointer(s3_root, model=m, storage_options=s3_options, interval=None, save_on_exit=False) as cp:
+        for _ in range(3):
+            cp.step_done()
+        cp.save(blocking=True)
+        for _ in range(4):
+            cp.step_done()
+        cp.history.beat()  # the last step it reached: 7
+    store = Store(s3_root, s3_options)
+    t0 = time.time() - 100_000  # 30 runs before that one, hours ago
+    for i in range(30):
+        when = t0 + i * 1000
+        run_id = time.strftime("%Y%m%dT%H%M%S", time.gmtime(when)) + f"-{i:08x}"
+        write_run(store, RunRecord(run_id, 4, when, when + 500, 0, 100 + i, "error: old"))
+    proxy = FaultyProxy(s3_options["endpoint_url"])
+    try:
+        with ckpt.Checkpointer(s3_root, model=torch.nn.Linear(8, 8), storage_options={**s3_options, "endpoint_url": proxy.url},
+                               interval=None, save_on_exit=False) as cp:  # fmt: skip
+            ev = cp.restart_event
+            seen = list(proxy.requests)
+    finally:
+        proxy.close()
+    assert ev is not None and ev.step == 3 and ev.steps_lost == 4 and ev.world_size_before == 1, ev
+    assert ev.cause == "exited", ev  # the last run's end, not an older one's
+    runs_read = [path for kind, path in seen if kind in ("GET", "range") and "/events/run-" in path]
+    assert 1 <= len(runs_read) <= 4, runs_read
