@@ -511,7 +511,11 @@ class Reader(_Stream):
     Every range comes from one version of the object (its ETag). Given the object's `size`
     (a manifest says it), no HEAD goes first: the first GETs go out at once, the first answer's
     ETag is asked of the GETs sent after it and compared with the others', and an object of
-    another size is an InvalidCheckpoint that says so."""
+    another size is an InvalidCheckpoint that says so.
+
+    A range is kept as the pieces the connection delivered (`_body`), not joined into one
+    bytes object: the join was a copy of every byte on the I/O loop's thread, under the GIL
+    (0.65 s of the client's CPU for 379 MB from moto, 0.39 s without it)."""
 
     def __init__(
         self, t: S3Transfers, path: str, where: str, ranges: list[tuple[int, int]] | None = None, size: int | None = None
@@ -532,12 +536,13 @@ class Reader(_Stream):
             size, self._etag = int(head["ContentLength"]), head.get("ETag")
         self.size = size
         self._ranges = ranges
-        # (start, end, its GET), in order
-        self._ahead: collections.deque[tuple[int, int, concurrent.futures.Future[bytes]]] = (
+        # (start, end, its GET: the range's pieces), in order
+        self._ahead: collections.deque[tuple[int, int, concurrent.futures.Future[list[bytes]]]] = (
             collections.deque()
         )
         self._next = 0  # where the next range to fetch starts
-        self._data, self._start = b"", 0  # the range being read, and where it starts
+        self._data, self._start = b"", 0  # the piece being read, and where it starts
+        self._rest: collections.deque[bytes] = collections.deque()  # the range's pieces after it
 
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
         self._pos = self._where_to(offset, whence)
@@ -579,8 +584,12 @@ class Reader(_Stream):
         super().close()
 
     def _view(self) -> memoryview:
-        """The bytes of the current range from the position on (at least one)."""
-        if not self._start <= self._pos < self._start + len(self._data):
+        """The bytes of the current piece from the position on (at least one)."""
+        while not self._start <= self._pos < self._start + len(self._data):
+            if self._rest and self._pos >= self._start + len(self._data):  # maybe in a later piece of this range
+                self._start += len(self._data)
+                self._data = self._rest.popleft()
+                continue
             while self._ahead and self._ahead[0][1] <= self._pos:
                 self._ahead.popleft()[2].cancel()  # seeked past
             if not self._ahead or self._ahead[0][0] > self._pos:
@@ -591,7 +600,8 @@ class Reader(_Stream):
             self._fetch_ahead()
             start, _, fut = self._ahead.popleft()
             self._fetch_ahead()
-            self._data, self._start = fut.result(), start
+            pieces = fut.result()
+            self._data, self._start, self._rest = pieces[0], start, collections.deque(pieces[1:])
         return memoryview(self._data)[self._pos - self._start :]
 
     def _fetch_ahead(self) -> None:
@@ -611,8 +621,8 @@ class Reader(_Stream):
             fut.cancel()
         self._ahead.clear()
 
-    async def _get(self, start: int, end: int) -> bytes:
-        async def once() -> tuple[bytes, int | None, str | None]:
+    async def _get(self, start: int, end: int) -> list[bytes]:
+        async def once() -> tuple[list[bytes], int | None, str | None]:
             kw = {"IfMatch": self._etag} if self._etag else {}
             try:
                 resp = await self._t.fs._call_s3(
@@ -624,11 +634,11 @@ class Reader(_Stream):
                 )
             except FileNotFoundError as e:
                 if self._expected and (is_code(e, "NoSuchKey") or not isinstance(botocore_error(e), ClientError)):
-                    return b"", None, None  # no such object (fsspec's sync would raise a returned exception)
+                    return [], None, None  # no such object (fsspec's sync would raise a returned exception)
                 raise
             except OSError as e:
                 if self._expected and is_code(e, "InvalidRange", "416"):
-                    return b"", 0, None  # it ends before `start`: shorter than said
+                    return [], 0, None  # it ends before `start`: shorter than said
                 raise
             try:
                 if resp.get("ContentRange"):
@@ -636,13 +646,14 @@ class Reader(_Stream):
                 else:  # the whole object: the range covered all of it
                     total = int(resp["ContentLength"])
                 if total != self.size:
-                    return b"", total, None
-                data = await resp["Body"].read()
+                    return [], total, None
+                pieces = await _pieces(resp["Body"])
             finally:
                 resp["Body"].close()
-            if len(data) != end - start:
-                raise ShortRead(f"{len(data)} of {end - start} bytes")
-            return data, total, resp.get("ETag")
+            got = sum(map(len, pieces))
+            if got != end - start:
+                raise ShortRead(f"{got} of {end - start} bytes")
+            return pieces, total, resp.get("ETag")
 
         data, total, etag = await self._t.retry(f"reading {self._where} (bytes {start}-{end - 1})", once)
         if total is None:
@@ -654,3 +665,21 @@ class Reader(_Stream):
         elif etag is not None and etag != self._etag:
             raise StorageError(f"reading {self._where}: the object changed while it was read (ETag {etag}, not {self._etag})")
         return data
+
+
+async def _pieces(body: Any) -> list[bytes]:
+    """A GET's body as the pieces the connection delivered (none empty). aiohttp's own reads
+    join what is buffered, a copy; `readchunk` hands each piece over as it came. Another
+    HTTP backend's body is read whole."""
+    content = getattr(getattr(body, "raw_stream", None), "content", None)
+    if not hasattr(content, "readchunk"):
+        data = await body.read()
+        return [data] if data else []
+    pieces = []
+    while True:
+        piece, _ = await content.readchunk()
+        if not piece:
+            if content.at_eof():
+                return pieces
+            continue  # the end of an HTTP chunk (chunked encoding), not of the body
+        pieces.append(piece)

@@ -205,6 +205,25 @@ def test_reader_seeks_and_reads_into_buffers(store):
         store.read_bytes("missing")
 
 
+def test_a_range_read_in_the_pieces_the_connection_delivered_serves_any_seek_within_it(store):
+    """A range's bytes are kept as they came off the connection (not joined): reads that
+    cross pieces, seeks forward to a later piece and back to an earlier one of the same range,
+    all read the object's bytes."""
+    data = payload(6 * MiB + 11)
+    with store.open_write("pieces") as f:
+        f.write(data)
+    with store.open_read("pieces", size=len(data)) as f:
+        assert f.read(1) == data[:1]
+        assert len(f._rest) > 1  # the first range came in several pieces
+        f.seek(MiB + 77)  # later in the same 2 MiB range
+        assert f.read(300_000) == data[MiB + 77 : MiB + 300_077]
+        f.seek(10)  # back, to the range's first piece
+        buf = bytearray(2 * MiB + 5)  # across into the next range
+        assert f.readinto(buf) == len(buf) and buf == data[10 : 10 + len(buf)]
+        f.seek(5 * MiB)
+        assert read_in_odd_pieces(f, len(data) - 5 * MiB) == data[5 * MiB :]
+
+
 # -- failures ------------------------------------------------------------------------------------
 
 
