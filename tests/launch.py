@@ -72,6 +72,11 @@ def wait(procs: list[subprocess.Popen], timeout: float = 180) -> list[int]:
         except subprocess.TimeoutExpired:
             kill_all(procs)
             raise
+    # What a rank started and left behind goes with it: a rank that killed itself (a lost
+    # GPU) leaves its DataLoader's forkserver and workers waiting for it for good otherwise.
+    for p in procs:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(p.pid, signal.SIGKILL)
     return codes
 
 
