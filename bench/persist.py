@@ -24,8 +24,11 @@ measurement to bench/results/persist-<time>.json. The checks, each against its t
      save 5 against after save 50 (trainer VmRSS; PSS of the trainer and its child processes,
      shared memory counted once), as medians of saves 3-7 and 46-50: the training step's own
      allocations move RSS by a few % from one save to the next. Target: within 5 %.
-  e) linear cost: persist time per byte at the largest size over the smallest, and the fixed
-     cost per save of a two-point fit. Target <= 1.25 (no worse than linear).
+  e) linear cost: ckpt's persist time per byte at the largest size over the smallest, divided
+     by the same ratio of the raw write on the same store where that is above 1 (a store whose
+     own cost per byte grows with the size, as moto's does, is not ckpt's cost growing; one
+     whose fixed cost per write makes small writes dear is not let off); the table shows both,
+     and ckpt's fixed cost per save of a two-point fit. Target <= 1.25 (no worse than linear).
 
 Every measurement is repeated (--repeats) and ckpt's runs alternate with the raw ones, so the
 load of a shared machine weighs on both alike; the table shows medians. ckpt is used through
@@ -63,7 +66,7 @@ TARGETS = {
     "restore": ("ckpt's throughput / the raw read's (the checkpoint's own files)", ">= 0.80", lambda r: r >= 0.8),
     "reshard": ("restore time 2->1 / 1->1", "<= 1.25", lambda r: r <= 1.25),
     "memory": ("memory after the last saves / after saves 3-7 - 1 (medians)", "<= 5 %", lambda r: abs(r) <= 0.05),
-    "linear": ("ckpt's persist time per byte, largest / smallest size", "<= 1.25", lambda r: r <= 1.25),
+    "linear": ("ckpt's persist time per byte, largest / smallest size, over the raw write's where that is > 1", "<= 1.25", lambda r: r <= 1.25),
 }
 
 
@@ -265,8 +268,9 @@ def summarize(raw: dict[str, Any], samples: list[tuple[float, float, float]]) ->
             slope = (c1 - c0) / (b1 - b0)  # ckpt's seconds per byte between the two sizes
             add("linear", store, f"{b0 / raw['config']['world'] / 1e6:.0f} -> {b1 / raw['config']['world'] / 1e6:.0f} MB",
                 {"s_per_gb": [c0 / b0 * 1e9, c1 / b1 * 1e9], "fixed_s": c0 - slope * b0, "gb_s_marginal": 1e-9 / slope if slope > 0 else None},
-                {"s_per_gb": [r0 / b0 * 1e9, r1 / b1 * 1e9], "ratio": (r1 / b1) / (r0 / b0), "what": "raw write (the faster way)"},
-                (c1 / b1) / (c0 / b0), [])
+                {"s_per_gb": [r0 / b0 * 1e9, r1 / b1 * 1e9], "ratio": (r1 / b1) / (r0 / b0), "what": "raw write (the faster way)",
+                 "ckpt_ratio": (c1 / b1) / (c0 / b0)},
+                ((c1 / b1) / (c0 / b0)) / max(1.0, (r1 / b1) / (r0 / b0)), [])
     rs = raw.get("reshard")
     if rs:
         a = [x["s"] for x in rs["resharded"]]
@@ -318,7 +322,8 @@ def table(result: dict[str, Any]) -> str:
             cell_b = f"{b['what']}: {b['mb_s']:.0f} MB/s, {_s(b['s'])}"
             ratio = f"{r['ratio']:.2f}"
         elif ch == "linear":
-            cell_c = f"{c['s_per_gb'][0]:.2f} -> {c['s_per_gb'][1]:.2f} s/GB, fixed {c['fixed_s'] * 1e3:.0f} ms/save"
+            cell_c = (f"{c['s_per_gb'][0]:.2f} -> {c['s_per_gb'][1]:.2f} s/GB ({c['s_per_gb'][1] / c['s_per_gb'][0]:.2f}), "
+                      f"fixed {c['fixed_s'] * 1e3:.0f} ms/save")
             cell_b = f"raw: {b['s_per_gb'][0]:.2f} -> {b['s_per_gb'][1]:.2f} s/GB ({b['ratio']:.2f})"
             ratio = f"{r['ratio']:.2f}"
         elif ch == "reshard":
