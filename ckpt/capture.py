@@ -139,6 +139,12 @@ class TrainingState:
         return sd
 
     # -- restore ----------------------------------------------------------------------------
+    def optional(self) -> Callable[[str], bool]:
+        """What a checkpoint may lack, the restore leaving it as it is: `optional_in_checkpoint`,
+        and a DeepSpeed engine's frozen parameters (a checkpoint of an earlier ckpt has none)."""
+        frozen = frozenset(deepspeed_state.frozen_names(self.model)) if deepspeed_state.is_engine(self.model) else frozenset()
+        return lambda fqn: optional_in_checkpoint(fqn) or fqn in frozen
+
     def template(self, rank: int) -> dict[str, Any]:
         """A state dict of the current objects to load into; `fit_template` limits it to what
         a checkpoint holds for this rank, once its manifest is known."""

@@ -570,6 +570,12 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             return []
         return sorted(k for k in self.metadata.state_dict_metadata if k.startswith(prefixes) and k not in self.state_dict)
 
+    def not_in_checkpoint(self, prefix: str) -> list[str]:
+        """The values under `prefix` asked for that the checkpoint lacks (`optional` let them
+        be: they were left as they are)."""
+        stored = self.metadata.state_dict_metadata if self.metadata is not None else {}
+        return sorted(k for k in self.state_dict if k.startswith(prefix) and k not in stored)
+
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
         """DCP's lookup, but a DTensor's shard is its local tensor as it is, not through
         `to_local()`, an autograd function that costs more than reading a small tensor: the

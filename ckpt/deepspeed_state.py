@@ -4,8 +4,9 @@
 (by its name in the module), the full fp32 master weight and the full optimizer state
 (Adam's moments), gathered from the ZeRO partitions with DeepSpeed's own tensor-fragment API
 (`deepspeed.utils.safe_get_full_fp32_param`, `safe_get_full_optimizer_state`), plus the
-optimizer's step and hyperparameters, the module's buffers, the engine's counters and, if
-DeepSpeed owns one, its LR scheduler. Restoring scatters each full tensor into whatever
+optimizer's step and hyperparameters, the frozen parameters as the module holds them (no
+optimizer owns them, so ZeRO keeps no fp32 copy), the module's buffers, the engine's
+counters and, if DeepSpeed owns one, its LR scheduler. Restoring scatters each full tensor into whatever
 partition this rank owns now (`safe_set_full_*`) and refreshes the low-precision copies, so
 a job resumes on another world size without a conversion script. CPU offload of the
 optimizer keeps its fp32 state on the host, where the same API reads and writes it.
@@ -17,8 +18,8 @@ fp32 weights and optimizer state of the model on the host (not only its partitio
 
 from __future__ import annotations
 
-import contextlib
 import json
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -42,6 +43,32 @@ def _named_params(engine: Any) -> list[tuple[str, torch.nn.Parameter]]:
     return [(n, p) for n, p in engine.module.named_parameters() if p.requires_grad]
 
 
+def _frozen_params(engine: Any) -> list[tuple[str, torch.nn.Parameter]]:
+    """The parameters no optimizer owns (`requires_grad=False`): ZeRO keeps no fp32 copy of
+    them, so they are saved as the module holds them, in their own dtype."""
+    return [(n, p) for n, p in engine.module.named_parameters() if not p.requires_grad]
+
+
+def frozen_names(engine: Any) -> list[str]:
+    """The state dict keys of the frozen parameters (`model.<name>`)."""
+    return [f"model.{n}" for n, _ in _frozen_params(engine)]
+
+
+def _gathered(stage: int, params: list[tuple[str, torch.nn.Parameter]], modify: bool = False) -> Iterator[list[tuple[str, torch.nn.Parameter]]]:
+    """`params` in runs whose full tensors are in `p.data` while the caller is at each:
+    under ZeRO-3 each run is gathered (a collective), at most GATHER_BYTES at once (all at
+    once would put the whole model on each device), and with `modify` rank 0's values are
+    partitioned again after it; below ZeRO-3 every rank holds them whole."""
+    import deepspeed
+
+    for group in _gather_groups(params) if stage == 3 else [params]:
+        if stage != 3:
+            yield group
+            continue
+        with deepspeed.zero.GatheredParameters([p for _, p in group], modifier_rank=0 if modify else None):
+            yield group
+
+
 def _base_optimizer(engine: Any) -> torch.optim.Optimizer | None:
     opt = engine.optimizer
     return getattr(opt, "optimizer", opt) if opt is not None else None
@@ -62,6 +89,8 @@ def capture(engine: Any) -> dict[str, Any]:
     params = _named_params(engine)
     # Each full tensor goes to the host as it is gathered: on the device only one at a time.
     model: dict[str, Any] = {name: _on_host(safe_get_full_fp32_param(p)) for name, p in params}
+    for group in _gathered(engine.zero_optimization_stage(), _frozen_params(engine)):
+        model.update((name, _on_host(p.detach())) for name, p in group)
     for name, b in engine.module.named_buffers():
         model[name] = _on_host(b.detach())
     sd: dict[str, Any] = {"model": model}
@@ -132,7 +161,6 @@ def _check_boundary(engine: Any) -> None:
 
 def apply(engine: Any, sd: dict[str, Any]) -> None:
     """Put a restored state dict into the engine (a collective: every rank calls it)."""
-    import deepspeed
     from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
     stage = engine.zero_optimization_stage()
@@ -144,12 +172,10 @@ def apply(engine: Any, sd: dict[str, Any]) -> None:
     base = _base_optimizer(engine)
     for name, p in params:
         safe_set_full_fp32_param(p, model[name])
-    # The low-precision copies the forward uses: every rank holds them whole below ZeRO-3;
-    # under ZeRO-3 they are gathered, set, and partitioned again, a few at a time (all at
-    # once would put the whole model on each device).
-    for group in _gather_groups(params) if stage == 3 else [params]:
-        gathered = deepspeed.zero.GatheredParameters([p for _, p in group], modifier_rank=0) if stage == 3 else contextlib.nullcontext()
-        with gathered, torch.no_grad():
+    # The low-precision copies the forward uses, and the frozen parameters (those a
+    # checkpoint of an earlier ckpt lacks were loaded with their current values).
+    for group in _gathered(stage, params + _frozen_params(engine), modify=True):
+        with torch.no_grad():
             for name, p in group:
                 p.data.copy_(model[name].to(p.dtype))
     for name, b in engine.module.named_buffers():

@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from . import catalog
 from ._gc import gc_paused
-from .capture import CUDA_RNG, TrainingState, optional_in_checkpoint
+from .capture import CUDA_RNG, TrainingState
 from .checksum import BLAKE3
 from .commit import Group
 from .dcp_io import SafeLoadPlanner, make_reader
@@ -327,7 +327,7 @@ def _load(
     # step: its collectives would only carry the plans around and wait); the ranks then
     # agree on the outcome before anything is applied, as applying may take collectives.
     reader = make_reader(tiered or store, rel, manifest, before_read, metadata)  # type: ignore[arg-type]
-    planner = SafeLoadPlanner(optional_in_checkpoint)
+    planner = SafeLoadPlanner(state.optional())
     loaded = _outcome(lambda: dcp.load(sd, storage_reader=reader, planner=planner, no_dist=True))
     if failed := _agreed(ctrl, *loaded[:2], "another rank could not load its part"):
         return (*failed, None)
@@ -335,6 +335,11 @@ def _load(
     if failed := _agreed(ctrl, *applied[:2], "another rank could not apply what it read"):
         return (*failed, None)
     _say_old_cuda_rng(planner, rank)
+    if rank == 0 and (kept := planner.not_in_checkpoint("model.")):
+        log.warning(
+            "this checkpoint holds no value for %d frozen parameter(s) (%s; saved by an earlier ckpt): they keep the values they have",
+            len(kept), ", ".join(k.removeprefix("model.") for k in kept[:5]) + (", ..." if len(kept) > 5 else ""),
+        )  # fmt: skip
     counters = cast(dict, applied[2])
     source = tiered.source if tiered else "store"
     restored = Restored(int(counters.pop("step")), counters, manifest, reader.read_bytes, source, tuple(planner.unasked(("model.", "extra."))))

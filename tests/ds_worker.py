@@ -26,13 +26,24 @@ import ckpt  # noqa: E402
 
 
 def full_state(engine, optimizer: bool) -> dict:
-    """Full fp32 weights (and Adam's moments, once the optimizer has stepped)."""
-    named = [(n, p) for n, p in engine.module.named_parameters()]
+    """Full fp32 weights (and Adam's moments, once the optimizer has stepped) of the trained
+    parameters, and every parameter as the forward uses it (`module`: in the engine's dtype;
+    the frozen ones are only there)."""
+    named = [(n, p) for n, p in engine.module.named_parameters() if p.requires_grad]
     state = {"params": {n: safe_get_full_fp32_param(p).clone() for n, p in named}, "lr": engine.get_lr()[0], "global_steps": engine.global_steps}
+    state["module"] = module_weights(engine)
     if optimizer:
         for key in ("exp_avg", "exp_avg_sq"):
             state[key] = {n: safe_get_full_optimizer_state(p, key).clone() for n, p in named}
     return state
+
+
+def module_weights(engine) -> dict:
+    """Every parameter of the module, whole (gathered under ZeRO-3)."""
+    params = list(engine.module.named_parameters())
+    gathered = deepspeed.zero.GatheredParameters([p for _, p in params]) if engine.zero_optimization_stage() == 3 else contextlib.nullcontext()
+    with gathered:
+        return {n: p.detach().clone() for n, p in params}
 
 
 def main() -> None:
@@ -48,16 +59,26 @@ def main() -> None:
     p.add_argument("--gather-bytes", type=int, help="ZeRO-3: parameters gathered at once by a restore")
     p.add_argument("--count-micro-steps", action="store_true", help="step_done() after every engine.step() (a mistake)")
     p.add_argument("--trailing-micro", type=int, default=0, help="micro-batches after the last optimizer step (the data ran out)")
+    p.add_argument("--frozen-seed", type=int, help="freeze the first layer, its weights drawn from this seed")
+    p.add_argument("--bf16", action="store_true", help="bf16 weights for the forward (DeepSpeed's bf16 mode)")
+    p.add_argument("--save-no-frozen", action="store_true", help="save as an earlier ckpt did: no frozen parameters")
     args = p.parse_args()
     os.environ.setdefault("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    if args.gather_bytes:
-        from ckpt import deepspeed_state
+    from ckpt import deepspeed_state
 
+    if args.gather_bytes:
         deepspeed_state.GATHER_BYTES = args.gather_bytes
+    if args.save_no_frozen:
+        deepspeed_state._frozen_params = lambda engine: []
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(1234)  # the same initial weights on every rank
     model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+    if args.frozen_seed is not None:  # as a fine-tune loads a frozen part; a resumed job may load other values
+        g = torch.Generator().manual_seed(args.frozen_seed)
+        for p in model[0].parameters():
+            p.data = torch.randn(p.shape, generator=g)
+            p.requires_grad_(False)
     zero: dict = {"stage": args.stage}
     if args.offload:
         zero["offload_optimizer"] = {"device": "cpu"}
@@ -68,18 +89,20 @@ def main() -> None:
         "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 1e-2, "warmup_num_steps": 8}},
         "zero_optimization": zero,
         "zero_allow_untested_optimizer": True,
+        "bf16": {"enabled": args.bf16},
     }
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     dist.barrier()  # every rank has mapped every other's shared allreduce buffer by now
     drop_shm_buffer(rank)
+    before = module_weights(engine)  # before the restore
     with ckpt.Checkpointer(args.root, model=engine, interval=ckpt.Every(steps=args.every), save_on_exit=not args.no_save_on_exit, timeout_s=120) as cp:
-        start = {"step": cp.step, **full_state(engine, optimizer=cp.step > 0)}
+        start = {"step": cp.step, "before": before, **full_state(engine, optimizer=cp.step > 0)}
         for step in range(cp.step, args.steps):
             for micro in range(args.accumulation):
                 # The data depends on the global step, the micro-batch and the rank only: a
                 # resumed job sees what the uninterrupted one saw.
                 g = torch.Generator().manual_seed(step * 1000 + micro * 100 + rank)
-                x = torch.randn(4, 16, generator=g)
+                x = torch.randn(4, 16, generator=g).to(torch.bfloat16 if args.bf16 else torch.float32)
                 loss = engine(x).pow(2).mean()
                 engine.backward(loss)
                 engine.step()
@@ -88,7 +111,8 @@ def main() -> None:
             if not args.count_micro_steps:
                 cp.step_done()  # one optimizer step
         for micro in range(args.trailing_micro):
-            loss = engine(torch.randn(4, 16, generator=torch.Generator().manual_seed(micro))).pow(2).mean()
+            x = torch.randn(4, 16, generator=torch.Generator().manual_seed(micro)).to(torch.bfloat16 if args.bf16 else torch.float32)
+            loss = engine(x).pow(2).mean()
             engine.backward(loss)
             engine.step()
     torch.save({"step": cp.step, "restored_step": cp.restored_step, "world": world, "start": start, "end": full_state(engine, optimizer=cp.step > 0)}, f"{args.out}.rank{rank}.pt")

@@ -2,7 +2,8 @@
 CPU) saved and restored by ckpt: real engines on DeepSpeed's CPU accelerator, ranks over
 gloo (tests/ds_worker.py). The restored weights and Adam moments are bitwise the saved ones,
 on the same world size and, for stages 1-3, on another one (2 -> 1, 1 -> 2), with no
-conversion step; the offloaded engine is restored on the same world size.
+conversion step; the offloaded engine is restored on the same world size. A frozen layer
+and bf16 weights are restored bitwise too.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ def ds_job(tmp_path: Path, ranks: int, name: str, *args: object) -> list[dict]:
 
 
 def assert_same_state(got: dict, want: dict, what: str) -> None:
-    for key in ("params", "exp_avg", "exp_avg_sq"):
+    for key in ("params", "module", "exp_avg", "exp_avg_sq"):
         for name, tensor in want[key].items():
             assert bits_equal(got[key][name], tensor), f"{what}: {key} {name}"
     assert got["lr"] == want["lr"] and got["global_steps"] == want["global_steps"], what
@@ -82,6 +83,41 @@ def test_a_zero_engine_resumes_bitwise_on_the_same_and_on_other_world_sizes(tmp_
     assert [d["restored_step"] for d in again] == [10, 10]
     for rank in range(2):
         assert_same_state(again[rank]["start"], alone[0]["end"], f"1 -> 2, rank {rank}")
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_frozen_parameters_and_bf16_weights_are_restored_bitwise_on_another_world_size(tmp_path, stage):
+    """A fine-tune's frozen layer (no optimizer owns it, so ZeRO keeps no fp32 copy of it) is
+    saved as the module holds it; the bf16 weights the forward uses are refreshed from the
+    restored fp32 masters. The resumed job loads other values for the frozen layer before the
+    restore, as a job that reloads a base model from elsewhere might: the checkpoint's win."""
+    common = ("--stage", stage, "--bf16", "--every", 4, *(("--gather-bytes", 4096) if stage == 3 else ()))
+    first = ds_job(tmp_path, 2, "first", *common, "--frozen-seed", 1, "--root", tmp_path / "root", "--steps", 4, "--no-save-on-exit")
+    frozen = ["0.weight", "0.bias"]
+    assert all(t.dtype == torch.bfloat16 for t in first[0]["end"]["module"].values())
+    assert all(n not in first[0]["end"]["params"] for n in frozen)  # no fp32 master
+    assert all(bits_equal(first[0]["start"]["module"][n], first[0]["end"]["module"][n]) for n in frozen)  # frozen: not trained
+    alone = ds_job(tmp_path, 1, "alone", *common, "--frozen-seed", 2, "--root", tmp_path / "root", "--steps", 6)
+    assert alone[0]["restored_step"] == 4 and alone[0]["step"] == 6
+    assert not any(bits_equal(alone[0]["start"]["before"][n], first[0]["end"]["module"][n]) for n in frozen)
+    assert_same_state(alone[0]["start"], first[0]["end"], "2 -> 1")
+    assert all(bits_equal(alone[0]["end"]["module"][n], first[0]["end"]["module"][n]) for n in frozen)
+
+
+def test_a_checkpoint_without_the_frozen_parameters_restores_the_rest_and_says_so(tmp_path):
+    """An earlier ckpt saved no frozen parameters: its checkpoints restore everything they
+    hold, the frozen layer keeps what the job loaded, and the log says which were not there."""
+    common = ("--stage", 1, "--every", 2)
+    first = ds_job(tmp_path, 1, "first", *common, "--frozen-seed", 1, "--save-no-frozen", "--root", tmp_path / "root", "--steps", 2, "--no-save-on-exit")
+    resumed = ds_job(tmp_path, 1, "resumed", *common, "--frozen-seed", 2, "--root", tmp_path / "root", "--steps", 3)
+    assert resumed[0]["restored_step"] == 2
+    start, saved = resumed[0]["start"], first[0]["end"]
+    for name in ("0.weight", "0.bias"):
+        assert bits_equal(start["module"][name], start["before"][name]) and not bits_equal(start["module"][name], saved["module"][name])
+    for key in ("params", "exp_avg", "exp_avg_sq"):
+        assert all(bits_equal(start[key][n], t) for n, t in saved[key].items()), key
+    log = (tmp_path / "resumed" / "rank0.log").read_text()
+    assert "this checkpoint holds no value for 2 frozen parameter(s) (0.bias, 0.weight; saved by an earlier ckpt)" in log, log[-3000:]
 
 
 def test_zero2_with_the_optimizer_offloaded_resumes_bitwise_and_trains_on_as_deepspeed_does(tmp_path):
