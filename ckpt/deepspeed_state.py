@@ -59,12 +59,12 @@ def _gathered(stage: int, params: list[tuple[str, torch.nn.Parameter]], modify: 
     under ZeRO-3 each run is gathered (a collective), at most GATHER_BYTES at once (all at
     once would put the whole model on each device), and with `modify` rank 0's values are
     partitioned again after it; below ZeRO-3 every rank holds them whole."""
+    if stage != 3:
+        yield params
+        return
     import deepspeed
 
-    for group in _gather_groups(params) if stage == 3 else [params]:
-        if stage != 3:
-            yield group
-            continue
+    for group in _gather_groups(params):
         with deepspeed.zero.GatheredParameters([p for _, p in group], modifier_rank=0 if modify else None):
             yield group
 
