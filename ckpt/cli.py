@@ -1,7 +1,8 @@
 """`ckpt`: the admin CLI. List, show, verify and delete checkpoints under any root.
 
 A user's mistake (a bad URL, a missing step, credentials that do not work) is one line on
-stderr and exit code 2; a checkpoint that fails verification is exit code 1.
+stderr and exit code 2; a checkpoint that fails verification is exit code 1. `diff` answers
+as diff(1) does: 1 means the two differ, so a corrupt side is 2 (no answer), never 1.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(store, args)
     except InvalidCheckpoint as e:
         _error(e)
-        return EXIT_INVALID
+        return EXIT_USAGE if args.func is cli_tools.cmd_diff else EXIT_INVALID
     except (CheckpointError, ValueError) as e:
         _error(e)
         return EXIT_USAGE
