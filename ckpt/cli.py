@@ -2,7 +2,7 @@
 
 A user's mistake (a bad URL, a missing step, credentials that do not work) is one line on
 stderr and exit code 2; a checkpoint that fails verification is exit code 1. `diff` answers
-as diff(1) does: 1 means the two differ, so a corrupt side is 2 (no answer), never 1.
+as diff(1) does: 1 means the two differ, so a corrupt or untrusted side is 2 (no answer).
 """
 
 from __future__ import annotations

@@ -324,7 +324,7 @@ def test_ckpt_verify_reports_signed_ok_bad_and_unsigned_and_fails_on_untrusted(t
 def test_with_a_key_cp_restore_export_and_diff_use_only_a_checkpoint_signed_with_it(tmp_path, signed_root):
     """The verbs that read a whole checkpoint trust what `show` trusts: with a key, the newest
     signed one (saying which newer ones they passed over), and a step not signed with it is
-    refused (exit 1); without one, the newest by commit, as before."""
+    refused (exit 1; diff 2, its 1 being "they differ"); without one, the newest by commit, as before."""
     root, key_file = signed_root
     keyed = ("--signing-key-file", str(key_file))
     copied = cli("cp", str(root), str(tmp_path / "copy"), *keyed)
@@ -335,13 +335,13 @@ def test_with_a_key_cp_restore_export_and_diff_use_only_a_checkpoint_signed_with
     assert restored.returncode == 0 and sorted(p.name for p in (tmp_path / "to").glob("step-*")) == [step_dir(2)], restored.stderr
     exported = cli("export", str(root), "--format", "torch", "--out", str(tmp_path / "x.pt"), *keyed)
     assert exported.returncode == 0 and step_dir(2) in exported.stdout, exported.stdout + exported.stderr
-    for refused in (
-        cli("cp", str(root), str(tmp_path / "copy3"), "--step", "3", *keyed),
-        cli("export", str(root), "--step", "3", "--format", "torch", "--out", str(tmp_path / "y.pt"), *keyed),
-        cli("diff", f"{root}:2", f"{root}:3", *keyed),
-        cli("load-test", str(root), "--world-size", "2", "--step", "3", *keyed),
+    for refused, rc in (
+        (cli("cp", str(root), str(tmp_path / "copy3"), "--step", "3", *keyed), 1),
+        (cli("export", str(root), "--step", "3", "--format", "torch", "--out", str(tmp_path / "y.pt"), *keyed), 1),
+        (cli("diff", f"{root}:2", f"{root}:3", *keyed), 2),  # diff's 1 means "they differ"
+        (cli("load-test", str(root), "--world-size", "2", "--step", "3", *keyed), 1),
     ):
-        assert "step 3 is untrusted: " in one_line_error(refused, rc=1), refused.stderr
+        assert "step 3 is untrusted: " in one_line_error(refused, rc=rc), refused.stderr
     assert not (tmp_path / "copy3").exists() and not (tmp_path / "y.pt").exists()
     keyless = cli("cp", str(root), str(tmp_path / "copy-any"))
     assert keyless.returncode == 0 and sorted(p.name for p in (tmp_path / "copy-any").glob("step-*")) == [step_dir(3)]
