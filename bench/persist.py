@@ -82,6 +82,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--stores", default="local,s3", help="local (a directory under --dir), s3 (a moto server on loopback), or both (default)")
     p.add_argument("--leak-saves", type=int, default=50, help="saves in a row for the host memory check (default 50; 0 skips it)")
     p.add_argument("--leak-steps", type=int, default=2, help="training steps between those saves (default 2)")
+    p.add_argument("--malloc-trim", action=argparse.BooleanOptionalAction, default=True,
+                   help="glibc's malloc_trim(0) before each reading of the memory check, control and saves alike "
+                   "(default): it reads memory in use, not free memory glibc's arenas keep, which swings by "
+                   "tens of MB with no saves at all; --no-malloc-trim reads the process as it is")
     p.add_argument("--reshard-size-mb", type=float, default=None,
                    help="size per rank of the 2->1 restore check (default: the largest of --sizes-mb; 0 skips it)")
     p.add_argument("--cache", choices=["cold", "warm"], default="cold",
@@ -326,6 +330,9 @@ def table(result: dict[str, Any]) -> str:
         f"other processes used {load or 0:.2f} cores on average during the run",
         f"ckpt: {cfg['ckpt_source'].get('git_commit', '?')[:10]}{' (ckpt/ edited)' if cfg['ckpt_source'].get('ckpt_dir_edited') else ''}, "
         f"torch {cfg['torch']}; medians [min..max] over runs",
+        *([f"memory check: {cfg['leak_saves']} saves, {cfg['leak_steps']} step(s) each; read "
+           + ("after glibc's malloc_trim(0) (memory in use)" if cfg.get("malloc_trim") else "as is (--no-malloc-trim)")]
+          if cfg.get("leak_saves") else []),
         "",
     ]
     cols = ["check", "store", "size per rank", "ckpt", "baseline", "ratio", "target", "", "others"]
@@ -716,11 +723,17 @@ def _pss(pid: int | str) -> int:
     return 0
 
 
-def leak_check(r: Rank, place: Place, n: int, steps: int, control: bool = False) -> dict[str, Any]:
+def leak_check(r: Rank, place: Place, n: int, steps: int, control: bool = False, trim: bool = False) -> dict[str, Any]:
     """Check d): n saves in a row, `steps` training steps while each one writes, retention on
     (Keep(last=2)), as in training; memory after each commit. With `control`, the same loop
-    without the saves: how much training alone moves the same numbers."""
+    without the saves: how much training alone moves the same numbers. With `trim`, glibc's
+    malloc_trim(0) before each reading: what is left is memory still in use, not free memory
+    the allocator keeps."""
+    import ctypes
+
     import ckpt
+
+    release = ctypes.CDLL("libc.so.6").malloc_trim if trim else (lambda _pad: 0)
 
     root = "leak"
     if r.rank == 0:
@@ -736,6 +749,7 @@ def leak_check(r: Rank, place: Place, n: int, steps: int, control: bool = False)
                 r.train_step()
                 cp.step_done()
             cp.wait()
+            release(0)
             persist_s = cp.last_commit.costs.persist_s if cp.last_commit else 0.0
             series.append({"save": i, "s": time.perf_counter() - t, "persist_s": persist_s, **memory_now()})
             if i % 10 == 0:
@@ -764,6 +778,7 @@ def worker(args: argparse.Namespace) -> None:
         "when": datetime.datetime.now().isoformat(timespec="seconds"),
         "config": {"world": r.world, "sizes_mb": args.sizes, "repeats": args.repeats_by_store, "stores": args.stores,
                    "cache": args.cache, "leak_saves": args.leak_saves, "leak_steps": args.leak_steps,
+                   "malloc_trim": args.malloc_trim,
                    "reshard_size_mb": args.reshard_size_mb, "torch": torch.__version__, "ckpt_source": stall.ckpt_source(),
                    "dir": args.dir},
         "sizes": [],
@@ -787,8 +802,9 @@ def worker(args: argparse.Namespace) -> None:
             checkpoint_results()
         if args.leak_saves and size == min(args.sizes):
             place = places.get("local") or next(iter(places.values()))
-            raw["leak_control"] = leak_check(r, place, args.leak_saves, args.leak_steps, control=True)
-            raw["leak"] = leak_check(r, place, args.leak_saves, args.leak_steps)
+            raw["leak_control"] = leak_check(r, place, args.leak_saves, args.leak_steps, control=True,
+                                            trim=args.malloc_trim)
+            raw["leak"] = leak_check(r, place, args.leak_saves, args.leak_steps, trim=args.malloc_trim)
             checkpoint_results()
         r.model = r.opt = None
         gc.collect()
