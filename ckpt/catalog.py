@@ -434,7 +434,13 @@ def retire(store: Store, scans: Scans, keep: Keep, key: SigningKey | None, *, in
 
 
 def restore_candidates(
-    store: Store, key: SigningKey | None = None, exclude: set[int] | frozenset[int] = frozenset(), keep: bool = False
+    store: Store,
+    key: SigningKey | None = None,
+    exclude: set[int] | frozenset[int] = frozenset(),
+    keep: bool = False,
+    *,
+    listings: dict[int, StepListing] | None = None,
+    check_first: bool = True,
 ) -> tuple[list[Entry], list[Entry]]:
     """(committed checkpoints newest commit first, the directories that were passed over).
 
@@ -448,8 +454,10 @@ def restore_candidates(
     is exact only for the first: a restore that falls back asks again, `exclude`-ing the steps
     it tried. With `key`, only checkpoints signed with it are candidates. `keep`: the first
     keeps the bytes of its manifest and of `.metadata` (if read whole: at most
-    WHOLE_READ_MAX) that were checked (`Entry.doc`, `Entry.metadata`)."""
-    listings = {step: lst for step, lst in store.scan().items() if step not in exclude}
+    WHOLE_READ_MAX) that were checked (`Entry.doc`, `Entry.metadata`). `listings`: the
+    root's `scan()`, where the caller has one. Without `check_first` the candidates' manifests
+    are checked but not the first's `.metadata` (for their commit times alone)."""
+    listings = {step: lst for step, lst in (store.scan() if listings is None else listings).items() if step not in exclude}
     entries = [inspect(store, lst) for lst in listings.values() if not lst.has_manifest]  # nothing to read
     unread = sorted((lst for lst in listings.values() if lst.has_manifest), key=_written, reverse=True)
     good: list[Entry] = []
@@ -462,7 +470,7 @@ def restore_candidates(
                 if entry.state == COMMITTED:
                     good.append(entry)
             good.sort(key=lambda e: (e.manifest.created, e.step), reverse=True)  # type: ignore[union-attr]
-        if not good:
+        if not good or not check_first:
             break
         checked = inspect(store, listings[good[0].step], metadata=True, key=key, keep_doc=keep, doc=good[0].doc)
         if checked.state == COMMITTED:
@@ -471,7 +479,7 @@ def restore_candidates(
         good.pop(0)  # and read on: older manifests may hold the newest good one now
     for e in entries:
         e.doc = e.metadata = None  # but the first candidate's: a restore reads from that one
-    if good:
+    if good and check_first:
         good[0] = checked
     skipped = sorted(
         (e for e in entries if e.state != COMMITTED and (not good or e.step > good[0].step or e.state == CORRUPT)),
@@ -490,14 +498,16 @@ def _written(lst: StepListing) -> tuple[float, int]:
     return (lst.manifest_mtime if lst.manifest_mtime is not None else math.inf), lst.step
 
 
-def find(store: Store, step: int | None, key: SigningKey | None = None, keep: bool = False) -> Entry:
+def find(
+    store: Store, step: int | None, key: SigningKey | None = None, keep: bool = False, listings: dict[int, StepListing] | None = None
+) -> Entry:
     """The committed checkpoint at `step` (newest when None); NotFound or InvalidCheckpoint.
-    With `key`, only one signed with it; `keep`, see `restore_candidates`."""
-    listings = store.scan()
+    With `key`, only one signed with it; `keep` and `listings`, see `restore_candidates`."""
+    listings = store.scan() if listings is None else listings
     if not listings:
         raise NotFound(f"no checkpoints under {store.display}")
     if step is None:
-        good, skipped = restore_candidates(store, key, keep=keep)
+        good, skipped = restore_candidates(store, key, keep=keep, listings=listings)
         passed = [e for e in skipped if e.state == CORRUPT or untrusted(e)]
         if not good and passed:  # committed once, by their listing: say why none is now
             why = first_few([f"{e.dir}: {e.problem}" for e in passed], "; ")

@@ -34,7 +34,7 @@ from .errors import (
 )
 from .manifest import MANIFEST_NAME, METADATA_NAME, Manifest
 from .prefetch import Prefetch
-from .storage import Store, step_dir_name
+from .storage import StepListing, Store, step_dir_name
 
 if TYPE_CHECKING:
     from .handoff import Handoff, Tiered
@@ -157,8 +157,9 @@ def start_fresh(store: Store, ctrl: Group, key: SigningKey | None = None) -> tup
     if ctrl.rank == 0:
         try:
             store.check_reachable()
-            taken = {s for s, lst in store.scan().items() if lst.has_manifest}
-            got = (taken, newest_commit(store, key) if taken else 0.0)
+            listings = store.scan()
+            taken = {s for s, lst in listings.items() if lst.has_manifest}
+            got = (taken, newest_commit(store, key, listings) if taken else 0.0)
         except Exception as e:
             got, error = (str(e) if isinstance(e, CheckpointError) else f"rank 0: {type(e).__name__}: {e}"), e
     got = ctrl.broadcast(got)
@@ -177,12 +178,14 @@ def start_fresh(store: Store, ctrl: Group, key: SigningKey | None = None) -> tup
     return taken, newest
 
 
-def newest_commit(store: Store, key: SigningKey | None) -> float:
-    """The newest commit time (`created`) among the root's checkpoints (with `key`, those
-    signed with it); 0 if none. This job's commits are dated after it (`commit.persist`'s
-    `after`), whatever this host's clock says: a restore picks the newest commit, and a run
-    that went on from an older step must win over the one it abandoned."""
-    good, _ = catalog.restore_candidates(store, key)
+def newest_commit(store: Store, key: SigningKey | None, listings: dict[int, StepListing] | None = None) -> float:
+    """The newest commit time (`created`) among the root's checkpoints whose manifests check
+    (with `key`, those signed with it); 0 if none. This job's commits are dated after it
+    (`commit.persist`'s `after`), whatever this host's clock says: a restore picks the newest
+    commit, and a run that went on from an older step must win over the one it abandoned.
+    `listings`: the root's `scan()`, where the caller has one. The newest one's `.metadata` is
+    not read: a date after a checkpoint that turns out unusable is as good."""
+    good, _ = catalog.restore_candidates(store, key, listings=listings, check_first=False)
     return _newest(good)
 
 
@@ -201,8 +204,9 @@ def _restore_plan(
         if tried:
             return [], set(), [], 0.0, None
         store.check_reachable()
-        entry = catalog.find(store, mode, key, keep=True)
-        return [entry.step], {s for s, lst in store.scan().items() if lst.has_manifest}, [], newest_commit(store, key), entry
+        listings = store.scan()  # one listing for all three
+        entry = catalog.find(store, mode, key, keep=True, listings=listings)
+        return [entry.step], {s for s, lst in listings.items() if lst.has_manifest}, [], newest_commit(store, key, listings), entry
     if not tried:
         store.check_reachable()
     good, skipped = catalog.restore_candidates(store, key, exclude=set(tried), keep=True)

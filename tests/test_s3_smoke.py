@@ -55,6 +55,45 @@ def test_a_restore_reads_each_manifest_once_and_asks_no_object_for_its_size(s3_r
     assert [path.strip("/") for kind, path in seen if kind == "head"] == [bucket], seen
 
 
+def test_a_restore_of_a_named_step_lists_the_root_once_and_reads_no_other_metadata(s3_root, s3_options):
+    """restore=STEP and restore='none' ask the store no more than restore='latest' does: one listing of the
+    root serves the step, the steps already taken and the newest commit time alike (it was
+    three), and the only `.metadata` read is the restored step's (the newest one's was read
+    and checksummed too, for its commit time alone)."""
+    from s3proxy import FaultyProxy
+
+    m = torch.nn.Linear(16, 16)
+    with ckpt.Checkpointer(s3_root, model=m, storage_options=s3_options, interval=None, save_on_exit=False) as cp:
+        for _ in range(3):
+            cp.step_done()
+            cp.save(blocking=True)
+
+    def restore(restore: int | str) -> tuple[int, list[tuple[str, str]]]:
+        proxy = FaultyProxy(s3_options["endpoint_url"])
+        try:
+            opts = {**s3_options, "endpoint_url": proxy.url}
+            with ckpt.Checkpointer(s3_root, model=torch.nn.Linear(16, 16), storage_options=opts, restore=restore, save_on_exit=False) as cp:
+                return cp.step, list(proxy.requests)
+        finally:
+            proxy.close()
+
+    root = s3_root.removeprefix("s3://")
+    bucket = root.split("/")[0]
+
+    def listings(seen: list[tuple[str, str]]) -> int:
+        return sum(1 for kind, path in seen if kind == "get" and path.strip("/") == bucket)
+
+    step, named = restore(2)
+    latest_step, latest = restore("latest")
+    assert (step, latest_step) == (2, 3)
+    assert listings(named) == listings(latest) >= 1, (named, latest)
+    assert [path for kind, path in named if path.endswith("/.metadata")] == [f"/{root}/step-0000000002/.metadata"], named
+    # restore='none' (steps taken and the newest commit time, to skip and date after them): the same.
+    fresh_step, fresh = restore("none")
+    assert fresh_step == 0 and listings(fresh) == listings(latest), fresh
+    assert not [path for kind, path in fresh if path.endswith("/.metadata")], fresh
+
+
 def test_only_a_restore_keeps_the_checked_bytes_and_only_of_the_checkpoint_it_picks(tmp_path):
     from ckpt import catalog
     from ckpt.storage import Store
