@@ -83,9 +83,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--leak-saves", type=int, default=50, help="saves in a row for the host memory check (default 50; 0 skips it)")
     p.add_argument("--leak-steps", type=int, default=2, help="training steps between those saves (default 2)")
     p.add_argument("--malloc-trim", action=argparse.BooleanOptionalAction, default=True,
-                   help="glibc's malloc_trim(0) before each reading of the memory check, control and saves alike "
-                   "(default): it reads memory in use, not free memory glibc's arenas keep, which swings by "
-                   "tens of MB with no saves at all; --no-malloc-trim reads the process as it is")
+                   help="glibc's malloc_trim(0) in each trainer before its readings of the memory check, control "
+                   "and saves alike (default; none where the C library is not glibc): the trainer's figures are then "
+                   "memory in use, not free memory glibc's arenas keep, which swings by tens of MB with no saves at "
+                   "all (its writer process is read as it is); --no-malloc-trim reads the trainer as it is too")
     p.add_argument("--reshard-size-mb", type=float, default=None,
                    help="size per rank of the 2->1 restore check (default: the largest of --sizes-mb; 0 skips it)")
     p.add_argument("--cache", choices=["cold", "warm"], default="cold",
@@ -723,17 +724,25 @@ def _pss(pid: int | str) -> int:
     return 0
 
 
+def _malloc_trim() -> Any:
+    """glibc's malloc_trim, or None (another C library)."""
+    import ctypes
+
+    try:
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
 def leak_check(r: Rank, place: Place, n: int, steps: int, control: bool = False, trim: bool = False) -> dict[str, Any]:
     """Check d): n saves in a row, `steps` training steps while each one writes, retention on
     (Keep(last=2)), as in training; memory after each commit. With `control`, the same loop
     without the saves: how much training alone moves the same numbers. With `trim`, glibc's
     malloc_trim(0) before each reading: what is left is memory still in use, not free memory
     the allocator keeps."""
-    import ctypes
-
     import ckpt
 
-    release = ctypes.CDLL("libc.so.6").malloc_trim if trim else (lambda _pad: 0)
+    release = _malloc_trim() if trim else None
 
     root = "leak"
     if r.rank == 0:
@@ -749,7 +758,8 @@ def leak_check(r: Rank, place: Place, n: int, steps: int, control: bool = False,
                 r.train_step()
                 cp.step_done()
             cp.wait()
-            release(0)
+            if release is not None:
+                release(0)
             persist_s = cp.last_commit.costs.persist_s if cp.last_commit else 0.0
             series.append({"save": i, "s": time.perf_counter() - t, "persist_s": persist_s, **memory_now()})
             if i % 10 == 0:
@@ -778,7 +788,7 @@ def worker(args: argparse.Namespace) -> None:
         "when": datetime.datetime.now().isoformat(timespec="seconds"),
         "config": {"world": r.world, "sizes_mb": args.sizes, "repeats": args.repeats_by_store, "stores": args.stores,
                    "cache": args.cache, "leak_saves": args.leak_saves, "leak_steps": args.leak_steps,
-                   "malloc_trim": args.malloc_trim,
+                   "malloc_trim": args.malloc_trim and _malloc_trim() is not None,
                    "reshard_size_mb": args.reshard_size_mb, "torch": torch.__version__, "ckpt_source": stall.ckpt_source(),
                    "dir": args.dir},
         "sizes": [],

@@ -456,7 +456,8 @@ def restore_candidates(
     keeps the bytes of its manifest and of `.metadata` (if read whole: at most
     WHOLE_READ_MAX) that were checked (`Entry.doc`, `Entry.metadata`). `listings`: the
     root's `scan()`, where the caller has one. Without `check_first` the candidates' manifests
-    are checked but not the first's `.metadata` (for their commit times alone)."""
+    are checked but not the first's `.metadata` (for their commit times alone), and `keep`
+    keeps nothing."""
     listings = {step: lst for step, lst in (store.scan() if listings is None else listings).items() if step not in exclude}
     entries = [inspect(store, lst) for lst in listings.values() if not lst.has_manifest]  # nothing to read
     unread = sorted((lst for lst in listings.values() if lst.has_manifest), key=_written, reverse=True)

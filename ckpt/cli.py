@@ -67,6 +67,11 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:  # a local path the command cannot write or read (--out, --to)
         _error(e)
         return EXIT_USAGE
+    except Exception as e:
+        if args.func is not cli_tools.cmd_diff:
+            raise
+        _error(e)  # diff's 1 is "they differ": anything else that stops it is no answer
+        return EXIT_USAGE
 
 
 def _error(e: Exception) -> None:
