@@ -33,6 +33,8 @@ import numpy as np
 import torch
 import xxhash
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    _get_fqns,
     get_model_state_dict,
     get_state_dict,
     set_model_state_dict,
@@ -66,6 +68,8 @@ class TrainingState:
     # The generator ckpt gave a DataLoader that had none (`data.own_generator`): reseeded on
     # restore, so that its workers' seeds after a resume are not a fresh run's again.
     loader_generator: torch.Generator | None = None
+    # frozen="skip": parameters with requires_grad=False are neither saved nor loaded.
+    skip_frozen: bool = False
     _dcp_state: _StateDictCache = field(default_factory=lambda: _StateDictCache())
     _loadable: set[type] = field(default_factory=set)  # types of saved objects a restore loads (`_check_loadable`)
     _template_model: dict[str, Any] = field(default_factory=dict)  # the model's values in the last template
@@ -74,9 +78,11 @@ class TrainingState:
 
     @classmethod
     def of(
-        cls, model: Any, optimizer: Any, scheduler: Any, scaler: Any, extra: Any, data: Any = None, loader: Any = None
-    ) -> TrainingState:
+        cls, model: Any, optimizer: Any, scheduler: Any, scaler: Any, extra: Any, data: Any = None, loader: Any = None,
+        frozen: str = "save",
+    ) -> TrainingState:  # fmt: skip
         state = cls(model, _as_list(optimizer), _as_list(scheduler), scaler, dict(extra or {}), data, loader)
+        state.skip_frozen = frozen == "skip"
         # IMPORTANT: checked here, not at the first save (with interval="auto", minutes in).
         if model is not None and not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module (plain, DDP, FSDP) or a DeepSpeed engine, not {type(model).__name__}")
@@ -116,9 +122,9 @@ class TrainingState:
         nothing they hold has been replaced (see `_StateDictCache`)."""
         sd: dict[str, Any] = {}
         if deepspeed_state.is_engine(self.model):
-            sd.update(deepspeed_state.capture(self.model))
+            sd.update(deepspeed_state.capture(self.model, frozen=not self.skip_frozen))
         elif self.model is not None:
-            sd.update(self._dcp_state.get(self.model, self.optimizers, reuse))
+            sd.update(self._dcp_state.get(self.model, self.optimizers, reuse, self.skip_frozen))
         if self.schedulers:
             sd["scheduler"] = {str(i): s.state_dict() for i, s in enumerate(self.schedulers)}
         if self.scaler is not None:
@@ -141,9 +147,21 @@ class TrainingState:
     # -- restore ----------------------------------------------------------------------------
     def optional(self) -> Callable[[str], bool]:
         """What a checkpoint may lack, the restore leaving it as it is: `optional_in_checkpoint`,
-        and a DeepSpeed engine's frozen parameters (a checkpoint of an earlier ckpt has none)."""
-        frozen = frozenset(deepspeed_state.frozen_names(self.model)) if deepspeed_state.is_engine(self.model) else frozenset()
+        and the frozen parameters (`frozen_keys`: a checkpoint saved with frozen="skip" has
+        none, nor has a DeepSpeed engine's of an earlier ckpt)."""
+        frozen = self.frozen_keys()
         return lambda fqn: optional_in_checkpoint(fqn) or fqn in frozen
+
+    def frozen_keys(self) -> frozenset[str]:
+        """The state dict keys (`model.<fqn>`) of the model's parameters that do not require
+        grad, named as DCP names them (no DDP `module.` or FSDP1 wrapper prefixes)."""
+        if self.model is None:
+            return frozenset()
+        if deepspeed_state.is_engine(self.model):
+            return frozenset(deepspeed_state.frozen_names(self.model))
+        return frozenset(
+            f"model.{fqn}" for name, p in self.model.named_parameters() if not p.requires_grad for fqn in _get_fqns(self.model, name)
+        )
 
     def template(self, rank: int) -> dict[str, Any]:
         """A state dict of the current objects to load into; `fit_template` limits it to what
@@ -186,7 +204,7 @@ class TrainingState:
     def apply(self, sd: dict[str, Any], rank: int) -> dict[str, Any]:
         """Load a restored state dict into the objects; returns the saved counters."""
         if deepspeed_state.is_engine(self.model):
-            deepspeed_state.apply(self.model, sd)
+            deepspeed_state.apply(self.model, sd, frozen=not self.skip_frozen)
         elif "optim" in sd:
             # The model's half skipped when loading it would copy each tensor onto itself.
             in_place = _loaded_in_place(sd["model"], self._template_model)
@@ -198,9 +216,10 @@ class TrainingState:
                     self.optimizers,
                     model_state_dict={} if in_place else sd["model"],
                     optim_state_dict=sd["optim"],
+                    options=self._load_options(),
                 )
         elif "model" in sd and not _loaded_in_place(sd["model"], self._template_model):
-            set_model_state_dict(self.model, sd["model"])
+            set_model_state_dict(self.model, sd["model"], options=self._load_options())
         self._template_model, self._template_optim = {}, ({}, [])  # views: they must not outlive a replaced tensor
         for i, sched in enumerate(self.schedulers):
             sched.load_state_dict(sd["scheduler"][str(i)])
@@ -222,6 +241,12 @@ class TrainingState:
             self.loader_generator.manual_seed(_seed(f"ckpt-loader:{torch.initial_seed()}:{counters['step']}"))
         return counters
 
+    def _load_options(self) -> StateDictOptions:
+        """How DCP's set_state_dict loads the model: with frozen="skip" the restored dict
+        lacks the frozen parameters (the template left them out), which keep their values;
+        every other key the model has, DCP's load has already made sure it holds."""
+        return StateDictOptions(strict=not self.skip_frozen)
+
 
 class _StateDictCache:
     """`get_state_dict(model, optimizers)`, reused while the objects it read are unchanged.
@@ -240,26 +265,29 @@ class _StateDictCache:
         self._value: dict[str, Any] = {}
         self.buffers: frozenset[int] = frozenset()  # storages of the modules' buffers, at the last get
 
-    def get(self, model: torch.nn.Module, optimizers: list[torch.optim.Optimizer], reuse: bool) -> dict[str, Any]:
+    def get(self, model: torch.nn.Module, optimizers: list[torch.optim.Optimizer], reuse: bool, skip_frozen: bool = False) -> dict[str, Any]:
+        """With `skip_frozen`, the model's dict leaves out the parameters that do not require
+        grad (and the fingerprint says which do)."""
         modules = list(model.modules())  # walked once: 10,000 modules take milliseconds a walk
         tensors, self.buffers, plain = _walk(modules)
         local = _locals(tensors)
         checkable = _checkable(plain, local, optimizers)
-        key = _fingerprint(tensors, local, optimizers) if reuse and checkable else None
+        key = _fingerprint(tensors, local, optimizers, skip_frozen) if reuse and checkable else None
         if key is not None and key == self._key:
             if "optim" in self._value:
                 groups = itertools.chain.from_iterable(o.param_groups for o in optimizers)
                 for saved, live in zip(self._value["optim"]["param_groups"], groups, strict=True):
                     saved.update((k, v) for k, v in live.items() if k != "params")
             return dict(self._value)
+        options = StateDictOptions(ignore_frozen_params=skip_frozen)
         if optimizers:
-            msd, osd = get_state_dict(model, optimizers)
+            msd, osd = get_state_dict(model, optimizers, options=options)
             value = {"model": msd, "optim": osd}
         else:
-            value = {"model": get_model_state_dict(model)}
+            value = {"model": get_model_state_dict(model, options=options)}
         # Taken after: FSDP2's hook may have swapped unsharded parameters for sharded ones.
         tensors = _walk(list(model.modules()))[0]
-        self._key = _fingerprint(tensors, _locals(tensors), optimizers) if checkable else None
+        self._key = _fingerprint(tensors, _locals(tensors), optimizers, skip_frozen) if checkable else None
         self._value = value
         return dict(value)
 
@@ -317,11 +345,14 @@ def _checkable(plain_modules: bool, local: list[torch.Tensor], optimizers: list[
     return not any(o._optimizer_state_dict_pre_hooks or o._optimizer_state_dict_post_hooks for o in optimizers)
 
 
-def _fingerprint(tensors: list[torch.Tensor], local: list[torch.Tensor], optimizers: list[torch.optim.Optimizer]) -> tuple[Any, ...]:
+def _fingerprint(
+    tensors: list[torch.Tensor], local: list[torch.Tensor], optimizers: list[torch.optim.Optimizer], frozen: bool = False
+) -> tuple[Any, ...]:
     """What a state dict of these objects is made of: which storage every parameter, buffer
     and optimizer state tensor lives in (and its shape), every other state value, and the
-    parameters of every optimizer group (`local`: the tensors, DTensors as their shards).
-    Equal fingerprints, equal state dicts. (Built a
+    parameters of every optimizer group (`local`: the tensors, DTensors as their shards);
+    with `frozen`, which parameters require grad (a dict without the frozen ones: a
+    parameter unfrozen since is in it). Equal fingerprints, equal state dicts. (Built a
     column at a time, all tensors in one: it runs in the loop's part of every save, over
     every tensor.)"""
     parts: list[Any] = []
@@ -341,6 +372,8 @@ def _fingerprint(tensors: list[torch.Tensor], local: list[torch.Tensor], optimiz
             described += state_tensors
             local += _locals(state_tensors)
     parts.append(len(tensors))  # where the model's tensors end in the columns
+    if frozen:
+        parts.append(list(map(_REQUIRES_GRAD, tensors)))
     parts += [
         list(map(_DATA_PTR, local)),
         list(map(_SHAPE, local)),
@@ -474,6 +507,7 @@ _NO_STATE: dict[str, Any] = {}
 # The tensor methods by themselves, mapped over 10,000 tensors without a lookup each.
 _DATA_PTR, _STRIDE = torch.Tensor.data_ptr, torch.Tensor.stride
 _SHAPE, _DTYPE = torch.Tensor.shape.__get__, torch.Tensor.dtype.__get__
+_REQUIRES_GRAD = torch.Tensor.requires_grad.__get__
 
 
 def _locals(tensors: list[torch.Tensor]) -> list[torch.Tensor]:

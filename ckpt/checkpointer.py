@@ -140,6 +140,14 @@ class Checkpointer:
             taken at once. Renewed every ``ttl_s / 3``; released on a clean exit. A job whose
             lease was taken over commits nothing more: its saves fail with ``SaveFailed``.
             See ``ckpt.lease``.
+        frozen: the model's parameters that do not require grad (a LoRA or adapter job's
+            base model) are in every checkpoint ("save", default) or in none ("skip"): the
+            checkpoints then hold only what training changes, and the job loads the base
+            itself before entering the block, on a restart as on a fresh start; a restore
+            leaves those parameters as they are. Which parameters are frozen is read at each
+            save. "skip" is for parameters that training does not change: a frozen module
+            updated in place (an EMA teacher) needs "save". A restore with "save" of a
+            checkpoint saved with "skip" keeps the frozen parameters' values too, and says so.
     """
 
     def __init__(
@@ -173,10 +181,11 @@ class Checkpointer:
         spool: str | None = None,
         signing_key: bytes | str | None = None,
         lease: Lease | None = Lease(),
+        frozen: Literal["save", "skip"] = "save",
     ) -> None:
         check_options(
             on_error=on_error, restore=restore, keep=keep, if_busy=if_busy, lease=lease, metadata=metadata,
-            timeout_s=timeout_s, budget=host_memory_budget, agree_every_s=agree_every_s,
+            timeout_s=timeout_s, budget=host_memory_budget, agree_every_s=agree_every_s, frozen=frozen,
         )  # fmt: skip
         interval = checked_interval(interval)
         self.store = Store(root, storage_options, transfer)
@@ -185,7 +194,7 @@ class Checkpointer:
             self.store.checksum_algo = BLAKE3
         self._storage_options = storage_options
         data, loader = data_position(data, dataloader)
-        self.state = TrainingState.of(model, optimizer, scheduler, scaler, extra, data, loader)
+        self.state = TrainingState.of(model, optimizer, scheduler, scaler, extra, data, loader, frozen)
         self.state.loader_generator = own_generator(dataloader)  # after every check: nothing changed if refused
         # A signal reaches one rank, a clock runs per rank: the ranks meet now and then to
         # share them. Always, whatever this rank's settings say: whether to meet must never

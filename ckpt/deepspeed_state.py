@@ -81,15 +81,16 @@ def _state_keys(base: torch.optim.Optimizer) -> list[str]:
     return []
 
 
-def capture(engine: Any) -> dict[str, Any]:
-    """The engine's state dict: `model` (fp32 weights, buffers), `optim`, `engine`."""
+def capture(engine: Any, frozen: bool = True) -> dict[str, Any]:
+    """The engine's state dict: `model` (fp32 weights, the frozen parameters unless not
+    `frozen`, buffers), `optim`, `engine`."""
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
     _check_boundary(engine)
     params = _named_params(engine)
     # Each full tensor goes to the host as it is gathered: on the device only one at a time.
     model: dict[str, Any] = {name: _on_host(safe_get_full_fp32_param(p)) for name, p in params}
-    for group in _gathered(engine.zero_optimization_stage(), _frozen_params(engine)):
+    for group in _gathered(engine.zero_optimization_stage(), _frozen_params(engine) if frozen else []):
         model.update((name, _on_host(p.detach())) for name, p in group)
     for name, b in engine.module.named_buffers():
         model[name] = _on_host(b.detach())
@@ -159,8 +160,9 @@ def _check_boundary(engine: Any) -> None:
         raise MidAccumulation(engine.micro_steps % accumulation, accumulation)
 
 
-def apply(engine: Any, sd: dict[str, Any]) -> None:
-    """Put a restored state dict into the engine (a collective: every rank calls it)."""
+def apply(engine: Any, sd: dict[str, Any], frozen: bool = True) -> None:
+    """Put a restored state dict into the engine (a collective: every rank calls it); the
+    frozen parameters too unless not `frozen` (then they keep their values)."""
     from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
     stage = engine.zero_optimization_stage()
@@ -174,7 +176,7 @@ def apply(engine: Any, sd: dict[str, Any]) -> None:
         safe_set_full_fp32_param(p, model[name])
     # The low-precision copies the forward uses, and the frozen parameters (those a
     # checkpoint of an earlier ckpt lacks were loaded with their current values).
-    for group in _gathered(stage, params + _frozen_params(engine), modify=True):
+    for group in _gathered(stage, params + (_frozen_params(engine) if frozen else []), modify=True):
         with torch.no_grad():
             for name, p in group:
                 p.data.copy_(model[name].to(p.dtype))

@@ -35,6 +35,7 @@ def check_options(
     timeout_s: Any,
     budget: Any,
     agree_every_s: Any,
+    frozen: Any = "save",
 ) -> None:
     if not (on_error in ("raise", "log") or (type(on_error) is int and on_error >= 1)):
         raise ValueError(f"on_error must be 'raise', 'log' or a number of failed saves in a row (>= 1), not {on_error!r}")
@@ -42,6 +43,8 @@ def check_options(
         raise ValueError(f"restore must be 'latest', 'none' or a step number, not {restore!r}")
     if not isinstance(keep, Keep):
         raise ValueError(f"keep must be ckpt.Keep(last=..., every_steps=...), not {keep!r}")
+    if frozen not in ("save", "skip"):
+        raise ValueError(f"frozen must be 'save' (frozen parameters in every checkpoint) or 'skip' (never saved nor loaded), not {frozen!r}")
     if if_busy not in ("wait", "skip"):
         raise ValueError(f"if_busy must be 'wait' or 'skip', not {if_busy!r}")
     if not (lease is None or isinstance(lease, Lease)):

@@ -341,12 +341,18 @@ def _load(
     _say_old_cuda_rng(planner, rank)
     if rank == 0 and (kept := planner.not_in_checkpoint("model.")):
         log.warning(
-            "this checkpoint holds no value for %d frozen parameter(s) (%s; saved by an earlier ckpt): they keep the values they have",
-            len(kept), ", ".join(k.removeprefix("model.") for k in kept[:5]) + (", ..." if len(kept) > 5 else ""),
+            "this checkpoint holds no value for %d frozen parameter(s) (%s; saved with frozen='skip' or by an earlier ckpt): "
+            "they keep the values they have", len(kept), _few(kept),
         )  # fmt: skip
+    unasked = planner.unasked(("model.", "extra."))
+    if state.skip_frozen and (frozen := state.frozen_keys()):
+        left = [k for k in unasked if k in frozen]
+        unasked = [k for k in unasked if k not in frozen]
+        if rank == 0 and left:
+            log.info("frozen='skip': %d frozen parameter(s) this checkpoint holds are not loaded (%s): they keep the values they have", len(left), _few(left))
     counters = cast(dict, applied[2])
     source = tiered.source if tiered else "store"
-    restored = Restored(int(counters.pop("step")), counters, manifest, reader.read_bytes, source, tuple(planner.unasked(("model.", "extra."))))
+    restored = Restored(int(counters.pop("step")), counters, manifest, reader.read_bytes, source, tuple(unasked))
     if tiered is not None:
         log.info("rank %d read %.1f MB of %s from the node spool and %.1f MB from %s", rank, tiered.bytes["spool"] / 1e6, rel, tiered.bytes["store"] / 1e6, store.display)
     if rank == 0 and manifest.world_size != ctrl.world:
@@ -363,6 +369,11 @@ def _load(
             "another world size and it has no ckpt.ElasticSampler; its data starts over",
         )
     return 0, "", restored
+
+
+def _few(keys: list[str]) -> str:
+    """The first five model keys, without "model.", for a log line."""
+    return catalog.first_few([k.removeprefix("model.") for k in keys], ", ", 5)
 
 
 def _files_to_warm(store: Store | Tiered, rel: str, manifest: Manifest, rank: int, world: int) -> list[str]:

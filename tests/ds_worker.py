@@ -62,6 +62,7 @@ def main() -> None:
     p.add_argument("--frozen-seed", type=int, help="freeze the first layer, its weights drawn from this seed")
     p.add_argument("--bf16", action="store_true", help="bf16 weights for the forward (DeepSpeed's bf16 mode)")
     p.add_argument("--save-no-frozen", action="store_true", help="save as an earlier ckpt did: no frozen parameters")
+    p.add_argument("--frozen", default="save", help="the Checkpointer's frozen=")
     args = p.parse_args()
     os.environ.setdefault("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", "1"))
     from ckpt import deepspeed_state
@@ -95,7 +96,7 @@ def main() -> None:
     dist.barrier()  # every rank has mapped every other's shared allreduce buffer by now
     drop_shm_buffer(rank)
     before = module_weights(engine)  # before the restore
-    with ckpt.Checkpointer(args.root, model=engine, interval=ckpt.Every(steps=args.every), save_on_exit=not args.no_save_on_exit, timeout_s=120) as cp:
+    with ckpt.Checkpointer(args.root, model=engine, interval=ckpt.Every(steps=args.every), save_on_exit=not args.no_save_on_exit, timeout_s=120, frozen=args.frozen) as cp:
         start = {"step": cp.step, "before": before, **full_state(engine, optimizer=cp.step > 0)}
         for step in range(cp.step, args.steps):
             for micro in range(args.accumulation):

@@ -14,8 +14,11 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from compare import bits_equal
 from launch import HERE, run
+
+from ckpt.storage import step_dir_name
 
 pytestmark = pytest.mark.slow
 
@@ -117,7 +120,26 @@ def test_a_checkpoint_without_the_frozen_parameters_restores_the_rest_and_says_s
     for key in ("params", "exp_avg", "exp_avg_sq"):
         assert all(bits_equal(start[key][n], t) for n, t in saved[key].items()), key
     log = (tmp_path / "resumed" / "rank0.log").read_text()
-    assert "this checkpoint holds no value for 2 frozen parameter(s) (0.bias, 0.weight; saved by an earlier ckpt)" in log, log[-3000:]
+    assert "this checkpoint holds no value for 2 frozen parameter(s) (0.bias, 0.weight; saved with frozen='skip' or by an earlier ckpt)" in log, log[-3000:]
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_with_frozen_skip_the_frozen_layer_is_in_no_checkpoint_and_a_resume_on_one_rank_keeps_the_base_it_loaded(tmp_path, stage):
+    """frozen="skip" (a fine-tune that reloads its base itself): the checkpoint holds the
+    trained parameters and their optimizer state only; 2 -> 1, the resumed job's frozen layer
+    is the one it loaded, gathered and partitioned by nobody (ZeRO-3), the rest bitwise."""
+    common = ("--stage", stage, "--every", 2, "--frozen", "skip", *(("--gather-bytes", 4096) if stage == 3 else ()))
+    first = ds_job(tmp_path, 2, "first", *common, "--frozen-seed", 1, "--root", tmp_path / "root", "--steps", 2, "--no-save-on-exit")
+    saved = set(dcp.FileSystemReader(str(tmp_path / "root" / step_dir_name(2))).read_metadata().state_dict_metadata)
+    assert "model.2.weight" in saved and not {"model.0.weight", "model.0.bias"} & saved, sorted(saved)
+    alone = ds_job(tmp_path, 1, "alone", *common, "--frozen-seed", 2, "--root", tmp_path / "root", "--steps", 3)
+    assert alone[0]["restored_step"] == 2 and alone[0]["step"] == 3
+    start, end = alone[0]["start"], first[0]["end"]
+    for name in ("0.weight", "0.bias"):
+        assert bits_equal(start["module"][name], start["before"][name]) and not bits_equal(start["module"][name], end["module"][name])
+    for key in ("params", "exp_avg", "exp_avg_sq"):
+        assert end[key] and all(bits_equal(start[key][n], t) for n, t in end[key].items()), key
+    assert "frozen parameter" not in (tmp_path / "alone" / "rank0.log").read_text()
 
 
 def test_zero2_with_the_optimizer_offloaded_resumes_bitwise_and_trains_on_as_deepspeed_does(tmp_path):

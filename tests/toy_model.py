@@ -9,11 +9,19 @@ from __future__ import annotations
 import torch
 
 
-def build(mode: str, world: int, seed: int = 1234) -> torch.nn.Module:
+def build(mode: str, world: int, seed: int = 1234, frozen_seed: int | None = None) -> torch.nn.Module:
+    """With `frozen_seed`, the first layer is frozen (requires_grad=False) and its weights are
+    drawn from that seed, as a fine-tune loads its base model."""
     torch.manual_seed(seed)  # the same initial weights on every rank
     model = torch.nn.Sequential(
         torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8)
     )
+    if frozen_seed is not None:
+        g = torch.Generator().manual_seed(frozen_seed)
+        with torch.no_grad():
+            for p in model[0].parameters():
+                p.copy_(torch.randn(p.shape, generator=g))
+                p.requires_grad_(False)
     if mode == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 

@@ -41,6 +41,8 @@ def main() -> None:
     p.add_argument("--transfer", default="{}", help="JSON: ckpt.Transfer's fields")
     p.add_argument("--timeout", type=float, default=60.0, help="the Checkpointer's timeout_s")
     p.add_argument("--log-level", default="INFO")
+    p.add_argument("--frozen-seed", type=int, help="freeze the first layer, its weights drawn from this seed")
+    p.add_argument("--frozen", default="save", help="the Checkpointer's frozen=")
     args = p.parse_args()
     logging.basicConfig(level=args.log_level, format=f"[rank{os.environ.get('RANK', 0)}] %(name)s %(message)s")
 
@@ -54,7 +56,7 @@ def main() -> None:
     np.random.seed(200 + rank)
     torch.manual_seed(300 + rank)
 
-    model = build(args.mode, world)
+    model = build(args.mode, world, frozen_seed=args.frozen_seed)
     opt, sched = optimizer(model)
     restore = int(args.restore) if args.restore.isdigit() else args.restore
     preempted: SystemExit | None = None
@@ -72,6 +74,7 @@ def main() -> None:
             timeout_s=args.timeout,
             on_error=int(args.on_error) if args.on_error.isdigit() else args.on_error,
             transfer=ckpt.Transfer(**json.loads(args.transfer)),
+            frozen=args.frozen,
         ) as cp:
             for _ in range(cp.step, args.steps):
                 # Per-rank data from every RNG stream, so a wrong RNG restore changes the result.
