@@ -68,7 +68,8 @@ class TrainingState:
     # The generator ckpt gave a DataLoader that had none (`data.own_generator`): reseeded on
     # restore, so that its workers' seeds after a resume are not a fresh run's again.
     loader_generator: torch.Generator | None = None
-    # frozen="skip": parameters with requires_grad=False are neither saved nor loaded.
+    # frozen="skip": parameters with requires_grad=False are left out of what is saved (a
+    # restore still loads those a checkpoint holds: `template`).
     skip_frozen: bool = False
     _dcp_state: _StateDictCache = field(default_factory=lambda: _StateDictCache())
     _loadable: set[type] = field(default_factory=set)  # types of saved objects a restore loads (`_check_loadable`)
@@ -116,15 +117,17 @@ class TrainingState:
         return defer
 
     # -- save -------------------------------------------------------------------------------
-    def capture(self, counters: dict[str, Any], rank: int, *, reuse: bool = True) -> dict[str, Any]:
+    def capture(self, counters: dict[str, Any], rank: int, *, reuse: bool = True, frozen: bool | None = None) -> dict[str, Any]:
         """The state dict to save. Tensors are the live ones: stage before training resumes.
         With `reuse`, the model and optimizer dicts are those of the last capture when
-        nothing they hold has been replaced (see `_StateDictCache`)."""
+        nothing they hold has been replaced (see `_StateDictCache`). `frozen`: whether the
+        frozen parameters are in it (default: unless frozen="skip")."""
+        skip = self.skip_frozen if frozen is None else not frozen
         sd: dict[str, Any] = {}
         if deepspeed_state.is_engine(self.model):
-            sd.update(deepspeed_state.capture(self.model, frozen=not self.skip_frozen))
+            sd.update(deepspeed_state.capture(self.model, frozen=not skip))
         elif self.model is not None:
-            sd.update(self._dcp_state.get(self.model, self.optimizers, reuse, self.skip_frozen))
+            sd.update(self._dcp_state.get(self.model, self.optimizers, reuse, skip))
         if self.schedulers:
             sd["scheduler"] = {str(i): s.state_dict() for i, s in enumerate(self.schedulers)}
         if self.scaler is not None:
@@ -165,8 +168,11 @@ class TrainingState:
 
     def template(self, rank: int) -> dict[str, Any]:
         """A state dict of the current objects to load into; `fit_template` limits it to what
-        a checkpoint holds for this rank, once its manifest is known."""
-        sd = self.capture({}, rank, reuse=False)  # DCP loads into it: never the cached dicts
+        a checkpoint holds for this rank, once its manifest is known. With frozen="skip" too,
+        it asks for the frozen parameters: a checkpoint that holds them (saved with "save",
+        or while they were trained) restores them, one that does not leaves them as they are
+        (`optional`). Never a trained value left behind because the job froze it since."""
+        sd = self.capture({}, rank, reuse=False, frozen=True)  # DCP loads into it: never the cached dicts
         # Whether the template's tensors are the objects' own, worked out now (while the
         # restore's files are still being read) rather than after the read: `apply` then only
         # checks that DCP loaded into those very tensors. Nothing touches the objects between.
@@ -204,7 +210,7 @@ class TrainingState:
     def apply(self, sd: dict[str, Any], rank: int) -> dict[str, Any]:
         """Load a restored state dict into the objects; returns the saved counters."""
         if deepspeed_state.is_engine(self.model):
-            deepspeed_state.apply(self.model, sd, frozen=not self.skip_frozen)
+            deepspeed_state.apply(self.model, sd)
         elif "optim" in sd:
             # The model's half skipped when loading it would copy each tensor onto itself.
             in_place = _loaded_in_place(sd["model"], self._template_model)
@@ -216,10 +222,9 @@ class TrainingState:
                     self.optimizers,
                     model_state_dict={} if in_place else sd["model"],
                     optim_state_dict=sd["optim"],
-                    options=self._load_options(),
                 )
         elif "model" in sd and not _loaded_in_place(sd["model"], self._template_model):
-            set_model_state_dict(self.model, sd["model"], options=self._load_options())
+            set_model_state_dict(self.model, sd["model"])
         self._template_model, self._template_optim = {}, ({}, [])  # views: they must not outlive a replaced tensor
         for i, sched in enumerate(self.schedulers):
             sched.load_state_dict(sd["scheduler"][str(i)])
@@ -240,12 +245,6 @@ class TrainingState:
         if self.loader_generator is not None:
             self.loader_generator.manual_seed(_seed(f"ckpt-loader:{torch.initial_seed()}:{counters['step']}"))
         return counters
-
-    def _load_options(self) -> StateDictOptions:
-        """How DCP's set_state_dict loads the model: with frozen="skip" the restored dict
-        lacks the frozen parameters (the template left them out), which keep their values;
-        every other key the model has, DCP's load has already made sure it holds."""
-        return StateDictOptions(strict=not self.skip_frozen)
 
 
 class _StateDictCache:

@@ -143,11 +143,12 @@ class Checkpointer:
         frozen: the model's parameters that do not require grad (a LoRA or adapter job's
             base model) are in every checkpoint ("save", default) or in none ("skip"): the
             checkpoints then hold only what training changes, and the job loads the base
-            itself before entering the block, on a restart as on a fresh start; a restore
-            leaves those parameters as they are. Which parameters are frozen is read at each
-            save. "skip" is for parameters that training does not change: a frozen module
-            updated in place (an EMA teacher) needs "save". A restore with "save" of a
-            checkpoint saved with "skip" keeps the frozen parameters' values too, and says so.
+            itself before entering the block, on a restart as on a fresh start. A restore
+            loads whatever the checkpoint holds, frozen or not, and leaves the frozen
+            parameters it lacks as they are (a trained one it lacks fails the restore).
+            Which parameters are frozen is read at each save. "skip" is for parameters that
+            training does not change: a frozen module updated in place (an EMA teacher)
+            needs "save".
     """
 
     def __init__(

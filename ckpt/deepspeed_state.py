@@ -160,9 +160,8 @@ def _check_boundary(engine: Any) -> None:
         raise MidAccumulation(engine.micro_steps % accumulation, accumulation)
 
 
-def apply(engine: Any, sd: dict[str, Any], frozen: bool = True) -> None:
-    """Put a restored state dict into the engine (a collective: every rank calls it); the
-    frozen parameters too unless not `frozen` (then they keep their values)."""
+def apply(engine: Any, sd: dict[str, Any]) -> None:
+    """Put a restored state dict into the engine (a collective: every rank calls it)."""
     from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
     stage = engine.zero_optimization_stage()
@@ -176,7 +175,7 @@ def apply(engine: Any, sd: dict[str, Any], frozen: bool = True) -> None:
         safe_set_full_fp32_param(p, model[name])
     # The low-precision copies the forward uses, and the frozen parameters (those a
     # checkpoint of an earlier ckpt lacks were loaded with their current values).
-    for group in _gathered(stage, params + (_frozen_params(engine) if frozen else []), modify=True):
+    for group in _gathered(stage, params + _frozen_params(engine), modify=True):
         with torch.no_grad():
             for name, p in group:
                 p.data.copy_(model[name].to(p.dtype))

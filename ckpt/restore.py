@@ -340,19 +340,15 @@ def _load(
         return (*failed, None)
     _say_old_cuda_rng(planner, rank)
     if rank == 0 and (kept := planner.not_in_checkpoint("model.")):
-        log.warning(
-            "this checkpoint holds no value for %d frozen parameter(s) (%s; saved with frozen='skip' or by an earlier ckpt): "
-            "they keep the values they have", len(kept), _few(kept),
+        # Expected with frozen="skip"; otherwise the checkpoint is a "skip" job's or an earlier ckpt's.
+        log.log(
+            logging.INFO if state.skip_frozen else logging.WARNING,
+            "this checkpoint holds no value for %d frozen parameter(s) (%s%s): they keep the values they have",
+            len(kept), _few(kept), "" if state.skip_frozen else "; saved with frozen='skip' or by an earlier ckpt",
         )  # fmt: skip
-    unasked = planner.unasked(("model.", "extra."))
-    if state.skip_frozen and (frozen := state.frozen_keys()):
-        left = [k for k in unasked if k in frozen]
-        unasked = [k for k in unasked if k not in frozen]
-        if rank == 0 and left:
-            log.info("frozen='skip': %d frozen parameter(s) this checkpoint holds are not loaded (%s): they keep the values they have", len(left), _few(left))
     counters = cast(dict, applied[2])
     source = tiered.source if tiered else "store"
-    restored = Restored(int(counters.pop("step")), counters, manifest, reader.read_bytes, source, tuple(unasked))
+    restored = Restored(int(counters.pop("step")), counters, manifest, reader.read_bytes, source, tuple(planner.unasked(("model.", "extra."))))
     if tiered is not None:
         log.info("rank %d read %.1f MB of %s from the node spool and %.1f MB from %s", rank, tiered.bytes["spool"] / 1e6, rel, tiered.bytes["store"] / 1e6, store.display)
     if rank == 0 and manifest.world_size != ctrl.world:

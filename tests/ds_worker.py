@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import glob
+import logging
 import os
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -64,6 +65,10 @@ def main() -> None:
     p.add_argument("--save-no-frozen", action="store_true", help="save as an earlier ckpt did: no frozen parameters")
     p.add_argument("--frozen", default="save", help="the Checkpointer's frozen=")
     args = p.parse_args()
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(name)s %(levelname)s %(message)s"))
+    logging.getLogger("ckpt").addHandler(handler)
+    logging.getLogger("ckpt").setLevel(logging.INFO)
     os.environ.setdefault("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", "1"))
     from ckpt import deepspeed_state
 
