@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 
 Path = tuple[Any, ...]
 # Subtrees that capture hands back as the very same dict while nothing in them was replaced
-# (capture's _StateDictCache): staged once, then their copies are simply made again.
+# (ckpt.live.StateDictCache): staged once, then their copies are simply made again.
 _MEMO_PATHS = {("model",), ("optim", "state")}
 
 

@@ -94,9 +94,9 @@ def main() -> None:
     torch.manual_seed(7)  # the same data on every rank: data parallel ranks see equal batches
 
     # Whether the restore loaded the model's values again after DCP (it need not when DCP
-    # loaded them into the model's own tensors: ckpt.capture._loaded_in_place), and whether
+    # loaded them into the model's own tensors: ckpt.live.loaded_in_place), and whether
     # only the optimizer's hyperparameters were set after (its state loaded in place:
-    # ckpt.capture._optim_loaded_in_place): "optimizer in place".
+    # ckpt.live.optim_loaded_in_place): "optimizer in place".
     loaded_again: list[bool | str] = []
     real, real_groups = ckpt.capture.set_state_dict, ckpt.capture._load_hyperparameters
 
