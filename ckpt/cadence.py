@@ -44,6 +44,8 @@ class Cadence:
         self.deferred = False  # a due save found its step taken: save at the next step
         self._anchor = 0  # the step of the last save, or of a skipped one
         self._since = time.monotonic()  # and when it was
+        self._running = False  # the run's first restart is its start: it ends no interval
+        self._interval_step_s: float | None = None  # seconds per step over the last interval
 
     def start(self, store: Store, rank: int, world: int) -> None:
         """On enter: `Auto`'s coordinator, which rank 0 primes with the job's history."""
@@ -54,8 +56,17 @@ class Cadence:
 
     def restart(self, step: int) -> None:
         """A save was taken (or skipped) at `step`, on every rank alike."""
-        self._anchor, self._since = step, time.monotonic()
+        now = time.monotonic()
+        if self._running and step > self._anchor:
+            self._interval_step_s = (now - self._since) / (step - self._anchor)
+        self._anchor, self._since, self._running = step, now, True
         self.agreement.replan(step)
+
+    def step_s(self) -> float | None:
+        """Seconds per step as the loop runs them: over the last interval, save to save, so
+        that evaluations and the saves' own blocking count as they recur; before one ended,
+        rank 0's moving average (None on other ranks, and until two steps were timed)."""
+        return self._interval_step_s or self.agreement.step_s
 
     def seconds(self) -> float | None:
         """Seconds between saves by the clock: the coordinator's, or Every(seconds=)'s."""
@@ -91,3 +102,18 @@ class Cadence:
         if isinstance(self.interval, Every):
             return {"policy": "every", "steps": self.interval.steps, "seconds": self.interval.seconds}
         return {"policy": "auto" if isinstance(self.interval, Auto) else "none"}
+
+    def estimate(self) -> dict[str, Any]:
+        """`schedule` with the seconds between saves under every policy, for the metrics (an
+        alert compares a checkpoint's age with them): `Every(steps=)`'s steps at the measured
+        `step_s` (the sooner of that and `seconds=`), and the steps `seconds=` comes to.
+        A value not known yet (no step timed) is None, never 0: "no interval" is no alert."""
+        if not isinstance(self.interval, Every):
+            return self.schedule
+        every, step_s = self.interval, self.step_s()
+        by_steps = every.steps * step_s if every.steps is not None and step_s else None
+        seconds = min((s for s in (every.seconds, by_steps) if s is not None), default=None)
+        steps = every.steps
+        if steps is None and seconds and step_s:
+            steps = max(1, round(seconds / step_s))
+        return {"policy": "every", "seconds": seconds, "steps": steps, "step_s": step_s}

@@ -302,7 +302,8 @@ class Checkpointer:
         self.history = History(self.store, self._ctrl.world, enabled=self._ctrl.rank == 0)
         self._cadence.start(self.store, self._ctrl.rank, self._ctrl.world)
         self.metrics.identify(self._ctrl.rank, self._ctrl.world)
-        self.metrics.schedule(self.schedule)
+        if self._ctrl.rank == 0:
+            self.metrics.schedule_from(self._cadence.estimate)
         self._handoff = self._link_agent(agent, any_agent)
         if self.restore_mode != "none":
             began = time.perf_counter()
@@ -585,8 +586,6 @@ class Checkpointer:
                 self._learn_commits()
             except CheckpointError as e:  # the save is handed off: a store that flakes now fails nothing
                 log.warning("could not learn which hand-offs are committed: %s", e)
-        if self._cadence.coordinator is not None and self._ctrl.rank == 0:
-            self.metrics.schedule(self._cadence.coordinator.schedule)
         return manifest
 
     def _save_in_background(

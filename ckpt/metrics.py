@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import re
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import (
@@ -28,7 +29,7 @@ from prometheus_client import (
     generate_latest,
     start_http_server,
 )
-from prometheus_client.core import Metric
+from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from .errors import SaveFailed, dcp_failures
@@ -39,14 +40,18 @@ log = logging.getLogger(__name__)
 _BLOCKING_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 _LONG_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600)
 
-# The coordinator's record (Manifest.schedule) and the gauge each value goes to.
+# The interval policy's record (`Cadence.estimate`, rank 0's) and the gauge each value goes to.
 _SCHEDULE = {
-    "seconds": ("interval_seconds", "Seconds between saves the interval policy chose"),
-    "steps": ("interval_steps", "The chosen interval in steps, from rank 0's measured step time"),
-    "step_s": ("step_seconds", "Rank 0's measured seconds per step"),
-    "blocking_s": ("blocking_estimate_seconds", "C_b: the blocking time the interval was chosen from"),
-    "persist_s": ("persist_estimate_seconds", "L: the persist time the interval was chosen from"),
-    "mtbf_s": ("mtbf_seconds", "The job's MTBF estimate the interval was chosen from"),
+    "seconds": ("ckpt_coordinator_interval_seconds", "Seconds between saves under the interval policy (for Every(steps=N): N steps at the measured step time)"),
+    "steps": ("ckpt_coordinator_interval_steps", "The interval in steps (for a time interval: at rank 0's measured step time)"),
+    "step_s": ("ckpt_coordinator_step_seconds", "Rank 0's measured seconds per step"),
+    "blocking_s": ("ckpt_coordinator_blocking_estimate_seconds", "C_b: the blocking time the interval was chosen from"),
+    "persist_s": ("ckpt_coordinator_persist_estimate_seconds", "L: the persist time the interval was chosen from"),
+    "mtbf_s": ("ckpt_coordinator_mtbf_seconds", "The job's MTBF estimate the interval was chosen from"),
+}
+_LAST_COMMIT = {
+    "step": ("ckpt_last_committed_step", "The step of the last checkpoint this job committed"),
+    "created": ("ckpt_last_commit_timestamp_seconds", "Unix time of the last commit"),
 }
 
 
@@ -60,6 +65,24 @@ def failure_kind(exc: BaseException) -> str:
     return type(exc).__name__
 
 
+class _Known:
+    """Gauges with a sample only once their value is known (`values()` maps each key of
+    `gauges` to a number, or leaves it out). A 0 for "not known yet" would read as a value: an
+    interval of 0 s, which CkptCheckpointStale compares an age with, or a commit in 1970."""
+
+    def __init__(self, gauges: dict[str, tuple[str, str]], values: Callable[[], dict[str, Any]]) -> None:
+        self.gauges, self.values = gauges, values
+
+    def collect(self) -> Iterator[Metric]:
+        values = self.values()
+        for key, (name, text) in self.gauges.items():
+            family = GaugeMetricFamily(name, text)
+            value = values.get(key)
+            if isinstance(value, (int, float)) and math.isfinite(value):
+                family.add_metric([], value)
+            yield family
+
+
 class Metrics:
     """The series of one rank. Methods are called by the Checkpointer as things happen."""
 
@@ -67,23 +90,24 @@ class Metrics:
         self.registry = r = CollectorRegistry(auto_describe=True)
         self._info = Gauge("ckpt_rank_info", "This process's rank and the job's world size", ["rank", "world_size"], registry=r)
         self.saves = Counter("ckpt_saves", "Saves by outcome: committed, failed, skipped (due while the last was writing)", ["outcome"], registry=r)
+        for outcome in ("committed", "failed", "skipped"):  # at 0, or increase() misses a first failure
+            self.saves.labels(outcome)
         self.failures = Counter("ckpt_save_failures", "Failed saves by the class of their first cause", ["kind"], registry=r)
         self.blocking = Histogram("ckpt_blocking_seconds", "Seconds a save blocked the training loop (capture and staging)", registry=r, buckets=_BLOCKING_BUCKETS)
         self.persist = Histogram("ckpt_persist_seconds", "Seconds from the start of a save to its commit", registry=r, buckets=_LONG_BUCKETS)
         self.written = Counter("ckpt_written_bytes", "Bytes of checkpoint files this rank wrote", registry=r)
         self.read = Counter("ckpt_read_bytes", "Bytes of checkpoint files this rank read to restore", registry=r)
-        self.last_step = Gauge("ckpt_last_committed_step", "The step of the last checkpoint this job committed", registry=r)
-        self.last_time = Gauge("ckpt_last_commit_timestamp_seconds", "Unix time of the last commit", registry=r)
-        self._last_commit: float | None = None
-        Gauge("ckpt_checkpoint_age_seconds", "Seconds since the last commit (or since the start, before one)", registry=r).set_function(
-            self._age
-        )
+        self._last: Manifest | None = None
+        r.register(_Known(_LAST_COMMIT, lambda: {"step": self._last.step, "created": self._last.created} if self._last is not None else {}))
+        age = "Seconds of training since the last commit, or since this run started training (after its restore) if later"
+        Gauge("ckpt_checkpoint_age_seconds", age, registry=r).set_function(self._age)
         self._started = time.time()
         self.in_flight = Gauge("ckpt_saves_in_flight", "1 while a save is writing in the background", registry=r)
         self.restores = Counter("ckpt_restores", "Restores by where the files came from (store, spool)", ["source"], registry=r)
         self.restore_time = Histogram("ckpt_restore_seconds", "Seconds a restore took, discovery to the loaded state", registry=r, buckets=_LONG_BUCKETS)
         self.meetings = Counter("ckpt_rank_meetings", "Times the ranks met at a step boundary to agree (agree_every_s)", registry=r)
-        self._schedule = {k: Gauge(f"ckpt_coordinator_{name}", text, registry=r) for k, (name, text) in _SCHEDULE.items()}
+        self._schedule: Callable[[], dict[str, Any]] = dict
+        r.register(_Known(_SCHEDULE, lambda: self._schedule()))
         self._server: Any = None
         self._publishing: threading.Event | None = None
         self._publisher: threading.Thread | None = None
@@ -91,12 +115,17 @@ class Metrics:
         self.address: tuple[str, int] | None = None
 
     def _age(self) -> float:
-        return time.time() - (self._last_commit if self._last_commit is not None else self._started)
+        # A restored checkpoint is as old as the job's downtime, but no training of this run
+        # is at risk until it trains: a restarted job must not read as one whose saves stall.
+        last = self._last.created if self._last is not None else 0.0
+        return time.time() - max(last, self._started)
 
     # -- events ---------------------------------------------------------------------------------
     def identify(self, rank: int, world: int) -> None:
+        """The run starts."""
         self._info.clear()
         self._info.labels(str(rank), str(world)).set(1)
+        self._started = time.time()
 
     def staged(self, blocking_s: float) -> None:
         self.blocking.observe(blocking_s)
@@ -119,9 +148,7 @@ class Metrics:
 
     def commit_seen(self, manifest: Manifest) -> None:
         """The last commit of the job, whoever made it (a restore finds one too)."""
-        self.last_step.set(manifest.step)
-        self.last_time.set(manifest.created)
-        self._last_commit = manifest.created
+        self._last = manifest
 
     def failed(self, exc: BaseException) -> None:
         self.saves.labels("failed").inc()
@@ -136,12 +163,13 @@ class Metrics:
         self.restore_time.observe(seconds)
         self.read.inc(bytes_read)
         self.commit_seen(manifest)
+        self._started = time.time()  # training resumes now
 
-    def schedule(self, record: dict[str, Any]) -> None:
-        for key, gauge in self._schedule.items():
-            value = record.get(key)
-            if isinstance(value, (int, float)):
-                gauge.set(value)
+    def schedule_from(self, record: Callable[[], dict[str, Any]]) -> None:
+        """Export the interval policy's record (`Cadence.estimate`), read at each scrape: the
+        interval under `Every(steps=)` follows the measured step time. Rank 0 only (the others
+        never learn what its coordinator decides): their ckpt_coordinator_* have no sample."""
+        self._schedule = record
 
     # -- serving --------------------------------------------------------------------------------
     def serve(self, port: int, addr: str = "127.0.0.1") -> int:
