@@ -106,15 +106,22 @@ class TrainingState:
 
     def deferrable(self) -> Callable[[tuple[Any, ...], torch.Tensor], bool]:
         """Which tensors of a captured state may be copied after the loop goes on: those that
-        only `optimizer.step()` changes (parameters and optimizer state). Module buffers
-        (BatchNorm statistics change in forward), extras, RNG and the rest are copied at once.
-        Asked right after `capture`, whose walk of the modules found the buffers."""
-        if deepspeed_state.is_engine(self.model):
-            return lambda path, tensor: False  # gathered copies, not the live tensors: staged at once
-        buffers = self._dcp_state.buffers if self.model is not None else frozenset()
+        only `optimizer.step()` changes, which waits for the copies (a pre-hook): the
+        optimizers' state, and the model's parameters (by storage: views of them too).
+        Everything else is copied at once: module buffers (BatchNorm's statistics, spectral
+        norm's vectors, counters: forward changes them), tensors a module's state dict makes
+        of its own, extras, RNG. With no optimizer (a loop that updates the parameters by
+        hand) there is no step to wait in: nothing is deferred. Asked during `capture`:
+        `defer` reads the parameters that capture's walk of the modules found."""
+        if deepspeed_state.is_engine(self.model) or not self.optimizers:
+            return lambda path, tensor: False  # DeepSpeed: gathered copies, not the live tensors
+        cache = self._dcp_state
 
         def defer(path: tuple[Any, ...], tensor: torch.Tensor) -> bool:
-            return path[0] in ("model", "optim") and tensor.untyped_storage().data_ptr() not in buffers
+            if path[0] == "optim":
+                return path[1] == "state"
+            # IMPORTANT: an allowlist: a tensor not known to be a parameter is copied now.
+            return path[0] == "model" and tensor.untyped_storage().data_ptr() in cache.params
 
         return defer
 

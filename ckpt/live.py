@@ -38,13 +38,13 @@ class StateDictCache:
     def __init__(self) -> None:
         self._key: tuple[Any, ...] | None = None
         self._value: dict[str, Any] = {}
-        self.buffers: frozenset[int] = frozenset()  # storages of the modules' buffers, at the last get
+        self.params: frozenset[int] = frozenset()  # storages of the modules' parameters, at the last get
 
     def get(self, model: torch.nn.Module, optimizers: list[torch.optim.Optimizer], reuse: bool, skip_frozen: bool = False) -> dict[str, Any]:
         """With `skip_frozen`, the model's dict leaves out the parameters that do not require
         grad (and the fingerprint says which do)."""
         modules = list(model.modules())  # walked once: 10,000 modules take milliseconds a walk
-        tensors, self.buffers, plain = _walk(modules)
+        tensors, self.params, plain = _walk(modules)
         local = _locals(tensors)
         checkable = _checkable(plain, local, optimizers)
         key = _fingerprint(tensors, local, optimizers, skip_frozen) if reuse and checkable else None
@@ -61,7 +61,7 @@ class StateDictCache:
         else:
             value = {"model": get_model_state_dict(model, options=options)}
         # Taken after: FSDP2's hook may have swapped unsharded parameters for sharded ones.
-        tensors = _walk(list(model.modules()))[0]
+        tensors, self.params, _ = _walk(list(model.modules()))
         self._key = _fingerprint(tensors, _locals(tensors), optimizers, skip_frozen) if checkable else None
         self._value = value
         return dict(value)
@@ -78,21 +78,21 @@ _PLAIN_TENSORS = frozenset((torch.Tensor, torch.nn.Parameter, torch.nn.Buffer))
 
 def _walk(modules: list[torch.nn.Module]) -> tuple[list[torch.Tensor], frozenset[int], bool]:
     """In one pass over the modules (10,000 of them at every save): every parameter and
-    buffer, each once (shared ones too); the storages of the buffers; and whether the
+    buffer, each once (shared ones too); the storages of the parameters; and whether the
     modules' state dicts are their tensors' (no hooks but FSDP2's, no overridden state-dict
     methods: quantized or custom modules)."""
     seen: set[int] = set()
     out = []
-    buffers = set()
+    params = set()
     plain = True
     for m in modules:
         for t in itertools.chain(m._parameters.values(), m._buffers.values()):
             if t is not None and id(t) not in seen:
                 seen.add(id(t))
                 out.append(t)
-        for b in m._buffers.values():
-            if b is not None:
-                buffers.add((b._local_tensor if isinstance(b, DTensor) else b).untyped_storage().data_ptr())
+        for p in m._parameters.values():
+            if p is not None:
+                params.add((p._local_tensor if isinstance(p, DTensor) else p).untyped_storage().data_ptr())
         if m._state_dict_hooks or m._state_dict_pre_hooks:
             hooks = itertools.chain(m._state_dict_hooks.values(), m._state_dict_pre_hooks.values())
             plain = plain and all(getattr(h, "__qualname__", "") in _KNOWN_HOOKS for h in hooks)
@@ -102,7 +102,7 @@ def _walk(modules: list[torch.nn.Module]) -> tuple[list[torch.Tensor], frozenset
                 getattr(type(m), n) is getattr(torch.nn.Module, n) for n in _STATE_DICT_METHODS
             )
         plain = plain and kind
-    return out, frozenset(buffers), plain
+    return out, frozenset(params), plain
 
 
 # Whether a module class leaves its state dict to its tensors (no overridden state-dict

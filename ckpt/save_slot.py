@@ -29,7 +29,7 @@ from .dcp_write import Sink
 from .errors import SaveFailed, dcp_causes
 from .manifest import Manifest
 from .resave import Resaver
-from .stage import Copies, Stager
+from .stage import Copies, Stager, StagingRaced
 from .storage import Store
 from .writer_proc import Sinks, ThreadSink
 
@@ -163,6 +163,9 @@ class SaveSlot:
         finally:
             if copier is not None:
                 copier.close()  # IMPORTANT: the next save reuses the buffers
+                raced = copier.failure()
+                if isinstance(raced, StagingRaced):
+                    self.stager.copy_at_once(raced.paths)
 
     def copy(self, staged: Staged, rank: int, step: int) -> Copier | None:
         """In the background save, first: the copies left to it, started in a thread of their

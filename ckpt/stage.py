@@ -25,6 +25,7 @@ from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.tensor import DTensor
 
 from .arena import Arena
+from .errors import SaveFailed
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +47,8 @@ class Stager:
         self._memo: dict[Path, _Memo] = {}
         self._now: list[Pair] | None = None
         self._warned_budget = False
+        # Tensors a deferred copy found changed in place before it was made: copied at once.
+        self._at_once: set[Path] = set()
 
     @property
     def arenas(self) -> list[Arena]:
@@ -126,6 +129,7 @@ class Stager:
             for dst, src in hit.now:
                 self._copy_now(dst, src)
             self._later.pairs.extend(hit.later)
+            self._later.paths.extend(hit.later_paths)
             self._later.cuda |= hit.cuda
             return hit.staged
         first_later, self._now = len(self._later.pairs), []
@@ -134,11 +138,18 @@ class Stager:
             later = self._later.pairs[first_later:]
             pairs = self._now + later
             self._memo[path] = _Memo(
-                obj, staged, self._now, later, _nbytes([d for d, _ in pairs]), any(s.is_cuda for _, s in pairs)
+                obj, staged, self._now, later, self._later.paths[first_later:], _nbytes([d for d, _ in pairs]),
+                any(s.is_cuda for _, s in pairs),
             )
         finally:
             self._now = None
         return staged
+
+    def copy_at_once(self, paths: Iterable[Path]) -> None:
+        """From the next save on, copy these tensors before the loop goes on (a deferred
+        copy of theirs raced an in-place change: `Copies.run`)."""
+        self._at_once.update(paths)
+        self._memo = {}  # IMPORTANT: the memos hold the old split into copies now and later
 
     def _reuse(self, path: Path, src: Any, locals_of: Any, allocate: Any) -> Any:
         cached = self._cache.get(path)
@@ -150,8 +161,9 @@ class Stager:
             self._cache[path] = cached
             self.bytes_staged += _nbytes(locals_of(cached))  # a running total: O(1) a tensor
         for dst, s in zip(locals_of(cached), src_locals, strict=True):
-            if self._defer(path, s):
+            if path not in self._at_once and self._defer(path, s):
                 self._later.pairs.append((dst, s.detach()))
+                self._later.paths.append(path)
                 self._later.cuda |= s.is_cuda
             else:
                 self._copy_now(dst, s.detach())
@@ -180,6 +192,7 @@ class _Memo:
     staged: Any
     now: list[Pair]
     later: list[Pair]
+    later_paths: list[Path]
     nbytes: int
     cuda: bool  # a source lives on a GPU
 
@@ -195,6 +208,8 @@ class Copies:
 
     def __init__(self) -> None:
         self.pairs: list[Pair] = []
+        self.paths: list[Path] = []  # where each pair's tensor is in the state
+        self._versions: list[int] = []  # each source's version counter when the save began
         # IMPORTANT: copies to pinned memory made at once were asynchronous too: the writer
         # (another process, blind to CUDA streams) must not read their buffers before they land.
         self.sync = False
@@ -205,6 +220,7 @@ class Copies:
     def mark_ready(self) -> None:
         """Called in the training thread when the save begins: what its stream has queued so
         far (the last optimizer step, the copies made at once) is what is saved."""
+        self._versions = [s._version for _, s in self.pairs]
         if self.sync or self.cuda:
             # The background thread has its own current device (device 0): name it.
             self._device = next((s.device for _, s in self.pairs if s.is_cuda), torch.device("cuda", torch.cuda.current_device()))
@@ -225,6 +241,8 @@ class Copies:
         batch with a mark) calling `done(mark)` as each batch has landed in host memory."""
         if batches is None:
             batches = [(0, self.pairs)]
+        made: list[list[Pair]] = []
+        batches = ((mark, made.append(pairs) or pairs) for mark, pairs in batches)
         if self._ready is None:
             for mark, pairs in batches:
                 _copy_all(pairs, non_blocking=False)
@@ -243,7 +261,39 @@ class Copies:
                         stream.synchronize()
                         done(mark)
             stream.synchronize()  # the deferred copies, and (after the event) the ones made at once
+        self._check_unchanged(made)
         self.pairs, self.sync, self.cuda, self._ready = [], False, False, None
+
+    def _check_unchanged(self, made: list[list[Pair]]) -> None:
+        """Raise `StagingRaced` if a source of the copies `made` was changed in place since
+        the save began (its version counter moved): the copy may hold the later value, or
+        half of it. Deferred are only the tensors that `optimizer.step()` alone changes, and
+        it waits for the copies; this catches whatever else changes one (a loop that clamps
+        parameters after forward). Changes through `.data` move no counter and go unseen."""
+        recorded = {id(p): (path, v) for p, path, v in zip(self.pairs, self.paths, self._versions, strict=True)}
+        raced = [
+            recorded[id(pair)][0]
+            for pairs in made
+            for pair in pairs
+            if id(pair) in recorded and pair[1]._version != recorded[id(pair)][1]
+        ]
+        if raced:
+            raise StagingRaced(raced)
+
+
+class StagingRaced(SaveFailed):
+    """Tensors that a save copies while the loop goes on were changed in place before their
+    copy was made, by something other than `optimizer.step()` (which waits for the copies).
+    The save does not commit (its copy may be torn) and the next saves copy them at once."""
+
+    def __init__(self, paths: list[Path]) -> None:
+        self.paths = paths
+        names = ", ".join(".".join(map(str, p)) for p in paths[:5]) + (f" and {len(paths) - 5} more" if len(paths) > 5 else "")
+        super().__init__(
+            f"{names} changed in place after step_done() and before the next optimizer.step(): this save is dropped "
+            "rather than commit a value of another step; from the next save on they are copied before step_done() "
+            "returns (to keep the overlap, call cp.wait_for_staging() before changing them)"
+        )
 
 
 _ATOMS = frozenset({str, int, float, bool, bytes, type(None)})

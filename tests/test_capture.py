@@ -113,8 +113,8 @@ def test_a_tensor_changed_in_place_in_shape_stride_or_dtype_is_captured_anew():
 def test_only_parameters_and_optimizer_state_are_copied_after_the_loop_goes_on():
     model, opt, sched, state = _setup()
     _step(model, opt, sched)
+    defer = state.deferrable()  # asked before capture, as a save does: it reads capture's walk
     got = state.capture({"step": 0}, 0)
-    defer = state.deferrable()
     assert defer(("model", "0.weight"), got["model"]["0.weight"])
     assert defer(("optim", "state", "0.weight", "exp_avg"), got["optim"]["state"]["0.weight"]["exp_avg"])
     # BatchNorm's statistics change in forward: copied at once, before the loop goes on
