@@ -35,7 +35,7 @@ from .manifest import Manifest
 from .metrics import Metrics, port_from_env
 from .options import Counters, OnError, Restore, check_counters, check_options, checked_interval
 from .policy import Auto, Every, Keep
-from .preempt import Preemption
+from .preempt import EXIT_SIGINT, Preemption
 from .restore import restore, start_fresh
 from .save_slot import SaveSlot, Staged
 from .signing import SigningKey
@@ -84,7 +84,9 @@ class Checkpointer:
             stops). A save refused because another job took the root (see ``lease``) raises
             whatever this says. Either way nothing half-written is ever restored.
         handle_sigterm: SIGTERM takes a checkpoint and exits: at the next step boundary on one
-            rank, at the next meeting (``agree_every_s``) of several.
+            rank, at the next meeting (``agree_every_s``) of several. So does a Ctrl-C
+            (SIGINT, unless the program installed its own handler), exiting with status 130;
+            a second Ctrl-C exits at once, abandoning the save in flight.
         preempt_file: a path (default ``CKPT_PREEMPT_FILE``) whose appearance does what a
             SIGTERM does, for preemption notices and preStop hooks; a file older than the run
             is ignored (``ckpt.preempt``).
@@ -333,6 +335,7 @@ class Checkpointer:
         if not self._entered:
             raise RuntimeError(_OUTSIDE.format("step_done"))
         self._step += 1
+        self.metrics.stepped()
         self.history.progress(self._step)
         # A failed save is reported where every rank learns of it at the same step (each
         # rank's background thread fails at its own time): at the ranks' next meeting, or
@@ -664,5 +667,5 @@ class Checkpointer:
             # say so by the exit status rather than claim a clean stop.
             log.error("preempted at step %d without a checkpoint of it; exiting with status 1", self._step)
             raise SystemExit(1)
-        raise SystemExit(self.preempt_exit_code)
+        raise SystemExit(EXIT_SIGINT if self._preempt.why == "SIGINT" else self.preempt_exit_code)
 

@@ -95,14 +95,24 @@ def stop_after_step_4(procs: list, root: Path, log_dir: Path, ask: Callable[[], 
         kill_all(procs)
 
 
-def test_sigterm_to_one_rank_checkpoints_all_ranks_at_the_same_step_and_exits_143(tmp_path, straight_run):
+# How a job is asked to stop, and the exit status each rank then gives: 143 ("terminated by
+# SIGTERM") and 130 ("interrupted"), so torchrun and schedulers know the job is not done.
+STOPS = {
+    # rank 1 only: rank 0 must learn of it
+    "sigterm_to_one_rank": (lambda procs: procs[1].send_signal(signal.SIGTERM), 143),
+    # a Ctrl-C under torchrun: every rank has it from the terminal and again from torchrun
+    "ctrl_c_to_every_rank_twice": (lambda procs: [p.send_signal(signal.SIGINT) for _ in range(2) for p in procs], 130),
+}
+
+
+@pytest.mark.parametrize("how", STOPS)
+def test_a_stop_signal_checkpoints_all_ranks_at_the_same_step_and_exits_not_done(tmp_path, straight_run, how):
+    ask, status = STOPS[how]
     root = tmp_path / "root"
     common = ("--mode", "fsdp2", "--root", str(root), "--steps", "20", "--every", "4")
     procs = start(RANKS, WORKER, *common, "--step-sleep", "0.3", "--out", str(tmp_path / "stopped"), log_dir=tmp_path)
-    # rank 1 only: rank 0 must learn of it
-    codes = stop_after_step_4(procs, root, tmp_path, lambda: procs[1].send_signal(signal.SIGTERM))
-    # 143, "terminated by SIGTERM": the job is not done, so torchrun and schedulers restart it
-    assert codes == [143] * RANKS, f"exit codes {codes}\n{rank_logs(tmp_path)}"
+    codes = stop_after_step_4(procs, root, tmp_path, lambda: ask(procs))
+    assert codes == [status] * RANKS, f"exit codes {codes}\n{rank_logs(tmp_path)}"
 
     stopped = dumps(tmp_path / "stopped")
     assert all(d["preempted"] for d in stopped), rank_logs(tmp_path)
