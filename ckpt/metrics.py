@@ -99,9 +99,9 @@ class Metrics:
         self.read = Counter("ckpt_read_bytes", "Bytes of checkpoint files this rank read to restore", registry=r)
         self._last: Manifest | None = None
         r.register(_Known(_LAST_COMMIT, lambda: {"step": self._last.step, "created": self._last.created} if self._last is not None else {}))
-        age = "Seconds of training since the last commit, or since this run started training (after its restore) if later"
+        self._at_risk_from: float | None = None  # this run's first step, then its last commit
+        age = "Seconds of training since the last commit, or since this run's first step if later (0 before it)"
         Gauge("ckpt_checkpoint_age_seconds", age, registry=r).set_function(self._age)
-        self._started = time.time()
         self.in_flight = Gauge("ckpt_saves_in_flight", "1 while a save is writing in the background", registry=r)
         self.restores = Counter("ckpt_restores", "Restores by where the files came from (store, spool)", ["source"], registry=r)
         self.restore_time = Histogram("ckpt_restore_seconds", "Seconds a restore took, discovery to the loaded state", registry=r, buckets=_LONG_BUCKETS)
@@ -115,17 +115,20 @@ class Metrics:
         self.address: tuple[str, int] | None = None
 
     def _age(self) -> float:
-        # A restored checkpoint is as old as the job's downtime, but no training of this run
-        # is at risk until it trains: a restarted job must not read as one whose saves stall.
-        last = self._last.created if self._last is not None else 0.0
-        return time.time() - max(last, self._started)
+        # The training a failure would lose. A restored checkpoint is as old as the job's
+        # downtime and the start-up before the first step (a restore, a compile) is no
+        # training: counted, either would read as a job whose saves stall (CkptCheckpointStale).
+        return time.time() - self._at_risk_from if self._at_risk_from is not None else 0.0
 
     # -- events ---------------------------------------------------------------------------------
     def identify(self, rank: int, world: int) -> None:
-        """The run starts."""
         self._info.clear()
         self._info.labels(str(rank), str(world)).set(1)
-        self._started = time.time()
+
+    def stepped(self) -> None:
+        """A step is done: the run's first starts the training that a commit protects."""
+        if self._at_risk_from is None:
+            self._at_risk_from = time.time()
 
     def staged(self, blocking_s: float) -> None:
         self.blocking.observe(blocking_s)
@@ -145,6 +148,7 @@ class Metrics:
         self.saves.labels("committed").inc()
         self.persist.observe(persist_s)
         self.commit_seen(manifest)
+        self._at_risk_from = max(self._at_risk_from or 0.0, manifest.created)
 
     def commit_seen(self, manifest: Manifest) -> None:
         """The last commit of the job, whoever made it (a restore finds one too)."""
@@ -163,7 +167,6 @@ class Metrics:
         self.restore_time.observe(seconds)
         self.read.inc(bytes_read)
         self.commit_seen(manifest)
-        self._started = time.time()  # training resumes now
 
     def schedule_from(self, record: Callable[[], dict[str, Any]]) -> None:
         """Export the interval policy's record (`Cadence.estimate`), read at each scrape: the

@@ -83,6 +83,7 @@ def test_saves_restores_and_failures_show_in_a_live_scrape(tmp_path: Path):
     with ckpt.Checkpointer(root, model=model2, optimizer=opt2, interval=None, save_on_exit=False, metrics_port=0) as cp2:
         m = scrape(cp2)
         assert cp2.step == 6
+        assert m[("ckpt_checkpoint_age_seconds", ())] == 0  # as old as the downtime, but nothing trained yet
         assert m[("ckpt_restores_total", (("source", "store"),))] == 1
         assert m[("ckpt_restore_seconds_count", ())] == 1
         total = ckpt.Manifest.from_json((root / "step-0000000006" / "manifest.json").read_bytes()).total_bytes
@@ -136,3 +137,46 @@ def test_each_local_rank_serves_on_its_own_port(monkeypatch):
     monkeypatch.setenv("CKPT_METRICS_PORT", "nine")
     with pytest.raises(ValueError, match="CKPT_METRICS_PORT must be a port number"):
         port_from_env(None)
+
+
+def test_every_steps_exports_its_interval_in_seconds_and_a_healthy_job_is_not_stale(tmp_path):
+    """Under Every(steps=N) the interval is N steps at the measured step time, never 0 (with
+    0, CkptCheckpointStale's `age > 2 * interval` held at every scrape of a healthy job)."""
+    model, opt = job()
+    with ckpt.Checkpointer(tmp_path, model=model, optimizer=opt, interval=ckpt.Every(steps=10), metrics_port=0, save_on_exit=False) as cp:
+        m = scrape(cp)  # no step timed yet: no interval, rather than 0; nothing trained, age 0
+        assert ("ckpt_coordinator_interval_seconds", ()) not in m and ("ckpt_last_committed_step", ()) not in m
+        assert m[("ckpt_checkpoint_age_seconds", ())] == 0
+        train(cp, model, opt, 5, sleep_s=0.02)
+        m = scrape(cp)  # before the first save: from rank 0's moving average
+        assert 10 * 0.02 <= m[("ckpt_coordinator_interval_seconds", ())] < 10 * 0.2
+        assert m[("ckpt_checkpoint_age_seconds", ())] <= 2 * m[("ckpt_coordinator_interval_seconds", ())]
+        for until in (20, 30, 35):
+            train(cp, model, opt, until, sleep_s=0.02)
+            m = scrape(cp)
+            assert m[("ckpt_checkpoint_age_seconds", ())] <= 2 * m[("ckpt_coordinator_interval_seconds", ())], m
+        cp.wait()
+    created = [ckpt.Manifest.from_json(p.read_bytes()).created for p in sorted(tmp_path.glob("step-*/manifest.json"))]
+    assert len(created) == 3
+    # the interval is what the job does, save to save
+    assert m[("ckpt_coordinator_interval_seconds", ())] == pytest.approx(created[2] - created[1], rel=0.3)
+    assert m[("ckpt_coordinator_interval_steps", ())] == 10
+    assert m[("ckpt_coordinator_step_seconds", ())] * 10 == pytest.approx(m[("ckpt_coordinator_interval_seconds", ())])
+    assert not any(name.endswith(("mtbf_seconds", "estimate_seconds")) for name, _ in m)  # Auto's alone
+
+
+@pytest.mark.parametrize(
+    ("every", "seconds", "steps"),
+    [(ckpt.Every(steps=50), 50 / 3, 50), (ckpt.Every(seconds=7.0), 7.0, 21), (ckpt.Every(steps=50, seconds=7.0), 7.0, 50), (ckpt.Every(steps=15, seconds=7.0), 5.0, 15)],
+)
+def test_the_interval_in_seconds_is_the_sooner_of_the_steps_at_the_step_time_and_the_clock(monkeypatch, every, seconds, steps):
+    from ckpt.cadence import Cadence
+
+    now = [100.0]
+    monkeypatch.setattr("ckpt.cadence.time.monotonic", lambda: now[0])
+    cadence = Cadence(every, agree_every_s=5.0)
+    cadence.restart(0)  # the run starts: of the interval, only the clock's is known
+    assert cadence.estimate()["seconds"] == every.seconds
+    now[0] += 30 * 0.2 + 4.0  # 30 steps of 0.2 s and a 4 s evaluation: it counts, as it recurs
+    cadence.restart(30)
+    assert cadence.estimate() == {"policy": "every", "seconds": pytest.approx(seconds), "steps": steps, "step_s": pytest.approx(1 / 3)}
