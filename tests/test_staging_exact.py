@@ -10,6 +10,7 @@ Kill-and-resume of whole models (BatchNorm, spectral norm, EMA, ...): tests/test
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from compare import assert_bitwise_equal
+from test_agent import agent
 
 import ckpt
 from ckpt.storage import step_dir_name
@@ -70,6 +72,7 @@ PATHS = {
     "overlapped": {},
     "copied_before_return": {"overlap": False},
     "streamed_over_budget": {"host_memory_budget": 1},
+    "handed_to_node_agent": {"spool": "<a live agent's>"},
 }
 EVERY, STEPS = 2, 7
 
@@ -114,11 +117,17 @@ def test_every_checkpoint_holds_the_state_of_its_own_step(tmp_path, kind, path, 
     if LOOPS[kind].clamp_after_backward and path == "overlapped":
         # The background copy of step 2 starts only after the loop's next backward (and clamp).
         monkeypatch.setenv("CKPT_FAULT", "staging:0:2:sleep=0.3")
-    snapshots = train(tmp_path, LOOPS[kind], PATHS[path])
-    committed = sorted(int(p.name.removeprefix("step-")) for p in tmp_path.glob("step-*") if (p / "manifest.json").exists())
+    root = tmp_path / "root"
+    with contextlib.ExitStack() as stack:
+        options = dict(PATHS[path])
+        if "spool" in options:
+            options["spool"] = str(tmp_path / "spool")
+            stack.enter_context(agent(tmp_path / "spool", tmp_path / "agent.log"))
+        snapshots = train(root, LOOPS[kind], options)
+    committed = sorted(int(p.name.removeprefix("step-")) for p in root.glob("step-*") if (p / "manifest.json").exists())
     assert committed[-1] == STEPS and len(committed) >= 3, committed  # 2, 4, 6, 7 (one may be dropped)
     for step in committed:
-        assert_bitwise_equal(saved(tmp_path, step, snapshots[step]), snapshots[step], f"step {step}")
+        assert_bitwise_equal(saved(root, step, snapshots[step]), snapshots[step], f"step {step}")
     if LOOPS[kind].clamp_after_backward and path == "overlapped":
         # Caught, not committed: the save of step 2 was dropped, and the later ones copy the
         # clamped parameters before step_done() returns.
