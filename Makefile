@@ -2,20 +2,31 @@
 PY ?= python3
 VENV := .venv
 VPY := $(VENV)/bin/python
-# IMPORTANT: torch is pinned; an unpinned torch pulls a multi-GB CUDA build.
-TORCH := torch==2.13.0
+# IMPORTANT: torch is pinned; an unpinned torch pulls a multi-GB CUDA build. Pinned, it is
+# still the build the index serves for that version: a CPU wheel where the index has one (as
+# on the machines this project is built on), the CUDA build from the public index on Linux.
+# Choose another with TORCH, e.g. TORCH="torch==2.13.0 --index-url <PyTorch's CPU wheel index>".
+TORCH ?= torch==2.13.0
 
 .PHONY: demo test setup lint clean
 
-$(VENV)/.ready: pyproject.toml Makefile
+$(VENV)/.torch: Makefile
 	$(PY) -m venv $(VENV)
 	$(VPY) -m pip install -q $(TORCH)
+	touch $@
+
+# The demo needs the library and matplotlib; the tests need much more (DeepSpeed, moto, ...).
+$(VENV)/.demo: $(VENV)/.torch pyproject.toml
+	$(VPY) -m pip install -q -e '.[demo]'
+	touch $@
+
+$(VENV)/.ready: $(VENV)/.torch pyproject.toml
 	$(VPY) -m pip install -q -e '.[test,demo]'
 	touch $@
 
 setup: $(VENV)/.ready
 
-demo: setup
+demo: $(VENV)/.demo
 	$(VPY) examples/demo.py
 
 test: setup
