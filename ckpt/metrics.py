@@ -49,10 +49,6 @@ _SCHEDULE = {
     "persist_s": ("ckpt_coordinator_persist_estimate_seconds", "L: the persist time the interval was chosen from"),
     "mtbf_s": ("ckpt_coordinator_mtbf_seconds", "The job's MTBF estimate the interval was chosen from"),
 }
-_LAST_COMMIT = {
-    "step": ("ckpt_last_committed_step", "The step of the last checkpoint this job committed"),
-    "created": ("ckpt_last_commit_timestamp_seconds", "Unix time of the last commit"),
-}
 
 
 def failure_kind(exc: BaseException) -> str:
@@ -68,7 +64,7 @@ def failure_kind(exc: BaseException) -> str:
 class _Known:
     """Gauges with a sample only once their value is known (`values()` maps each key of
     `gauges` to a number, or leaves it out). A 0 for "not known yet" would read as a value: an
-    interval of 0 s, which CkptCheckpointStale compares an age with, or a commit in 1970."""
+    interval of 0 s, which CkptCheckpointStale compares an age with."""
 
     def __init__(self, gauges: dict[str, tuple[str, str]], values: Callable[[], dict[str, Any]]) -> None:
         self.gauges, self.values = gauges, values
@@ -97,8 +93,8 @@ class Metrics:
         self.persist = Histogram("ckpt_persist_seconds", "Seconds from the start of a save to its commit", registry=r, buckets=_LONG_BUCKETS)
         self.written = Counter("ckpt_written_bytes", "Bytes of checkpoint files this rank wrote", registry=r)
         self.read = Counter("ckpt_read_bytes", "Bytes of checkpoint files this rank read to restore", registry=r)
-        self._last: Manifest | None = None
-        r.register(_Known(_LAST_COMMIT, lambda: {"step": self._last.step, "created": self._last.created} if self._last is not None else {}))
+        self.last_step = Gauge("ckpt_last_committed_step", "The step of the last checkpoint this job committed", registry=r)
+        self.last_time = Gauge("ckpt_last_commit_timestamp_seconds", "Unix time of the last commit", registry=r)
         self._at_risk_from: float | None = None  # this run's first step, then its last commit
         age = "Seconds of training since the last commit, or since this run's first step if later (0 before it)"
         Gauge("ckpt_checkpoint_age_seconds", age, registry=r).set_function(self._age)
@@ -152,7 +148,8 @@ class Metrics:
 
     def commit_seen(self, manifest: Manifest) -> None:
         """The last commit of the job, whoever made it (a restore finds one too)."""
-        self._last = manifest
+        self.last_step.set(manifest.step)
+        self.last_time.set(manifest.created)
 
     def failed(self, exc: BaseException) -> None:
         self.saves.labels("failed").inc()
