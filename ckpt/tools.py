@@ -137,7 +137,7 @@ def _intact(store: Store, rel: str, name: str, manifest: Manifest) -> bool:
 # -- reading tensors whole ----------------------------------------------------------------------
 def inventory(store: Store, entry: catalog.Entry) -> Any:
     """The checkpoint's DCP metadata (checksum-verified, read through the allowlist)."""
-    from .dcp_io import load_metadata
+    from .dcp_metadata import load_metadata
 
     assert entry.manifest is not None
     return load_metadata(catalog.read_verified(store, entry.dir, METADATA_NAME, entry.manifest))

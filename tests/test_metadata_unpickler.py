@@ -44,7 +44,7 @@ from torch.distributed.checkpoint.metadata import (
 import ckpt
 from ckpt import tensor_blob
 from ckpt.checksum import Hasher, block_size
-from ckpt.dcp_io import load_metadata
+from ckpt.dcp_metadata import load_metadata
 from ckpt.errors import InvalidCheckpoint, RestoreFailed
 
 DCP = "torch.distributed.checkpoint.metadata"

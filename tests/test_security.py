@@ -426,8 +426,8 @@ ALLOWED_UNPICKLING = {
     ("writer_proc.py", "_recv", "pickle.loads"): "messages from our own parent over a private socket pair, never storage",
     ("commit.py", "Group", "pickle.loads"): "objects of this job's own ranks over ckpt's gloo group (as torch's "
     "broadcast_object_list and gather_object, which it replaces, unpickled them), never storage",
-    ("dcp_io.py", "_MetadataUnpickler", "pickle.Unpickler"): "the allowlisting unpickler of checksum-verified .metadata",
-    ("dcp_io.py", "load_metadata", "_MetadataUnpickler"): "checksum-verified bytes, through the allowlist",
+    ("dcp_metadata.py", "_MetadataUnpickler", "pickle._Unpickler"): "the allowlisting unpickler of checksum-verified .metadata",
+    ("dcp_metadata.py", "load_metadata", "_MetadataUnpickler"): "checksum-verified bytes, through the allowlist",
     ("tensor_blob.py", "_PlainUnpickler", "pickle._Unpickler"): "the unpickler that refuses every global, "
     "extension code and persistent id: plain values only (test_restore_stream.py's plain-value tests)",
     ("tensor_blob.py", "_plain", "_PlainUnpickler"): "checksum-verified bytes, through the refusing unpickler",
