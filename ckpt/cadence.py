@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .agreement import Agreement
-from .coordinator import Coordinator
+from .coordinator import Coordinator, duration
 from .policy import Auto, Every
 from .storage import Store
 
@@ -45,6 +45,7 @@ class Cadence:
         self._anchor = 0  # the step of the last save, or of a skipped one
         self._since = time.monotonic()  # and when it was
         self._running = False  # the run's first restart is its start: it ends no interval
+        self._saved = False  # a save (or a skipped one) came due in this run
         self._interval_step_s: float | None = None  # seconds per step over the last interval
 
     def start(self, store: Store, rank: int, world: int) -> None:
@@ -59,6 +60,7 @@ class Cadence:
         now = time.monotonic()
         if self._running and step > self._anchor:
             self._interval_step_s = (now - self._since) / (step - self._anchor)
+        self._saved = self._running
         self._anchor, self._since, self._running = step, now, True
         self.agreement.replan(step)
 
@@ -80,6 +82,9 @@ class Cadence:
         (`group_max`, the ranks' collective): between meetings nothing but the steps'
         interval is acted on, and a step pays one comparison."""
         by_step = self.deferred or (self.interval is not None and self.interval.due_by_step(step, self._anchor))
+        if isinstance(self.interval, Auto) and not self._saved:
+            # A run's first save comes soon: it protects the start and measures a save's cost.
+            by_step = by_step or step - self._anchor >= self.interval.first_after_steps
         now = time.monotonic()
         if rank == 0:
             self.agreement.tick(now)
@@ -93,6 +98,30 @@ class Cadence:
         agreed = self.agreement.at_step(step, rank, group_max, preempt, failed, now - self._since, self.seconds())
         assert agreed is not None
         return Due(by_step or agreed.save, agreed.preempt, agreed.failed, met=True)
+
+    def describe(self) -> str:
+        """The policy in a line, for the log when a run starts."""
+        every = self.interval
+        if isinstance(every, Every):
+            parts = [f"{every.steps} steps" if every.steps else "", f"{every.seconds:g} s" if every.seconds else ""]
+            return f"saving every {' or '.join(p for p in parts if p)}{', whichever comes first' if all(parts) else ''}"
+        if isinstance(every, Auto) and self.coordinator is not None:
+            c = self.coordinator
+            return (
+                f"saving when it pays (interval='auto'): a first checkpoint after {every.first_after_steps} steps or "
+                f"{every.first_after_s:g} s, whichever comes first, then every sqrt(2 x what a save costs x the job's MTBF), "
+                f"from the cost measured and the job's mean time between failures, {duration(c.mtbf.job_mtbf_s(c.nodes))} "
+                f"for {c.nodes} node(s) so far"
+            )
+        return "saving only when asked (cp.save()) and on leaving the block"
+
+    def next_due(self, step: int) -> str:
+        """When the save after the one of `step` comes, in words."""
+        every = self.interval
+        if isinstance(every, Every) and every.steps:
+            return f"next at step {step + every.steps}" + (f" or in {every.seconds:g} s" if every.seconds else "")
+        seconds = self.seconds()
+        return f"next in about {seconds:.3g} s" if seconds else "no save planned"
 
     @property
     def schedule(self) -> dict[str, Any]:

@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Literal
 
-from . import catalog
+from . import catalog, console
 from ._faults import fault_point
 from ._gc import gc_paused
 from .cadence import Cadence
@@ -48,6 +48,8 @@ _OUTSIDE = (
     "{}() outside the Checkpointer's `with` block, where nothing is restored or saved: "
     "`with ckpt.Checkpointer(...) as cp:` around the training loop"
 )
+# Rank 0 says a commit at INFO at most this often (the rest at DEBUG).
+_SAY_COMMITS_EVERY_S = 600
 
 class Checkpointer:
     """Saves and restores the whole training state of this rank, in step with the others.
@@ -241,6 +243,7 @@ class Checkpointer:
         self._io: Group | None = None  # the background writers' group: made at the first save
         self._taken: set[int] = set()  # steps whose directories hold a manifest: never written into
         self._newest = 0.0  # the root's newest commit time: this job's commits are dated after it
+        self._said_commit_at: float | None = None  # when a commit was last said at INFO
         self._failed_step = -1  # the step of the last save that failed
         #: This rank's Prometheus metrics (``cp.metrics.registry``), served with ``metrics_port``.
         self.metrics = Metrics()
@@ -279,6 +282,7 @@ class Checkpointer:
         # and the loop's must never interleave), made at the first save: a restarted job's
         # restore does not wait for it.
         self._ctrl = Group.new(self.timeout_s)
+        console.show(self._ctrl.rank)
         # The node agent, if one serves this rank's spool (the spool is the node's, not the
         # root's): whether any rank has one goes round with the lease's outcome.
         agent = Handoff.find(self._spool, self.store, self._ctrl.rank, self._storage_options)
@@ -316,11 +320,17 @@ class Checkpointer:
                 self.metrics.restored(took, restored.read_bytes, restored.manifest, restored.source)
                 log.info("restored step %d in %.2f s, %.1f MB read, mostly from the %s", restored.step, took, restored.read_bytes / 1e6, "node spool" if restored.source == "spool" else "store")
                 self.counters, self.last_commit = Counters(restored.counters), restored.manifest
+            elif self._ctrl.rank == 0:
+                log.info("no checkpoint in %s: starting at step 0", self.store.display)
         else:
             self._taken, self._newest = start_fresh(self.store, self._ctrl, self._signing_key)
+            if self._ctrl.rank == 0:
+                log.info("restore='none': starting at step 0 (the checkpoints in %s are left as they are)", self.store.display)
         self.history.start(self._step, self.last_commit if self.restored_step is not None else None)
         self._saved_step = self._step
         self._restart_interval()
+        if self._ctrl.rank == 0:
+            log.info("%s", self._cadence.describe())
         self._preempt.start(sigterm=self.handle_sigterm)
         self._hooks = [o.register_step_pre_hook(lambda *_: self.wait_for_staging()) for o in self.state.optimizers]
         if self._metrics_port is not None:
@@ -530,6 +540,12 @@ class Checkpointer:
             for hook in self._hooks:
                 hook.remove()
             self.history.end(self._step, how, failure)
+            if self._ctrl.rank == 0:
+                last = self.last_commit.step if self.last_commit is not None else None
+                log.info(
+                    "%s at step %d; %s", how, self._step,
+                    f"the last checkpoint is step {last} in {self.store.display}" if last is not None else f"no checkpoint in {self.store.display}",
+                )  # fmt: skip
             self._preempt.stop()
             self._slot.close()
             # The groups are not destroyed here: a peer may still be reading the last message
@@ -621,15 +637,6 @@ class Checkpointer:
             self._slot.staging_done()  # IMPORTANT: whatever failed, the optimizer's pre-hook never waits forever
         self._newest = max(self._newest, manifest.created)
         if self._ctrl.rank == 0:
-            log.info(
-                "%s %s/%s (%.1f MB, blocked %.0f ms, persisted in %.2f s)",
-                "committed" if self._handoff is None else "handed off to the node agent",
-                self.store.display,
-                step_dir_name(step),
-                manifest.costs.bytes / 1e6,
-                manifest.costs.blocking_s * 1e3,
-                manifest.costs.persist_s,
-            )
             self._apply_retention(step)
             self.history.beat()
             if self._cadence.coordinator is not None:
@@ -639,7 +646,27 @@ class Checkpointer:
                 blocked = manifest.costs.blocking_s + self.staging_wait_s - waited_before
                 busy = time.perf_counter() - started
                 self._cadence.coordinator.retune(blocked, busy, self.history.record.started, self._cadence.agreement.step_s)
+            self._say_commit(step, manifest)
         return manifest
+
+    def _say_commit(self, step: int, manifest: Manifest) -> None:
+        """Rank 0's line on a commit: at INFO now and then, which a plain script shows
+        (`ckpt.console`), at DEBUG the rest of the time."""
+        now = time.monotonic()
+        said = self._said_commit_at is None or now - self._said_commit_at >= _SAY_COMMITS_EVERY_S
+        self._said_commit_at = now if said else self._said_commit_at
+        log.log(
+            logging.INFO if said else logging.DEBUG,
+            "saved step %d: %s %s/%s (%.1f MB, blocked %.0f ms, persisted in %.2f s)%s",
+            step,
+            "committed" if self._handoff is None else "handed off to the node agent",
+            self.store.display,
+            step_dir_name(step),
+            manifest.costs.bytes / 1e6,
+            manifest.costs.blocking_s * 1e3,
+            manifest.costs.persist_s,
+            f"; {self._cadence.next_due(step)} (saves are shown every {_SAY_COMMITS_EVERY_S // 60} min at most)" if said else "",
+        )
 
     @property
     def schedule(self) -> dict[str, Any]:

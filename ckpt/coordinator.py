@@ -43,6 +43,11 @@ def failed(ended: str | None) -> bool:
     return ended is None or (ended.startswith("error") and not ended.startswith(_USER_EXITS))
 
 
+def duration(seconds: float) -> str:
+    """A long time in words: hours, or days past two."""
+    return f"{seconds / 86400:.3g} days" if seconds >= 2 * 86400 else f"{seconds / 3600:.3g} h"
+
+
 class Coordinator:
     """The interval `Auto` chooses, and why (see `schedule`)."""
 
@@ -90,11 +95,11 @@ class Coordinator:
         if not self._measured or abs(new - old) > 0.1 * old:
             self._measured = True
             log.info(
-                "interval: every %.3g s%s (blocking %.3g s, busy %.3g s, job MTBF %.3g h on %d node(s); rank 0's costs)",
+                "interval: every %.3g s%s (a save blocked the loop %.3g s and kept its slot busy %.3g s; job MTBF %s on %d node(s); rank 0's costs)",
                 new,
                 steps,
                 blocking_s,
                 persist_s,
-                mtbf_s / 3600,
+                duration(mtbf_s),
                 self.nodes,
             )

@@ -35,11 +35,12 @@ import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .errors import CheckpointError, LeaseHeld, StorageError
+from .errors import CheckpointError, DiskFull, LeaseHeld, StorageError
 from .manifest import MANIFEST_NAME
+from .storage import SMALL_JSON_MAX
 
 if TYPE_CHECKING:
-    from .storage import Store
+    from .storage import Store, Tagged
 
 log = logging.getLogger(__name__)
 
@@ -173,7 +174,7 @@ def judge(held: Holder, me: Holder, now: float, *, takeover: bool, alive: bool |
     if held.same_machine(me) and (held.pid, held.pid_start) == (me.pid, me.pid_start):
         return Verdict(True, "it is held by this very process")
     if alive is False:
-        return Verdict(True, f"its holder, {held.who()}, is gone from this machine", warn=True)
+        return Verdict(True, f"its holder, {held.who()}, is gone from this machine")  # a restart after a crash: no news
     if now > held.expires:
         return Verdict(True, f"it expired: {held.who()} last renewed it {_span(now - held.renewed)} ago (ttl {_span(held.ttl_s)})", warn=True)
     if takeover:
@@ -214,7 +215,16 @@ def state(held: Holder | None, now: float) -> str:
 def read(store: Store) -> Holder | None:
     """The root's lease document, None if there is none. ValueError if it is not one."""
     got = store.read_tagged(LEASE_NAME)
-    return None if got is None else Holder.from_json(got.data)
+    return None if got is None else parse(got)
+
+
+def parse(got: Tagged) -> Holder:
+    """The lease document as read; ValueError if it is not one. One larger than any lease
+    document is refused by its size, unparsed (and, but on S3, unread past the cap)."""
+    size = max(got.size, len(got.data))
+    if size > SMALL_JSON_MAX:
+        raise ValueError(f"{size:,} bytes, more than the {SMALL_JSON_MAX >> 20} MiB a lease document may hold; not read")
+    return Holder.from_json(got.data)
 
 
 def break_lease(store: Store) -> Holder | None:
@@ -226,7 +236,7 @@ def break_lease(store: Store) -> Holder | None:
         if got is None:
             return None
         try:
-            held = Holder.from_json(got.data)
+            held = parse(got)
         except ValueError:
             held = Holder("?", "?", 0, "", 0.0, 0.0, 0.0)
         if held.released is not None:
@@ -263,19 +273,31 @@ class LeaseKeeper:
     background thread until `close`. Losing it (another job took it over, or it was
     broken) is final: `check` raises from then on, and nothing of this job commits.
     Shared by the Checkpointers of one process on one root: the last to close decides
-    whether it is released."""
+    whether it is released.
 
-    def __init__(self, store: Store, policy: Lease, mine: Holder, tag: str) -> None:
+    A root whose disk is full cannot take a lease document: the job still restores (reading
+    needs no room), holding none (`pending`), and its first `check` (before its first save
+    claims a step directory) takes it, or fails that save: the disk still full, or another
+    job took the root meanwhile (then for good)."""
+
+    def __init__(self, store: Store, policy: Lease, mine: Holder, tag: str | None, pending: str | None = None) -> None:
         self.store = store
         self.policy = policy
         self.mine = mine
         self._tag = tag  # the version of the lease this job wrote last
         #: Why this job no longer holds the root (None while it does).
         self.lost: str | None = None
+        #: Why this job could not write its lease yet (None once it did).
+        self.pending = pending
         self._closed = False
         self._users = 1  # the takes of this process that have not closed (under _HELD_LOCK)
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        if pending is None:
+            self._start_renewing()
+
+    def _start_renewing(self) -> None:
         self._thread = threading.Thread(target=self._renew_until_closed, name="ckpt-lease", daemon=True)
         self._thread.start()
 
@@ -301,39 +323,25 @@ class LeaseKeeper:
     def _take(cls, store: Store, policy: Lease) -> LeaseKeeper:
         me = this_process(policy.ttl_s)
         store.check_reachable()  # a missing bucket says so, not "could not create the lease"
-        waited: str | None = None  # the version of the lease waited out, once
-        for _ in range(_ATTEMPTS):
-            got = store.read_tagged(LEASE_NAME)
-            if got is None:
-                tag = store.put_if_absent(LEASE_NAME, me.to_json())
-                why, warn = "it had none", False
-            else:
-                verdict = _judge_stored(got.data, me, policy.takes_over)
-                if not verdict.take and waited is None and (pause := _expiry_wait(got.data, me)) is not None:
-                    # Held from another machine, nobody here can tell whether it still runs
-                    # (a crashed job's restart lands on another node): see if it renews.
-                    log.warning("the lease of %s is held from another machine; waiting %.0f s to see whether it renews", store.display, pause)
-                    time.sleep(pause)
-                    waited = got.tag
-                    continue
-                if not verdict.take and waited == got.tag:
-                    verdict = judge(Holder.from_json(got.data), me, math.inf, takeover=False, alive=None)  # not renewed: expired
-                if not verdict.take:
-                    raise LeaseHeld(_refusal(store, got.data, me))
-                tag = store.put_if_unchanged(LEASE_NAME, me.to_json(), got.tag)
-                why, warn = verdict.why, verdict.warn
-            if tag is not None:
-                log.log(logging.WARNING if warn else logging.INFO, "took the lease of %s for job %r: %s", store.display, me.job_id, why)
-                return cls(store, policy, me, tag)
-            # Another job wrote it between the read and the write: look again.
-        raise LeaseHeld(f"{store.display}: its lease kept changing under {_ATTEMPTS} attempts to take it: another job is starting there at the same time")
+        try:
+            return cls(store, policy, me, _acquire(store, policy, me, wait=True))
+        except DiskFull as e:
+            # IMPORTANT: no lease is held, so nothing may be written before `check` takes it.
+            log.warning(
+                "could not write the lease of %s (%s): restoring without it; saving there will fail until the disk "
+                "has room again (the lease is taken before the first save)", store.display, e,
+            )  # fmt: skip
+            return cls(store, policy, me, None, pending=str(e))
 
     def check(self) -> None:
         """Raise LeaseHeld unless this job still holds the root. Rank 0 calls it before it
         claims a step directory and before it commits; it reads the lease (one small GET), or
-        renews it when its renewal is overdue."""
+        renews it when its renewal is overdue, or takes it if it could not at the start
+        (`pending`: a DiskFull while the disk stays full)."""
         with self._lock:
-            if self.lost is None and not self._closed and time.time() - self.mine.renewed > self.policy.ttl_s / 2:
+            if self.pending is not None and self.lost is None and not self._closed:
+                self._take_pending()
+            elif self.lost is None and not self._closed and time.time() - self.mine.renewed > self.policy.ttl_s / 2:
                 # The renewals failed for a while (a store that stalled): the lease may have
                 # expired, and a job that looks now may take it. Renewed here (a conditional
                 # write: it fails if one did), so that none can while this save commits.
@@ -347,6 +355,18 @@ class LeaseKeeper:
             if self.lost is not None:
                 raise LeaseHeld(self.lost)
 
+    def _take_pending(self) -> None:
+        """Take the lease this job could not write when it started. Under the lock."""
+        me = this_process(self.policy.ttl_s)
+        try:
+            tag = _acquire(self.store, self.policy, me, wait=False)
+        except LeaseHeld as e:  # another job took the root meanwhile: it is that job's now
+            self.lost = f"this job could not write the lease of {self.store.display} when it started ({self.pending}), and now: {e}"
+            log.error("%s", self.lost)
+            return
+        self.mine, self._tag, self.pending = me, tag, None
+        self._start_renewing()
+
     def close(self, release: bool) -> None:
         """Stop renewing; with `release` (a clean exit), mark the lease released if it is
         still this job's, so that any job may take the root at once. While another take of
@@ -358,13 +378,14 @@ class LeaseKeeper:
             if _HELD.get(self.store.identity) is self:
                 del _HELD[self.store.identity]
         self._stop.set()
-        self._thread.join(self.policy.ttl_s)
+        if self._thread is not None:
+            self._thread.join(self.policy.ttl_s)
         if not self._lock.acquire(timeout=self.policy.ttl_s):
             log.warning("the lease of %s is still being renewed; it is left to expire", self.store.display)
             return
         try:
             self._closed = True
-            if not release or self.lost is not None:
+            if not release or self.lost is not None or self.pending is not None:
                 return
             done = dataclasses.replace(self.mine, released=time.time(), released_by=f"job {self.mine.job_id!r} left cleanly")
             if self._write(done) is None:
@@ -415,7 +436,7 @@ class LeaseKeeper:
         if got.tag == self._tag:
             return True
         try:
-            held = Holder.from_json(got.data)
+            held = parse(got)
         except ValueError:
             return False
         return held.run_id == self.mine.run_id and held.released is None
@@ -433,6 +454,39 @@ class LeaseKeeper:
             "so this job commits nothing more there: its saves fail rather than overwrite that job's checkpoints"
         )
         log.error("%s", self.lost)
+
+
+def _acquire(store: Store, policy: Lease, me: Holder, *, wait: bool) -> str:
+    """Write the lease document `me` if the lease `judge` lets this job take it; its tag, or
+    LeaseHeld. With `wait`, a lease held from another machine is waited out once to see
+    whether it is renewed (`_expiry_wait`)."""
+    waited: str | None = None  # the version of the lease waited out, once
+    for _ in range(_ATTEMPTS):
+        got = store.read_tagged(LEASE_NAME)
+        if got is None:
+            tag = store.put_if_absent(LEASE_NAME, me.to_json())
+            why, warn = "it had none", False
+        else:
+            verdict = _judge_stored(got, me, policy.takes_over)
+            if not verdict.take and wait and waited is None and (pause := _expiry_wait(got, me)) is not None:
+                # Held from another machine, nobody here can tell whether it still runs
+                # (a crashed job's restart lands on another node): see if it renews.
+                log.warning("the lease of %s is held from another machine; waiting %.0f s to see whether it renews", store.display, pause)
+                time.sleep(pause)
+                waited = got.tag
+                continue
+            if not verdict.take and waited == got.tag:
+                verdict = judge(parse(got), me, math.inf, takeover=False, alive=None)  # not renewed: expired
+            if not verdict.take:
+                raise LeaseHeld(_refusal(store, got, me))
+            tag = store.put_if_unchanged(LEASE_NAME, me.to_json(), got.tag)
+            why, warn = verdict.why, verdict.warn
+        if tag is not None:
+            # IMPORTANT: DEBUG unless it says something is off: rank 0 shows INFO (`ckpt.console`).
+            log.log(logging.WARNING if warn else logging.DEBUG, "took the lease of %s for job %r: %s", store.display, me.job_id, why)
+            return tag
+        # Another job wrote it between the read and the write: look again.
+    raise LeaseHeld(f"{store.display}: its lease kept changing under {_ATTEMPTS} attempts to take it: another job is starting there at the same time")
 
 
 def take_for_job(store: Store, policy: Lease | None, group: Any, flag: bool = False) -> tuple[LeaseKeeper | None, bool]:
@@ -486,29 +540,29 @@ def _is_checkpoint(store: Store) -> bool:
 MAX_EXPIRY_WAIT_S = 120.0
 
 
-def _expiry_wait(data: bytes, me: Holder) -> float | None:
+def _expiry_wait(got: Tagged, me: Holder) -> float | None:
     """Seconds until a lease held from another machine expires (plus a second), when that is
     short enough to wait out; None otherwise."""
     try:
-        held = Holder.from_json(data)
+        held = parse(got)
     except ValueError:
         return None
     left = held.expires - time.time() + 1.0
     return left if not held.same_machine(me) and held.released is None and 0 < left <= MAX_EXPIRY_WAIT_S else None
 
 
-def _judge_stored(data: bytes, me: Holder, takeover: bool) -> Verdict:
+def _judge_stored(got: Tagged, me: Holder, takeover: bool) -> Verdict:
     try:
-        held = Holder.from_json(data)
+        held = parse(got)
     except ValueError as e:
         return Verdict(takeover, f"taking over an unreadable lease ({e}), as told (takeover)", warn=True)
     alive = process_alive(held.pid, held.pid_start) if held.same_machine(me) else None
     return judge(held, me, time.time(), takeover=takeover, alive=alive)
 
 
-def _refusal(store: Store, data: bytes, me: Holder) -> str:
+def _refusal(store: Store, got: Tagged, me: Holder) -> str:
     try:
-        held = Holder.from_json(data)
+        held = parse(got)
     except ValueError as e:
         holder = f"its lease, {store.display}/{LEASE_NAME}, is unreadable ({e})"
     else:

@@ -50,7 +50,10 @@ class Auto:
         is the low end of Meta's RSC clusters (5 to 6.5).
     prior_failures: how many failures' worth of evidence the prior is (1: the job's own
         history outweighs it after a few failures).
-    first_after_s: the first save, before any save was measured.
+    first_after_s, first_after_steps: a run's first save, before any save was measured,
+        comes after this many seconds or steps, whichever is sooner: a checkpoint within a
+        minute (or a few steps) of the start, and the save's measured cost, from which the
+        interval is then chosen (and stretches).
     weibull_shape: failures that cluster (shape < 1: a restarted job fails again soon more
         often than an exponential says) make the hazard fall with the time since the last
         failure; the interval is then computed from that local MTBF and lengthens as the run
@@ -60,13 +63,16 @@ class Auto:
     node_mtbf_s: float | None = None
     failures_per_1000_node_days: float = 5.0
     prior_failures: float = 1.0
-    first_after_s: float = 300.0
+    first_after_s: float = 60.0
+    first_after_steps: int = 10
     weibull_shape: float | None = None
 
     def __post_init__(self) -> None:
         self.prior()  # validates the numbers
         if self.first_after_s <= 0:
             raise ValueError(f"Auto(first_after_s={self.first_after_s}): must be > 0")
+        if not (type(self.first_after_steps) is int and self.first_after_steps >= 1):
+            raise ValueError(f"Auto(first_after_steps={self.first_after_steps!r}): must be an int >= 1")
 
     def prior(self) -> MtbfEstimate:
         if self.node_mtbf_s is not None:

@@ -40,7 +40,7 @@ class Job:
     wall_s: float = 54 * DAY
     step_s: float = 2.0  # for the fixed interval in steps
     fixed_steps: int = 500
-    first_after_s: float = 300.0  # the coordinator's first save of each run (ckpt.Auto's default)
+    first_after_s: float = 60.0  # the coordinator's first save of each run (ckpt.Auto's default)
 
 
 @dataclass

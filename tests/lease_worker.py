@@ -46,6 +46,7 @@ def main() -> None:
     p.add_argument("--on-error", default="raise")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format=f"[{os.environ.get('CKPT_JOB_ID')}] %(name)s %(levelname)s %(message)s")
+    logging.getLogger("ckpt.lease").setLevel(logging.DEBUG)  # how each lease was taken
 
     import ckpt
 
