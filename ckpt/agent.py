@@ -17,6 +17,8 @@ seconds abandons them safely (aborted; redone by the next agent), then exits.
 Settings: flags, else `CKPT_AGENT_<FLAG>` environment variables, else a TOML config file
 (`--config`; keys as the flags with underscores, and a `[storage_options]` table), else the
 defaults below. Uploads use the agent's own credentials (the environment: AWS_*).
+One agent per spool (a lock held for its life); whoever writes the spool's `jobs/` is trusted
+with nothing (`ckpt.spool`), and `allowed_roots` bounds where it uploads.
 """
 
 from __future__ import annotations
@@ -27,7 +29,6 @@ import http.server
 import json
 import logging
 import os
-import shutil
 import signal
 import sys
 import threading
@@ -39,7 +40,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from . import __version__
 from ._faults import fault_point
-from .agent_config import Config, JsonFormatter
+from .agent_config import Config, JsonFormatter, within
 from .checksum import Hasher
 from .errors import CheckpointError, InvalidCheckpoint
 from .manifest import FileEntry, Manifest
@@ -51,18 +52,20 @@ from .spool import (
     DURABLE,
     DURABLE_DIR,
     FAILED,
-    REQUESTS_DIR,
     UPLOADING,
-    WRITING_DIR,
     Request,
     Spool,
+    UnsafeEntry,
     check_request,
     commit_if_complete,
     committed_as_requested,
-    listdir,
     mark_durable,
     marker_name,
+    open_dir,
+    open_new,
+    open_regular,
     read_json,
+    remove_tree,
     status_of,
     superseded,
     write_json,
@@ -123,7 +126,7 @@ class Agent:
         self.config = config
         self.spool = Spool(config.spool)
         for name in ("jobs", "metrics"):  # the trainers write below them (the same group)
-            os.makedirs(os.path.join(self.spool.path, name), exist_ok=True)
+            os.close(open_dir(self.spool.path, name, create=True))
         self.registry = r = CollectorRegistry()
         Gauge("ckpt_agent_info", "The agent's version", ["version"], registry=r).labels(__version__).set(1)
         self.queue_depth = Gauge("ckpt_agent_upload_queue_depth", "Hand-offs waiting or uploading", registry=r)
@@ -168,6 +171,10 @@ class Agent:
         self._heartbeat()
         threading.Thread(target=self._heartbeats, name="ckpt-agent-heartbeat", daemon=True).start()
         log.info("agent %s on spool %s (budget %.2f GB, %d uploads at a time)", __version__, self.spool.path, self._budget / 1e9, self.config.upload_concurrency)
+        if not self.config.allowed_roots:
+            log.warning("no allowed_roots: whoever can write the spool's jobs/ can have this agent write to any root its credentials reach")
+        if os.geteuid() == 0:
+            log.warning("running as root: give the agent a user of its own (agents/ckpt-agent.service)")
         housekeeping = 0.0
         try:
             while True:
@@ -228,7 +235,7 @@ class Agent:
             return False
         metrics = os.path.join(self.spool.path, "metrics")
         try:
-            live = [n for n in os.listdir(metrics) if time.time() - os.stat(os.path.join(metrics, n)).st_mtime < TRAINER_STALE_S]
+            live = [n for n in os.listdir(metrics) if time.time() - os.lstat(os.path.join(metrics, n)).st_mtime < TRAINER_STALE_S]
         except OSError:
             live = []
         return not live
@@ -257,7 +264,7 @@ class Agent:
     def _request(self, path: str) -> Request | None:
         """A request file, parsed once per version of it."""
         try:
-            mtime = os.stat(path).st_mtime_ns
+            mtime = os.lstat(path).st_mtime_ns
         except OSError:
             return None
         cached = self._requests.get(path)
@@ -302,7 +309,8 @@ class Agent:
         while True:
             attempt += 1
             try:
-                self._set(path, request, UPLOADING)
+                if not self._set(path, request, UPLOADING):
+                    return
                 manifest = check_request(request)
                 store = self._store(request)
                 why = superseded(store, request) or (committed_as_requested(store, request) is False and "its step was committed by another save")
@@ -349,16 +357,19 @@ class Agent:
         agent that died after the marker). Every byte is checked against the manifest."""
         if store.exists(f"{request.rel}/{DURABLE_DIR}/{marker_name(request.save_id, request.rank)}"):
             return 0
-        step_dir = os.path.dirname(os.path.dirname(path))
+        step_dir = os.path.relpath(os.path.dirname(os.path.dirname(path)), self.spool.path)
         return sum(self._send_file(os.path.join(step_dir, n), store, f"{request.rel}/{n}", manifest.files[n], request) for n in request.files)
 
     def _send_file(self, src: str, store: Store, rel: str, entry: FileEntry, request: Request) -> int:
-        hasher = Hasher.checking(entry, src)
+        """Upload one file of the spool (`src`, relative to it); a link, a FIFO, a device, a
+        file with other hard links is an UnsafeEntry, never read."""
+        where = os.path.join(self.spool.path, src)
+        hasher = Hasher.checking(entry, where)
         try:
-            f = open(src, "rb")
+            f = open_regular(self.spool.path, src)
         except FileNotFoundError:
-            raise SpoolCopyBad(f"{src} is missing from the spool") from None
-        with f, store.open_write(rel, entry.size) as out:
+            raise SpoolCopyBad(f"{where} is missing from the spool") from None
+        with f, open_new(store, rel, entry.size) as out:
             while chunk := f.read(self._limiter.chunk):
                 if self._abandon.is_set():
                     raise Abandoned()
@@ -368,7 +379,7 @@ class Agent:
                 fault_point("agent_upload", request.rank, request.step)
             # IMPORTANT: raised inside the block, so the upload is aborted, never completed
             if hasher.size != entry.size or hasher.hexdigest() != entry.checksum:
-                raise SpoolCopyBad(f"{src}: the spool's copy does not match the manifest ({hasher.size} bytes, expected {entry.size}); not uploaded")
+                raise SpoolCopyBad(f"{where}: the spool's copy does not match the manifest ({hasher.size} bytes, expected {entry.size}); not uploaded")
         return hasher.size
 
     def _try_commit(self, path: str, request: Request, store: Store, durable_since: float) -> None:
@@ -410,20 +421,35 @@ class Agent:
             for path, request, since in ranks:
                 self._settle(path, request, outcome, since)
 
-    def _set(self, path: str, request: Request, state: str, why: str = "") -> None:
+    def _set(self, path: str, request: Request, state: str, why: str = "") -> bool:
+        """Record a request's state in its status file; False if that is a link (or on the
+        way through one): the request is passed over from then on."""
+        doc = {"state": state, "save_id": request.save_id, "step": request.step, "time": time.time(), "why": why}
         try:
-            write_json(status_of(path), {"state": state, "save_id": request.save_id, "step": request.step, "time": time.time(), "why": why})
+            write_json(status_of(path), doc, under=self.spool.path)
+        except UnsafeEntry as e:
+            log.error("spool: passing over the hand-off %s: its status cannot be recorded: %s", path, e)
+            if path in self._requests:
+                self._requests[path] = (self._requests[path][0], None)  # until the request changes
+            return False
         except OSError as e:  # the spool's disk is full: the next look at the request tries again
             log.error("cannot record that step %d rank %d is %s: %s", request.step, request.rank, state, e)
+        return True
 
     def _store(self, request: Request) -> Store:
-        if self.config.allowed_roots and not any(within(request.root, p) for p in self.config.allowed_roots):
+        root = request.root
+        if fsspec.utils.get_protocol(root) == "file":
+            # IMPORTANT: a local root as resolved now, checked and written the same: writes
+            # walk it from / following no link (`spool.open_new`), so a link swapped in later
+            # is refused rather than followed past allowed_roots.
+            root = os.path.realpath(os.path.expanduser(root.split("://", 1)[-1]))
+        if self.config.allowed_roots and not any(within(root, p) for p in self.config.allowed_roots):
             raise InvalidCheckpoint(f"{redact(request.root)} is not under the agent's allowed_roots")
         options = {**request.storage_options, **self.config.storage_options}
-        key = json.dumps([request.root, options], sort_keys=True, default=str)
+        key = json.dumps([root, options], sort_keys=True, default=str)
         with self._lock:
             if key not in self._stores:
-                self._stores[key] = Store(request.root, options, self._transfer)
+                self._stores[key] = Store(root, options, self._transfer)
             return self._stores[key]
 
     # -- the spool's own retention ------------------------------------------------------------
@@ -431,24 +457,23 @@ class Agent:
         """Keep the newest `keep_spool` committed checkpoints of each job, drop finished
         hand-offs that did not commit and orphaned step directories, and stay within the
         budget, with room for the next save (oldest committed first). Never a directory
-        with a hand-off still pending."""
-        jobs = os.path.join(self.spool.path, "jobs")
+        with a hand-off still pending, nor one not named as a job's and a step's."""
         kept: list[tuple[float, str, int]] = []
         used = 0
-        for job in listdir(jobs):
+        for job, rels in self.spool.steps().items():
             done = []
-            for rel in listdir(os.path.join(jobs, job)):
-                d = os.path.join(jobs, job, rel)
-                size, newest = _du(d)
+            for rel in rels:
+                d = f"jobs/{job}/{rel}"  # in the spool
+                size, newest = self.spool.usage(d)
                 used += size
                 self._largest = max(self._largest, size)
-                reqs = [os.path.join(d, REQUESTS_DIR, n) for n in listdir(os.path.join(d, REQUESTS_DIR))]
+                reqs = self.spool.request_files(job, rel)
                 states = [r.state(read_json(status_of(p))) if (r := self._request(p)) else FAILED for p in reqs]
                 # IMPORTANT: never while a rank writes a save's files here (its request comes once
                 # they are durable, which may take as long as the slowest rank's write): a later
                 # save of a step whose hand-off failed (a restarted job's) among them. A marker
                 # older than commit_wait is a crashed writer's.
-                writing = _writing(d, self.config.commit_wait)
+                writing = self.spool.writing(d, self.config.commit_wait)
                 if not states:
                     if not writing and time.time() - newest > ORPHAN_AFTER_S:
                         self._remove(d, "no hand-off (a write that never finished)")
@@ -476,8 +501,12 @@ class Agent:
         self.spool_bytes.set(used)
 
     def _remove(self, d: str, why: str) -> None:
+        """Remove the spool's step directory `d` (relative to the spool), through no link."""
         log.info("spool: removing %s: %s", d, why)
-        shutil.rmtree(d, ignore_errors=True)
+        try:
+            remove_tree(self.spool.path, d)
+        except (OSError, UnsafeEntry) as e:
+            log.warning("spool: cannot remove %s: %s", d, e)
 
     # -- serving ----------------------------------------------------------------------------
     def serve(self) -> None:
@@ -519,22 +548,6 @@ class Agent:
             self._server = None
 
 
-def within(root: str, allowed: str) -> bool:
-    """Is the root `allowed` itself or under it, whole path components compared (s3://team-a
-    does not admit s3://team-a-other)? A local path is resolved first (through `..` and
-    symbolic links); a URL with a `.` or `..` component is under nothing."""
-    def parts(url: str) -> tuple[str, list[str]] | None:
-        protocol = fsspec.utils.get_protocol(url)
-        path = url.split("://", 1)[1] if "://" in url else url
-        if protocol == "file":
-            return protocol, [p for p in os.path.realpath(os.path.expanduser(path)).split("/") if p]
-        names = [p for p in path.split("/") if p]
-        return None if any(p in (".", "..") for p in names) else (protocol, names)
-
-    mine, theirs = parts(root), parts(allowed)
-    return mine is not None and theirs is not None and mine[0] == theirs[0] and mine[1][: len(theirs[1])] == theirs[1]
-
-
 def _load(path: str) -> Request | None:
     try:
         return Request.from_doc(read_json(path))
@@ -544,34 +557,9 @@ def _load(path: str) -> Request | None:
 
 def _size(request_path: str, name: str) -> int:
     try:
-        return os.stat(os.path.join(os.path.dirname(os.path.dirname(request_path)), name)).st_size
+        return os.lstat(os.path.join(os.path.dirname(os.path.dirname(request_path)), name)).st_size
     except OSError:
         return 0
-
-
-def _writing(step_dir: str, within_s: float) -> bool:
-    """Is a rank writing a save's files into this step directory (`Handoff.writing`): a
-    marker made less than `within_s` seconds ago?"""
-    markers = os.path.join(step_dir, WRITING_DIR)
-    for name in listdir(markers):
-        with contextlib.suppress(OSError):
-            if time.time() - os.stat(os.path.join(markers, name)).st_mtime < within_s:
-                return True
-    return False
-
-
-def _du(directory: str) -> tuple[int, float]:
-    """Bytes under a directory and the newest modification time in it."""
-    size, newest = 0, 0.0
-    for base, _, names in os.walk(directory):
-        for n in names:
-            try:
-                st = os.stat(os.path.join(base, n))
-            except OSError:
-                continue
-            size += st.st_size
-            newest = max(newest, st.st_mtime)
-    return size, newest or time.time()
 
 
 def _disk_size(path: str) -> int:
@@ -594,8 +582,11 @@ def main(argv: list[str] | None = None) -> int:
     handler.setFormatter(JsonFormatter() if config.log_format == "json" else logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     logging.basicConfig(level=logging.INFO, handlers=[handler], force=True)
     try:
+        # IMPORTANT: one agent per spool: the lock is held (its descriptor left open) until
+        # this process exits
+        Spool(config.spool).lock()
         agent = Agent(config)
-    except OSError as e:
+    except (OSError, CheckpointError) as e:
         log.error("cannot start on spool %s: %s", config.spool, e)
         return 2
     signal.signal(signal.SIGTERM, lambda *_: agent.stop("SIGTERM"))

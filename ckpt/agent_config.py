@@ -12,6 +12,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+import fsspec
+
 from .redact import redact
 
 _SIZE = re.compile(r"^\s*([0-9.]+)\s*([kmgt]?)(i?)b?\s*$", re.IGNORECASE)
@@ -75,6 +77,22 @@ class Config:
         if not -1 <= config.metrics_port <= 65535:
             raise ValueError(f"metrics_port is a TCP port (0: any free one; -1: not served), not {config.metrics_port}")
         return config
+
+
+def within(root: str, allowed: str) -> bool:
+    """Is the root `allowed` itself or under it, whole path components compared (s3://team-a
+    does not admit s3://team-a-other)? A local path is resolved first (through `..` and
+    symbolic links); a URL with a `.` or `..` component is under nothing."""
+    def parts(url: str) -> tuple[str, list[str]] | None:
+        protocol = fsspec.utils.get_protocol(url)
+        path = url.split("://", 1)[1] if "://" in url else url
+        if protocol == "file":
+            return protocol, [p for p in os.path.realpath(os.path.expanduser(path)).split("/") if p]
+        names = [p for p in path.split("/") if p]
+        return None if any(p in (".", "..") for p in names) else (protocol, names)
+
+    mine, theirs = parts(root), parts(allowed)
+    return mine is not None and theirs is not None and mine[0] == theirs[0] and mine[1][: len(theirs[1])] == theirs[1]
 
 
 def _read_config(path: str) -> dict[str, Any]:

@@ -31,10 +31,12 @@ from .spool import (
     SPOOL_ENV,
     Request,
     Spool,
+    UnsafeEntry,
     commit_if_complete,
     committed_as_requested,
     job_key,
     mark_durable,
+    open_dir,
     public_options,
     read_json,
     request_of,
@@ -126,10 +128,12 @@ class Handoff:
 
     def _unwritable(self) -> str | None:
         """Why this process cannot write its job's spool directory (a spool made for another
-        user or group), or None."""
-        assert self.local is not None
+        user or group, a link put in its place), or None."""
+        assert self.local is not None and self.spool is not None
         try:
-            os.makedirs(self.local.root, exist_ok=True)
+            os.close(open_dir(self.spool.path, os.path.relpath(self.local.root, self.spool.path), create=True))
+        except UnsafeEntry as e:
+            return str(e)
         except OSError as e:
             return f"this user cannot create {self.local.root}: {e.strerror}"
         if not os.access(self.local.root, os.W_OK | os.X_OK):
@@ -153,9 +157,8 @@ class Handoff:
         same step may have failed there, and its leftovers go, but not these files."""
         if target is self.local and self.spool is not None:
             path = self.spool.writing_path(self.job, rel, self.rank)
-            with contextlib.suppress(OSError):  # the write to come says what is wrong
-                os.makedirs(os.path.dirname(path), exist_ok=True)
-                write_json(path, {"rank": self.rank, "time": time.time()})  # its age is what counts
+            with contextlib.suppress(OSError, UnsafeEntry):  # the write to come says what is wrong
+                write_json(path, {"rank": self.rank, "time": time.time()}, under=self.spool.path)  # its age is what counts
 
     def done_writing(self, rel: str) -> None:
         """This rank writes no more into the step directory (its request names the files, or the save failed)."""
@@ -195,7 +198,7 @@ class Handoff:
             with contextlib.suppress(FileNotFoundError):
                 os.remove(status)  # an earlier try of the same step: not this one's status
             # IMPORTANT: the files are durable in the spool (fsync'd) before the request names them
-            write_json(self.spool.request_path(self.job, rel, self.rank), request.__dict__)
+            write_json(self.spool.request_path(self.job, rel, self.rank), request.__dict__, under=self.spool.path)
             with self._lock:
                 self._pending.append(_Handed(status, request, manifest))
             return

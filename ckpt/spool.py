@@ -17,37 +17,53 @@ writes to the root itself and takes part the same way.
 The spool (`<spool>/`):
 
     agent.json                                   the agent's heartbeat, budget and usage
+    agent.lock                                   flock'd by the agent for its life: one agent per spool
     preempt                                      touched by the agent: the ranks checkpoint and stop
     jobs/<job>/step-N/<files>                    the rank's files, as in the root
     jobs/<job>/step-N/.requests/rank-00003.json  a hand-off, written once the files are durable
     jobs/<job>/step-N/.status/rank-00003.json    the agent's progress: uploading, durable, committed, failed
     metrics/<job>.rank-00003.prom                each rank's metrics, for the agent to serve
 
-`<job>` is a digest of the root's URL. Everything is written whole (a temporary file and a
-rename); nothing here needs torch.
+`<job>` is a digest of the root's URL (sixteen hex digits). Everything is written whole (a
+temporary file and a rename); nothing here needs torch.
+
+Whoever can write `jobs/` (every trainer of the node) can put a link, a FIFO, a device or a
+hard link where a file belongs, and the agent is another user, often a more privileged one.
+So the agent follows no link below the spool or in a local root (every path is walked from
+a directory it trusts, each part opened with O_NOFOLLOW), reads only regular files with a
+single link (another's file hard-linked in has two), writes only temporary files it created
+itself (O_EXCL) renamed into place, and prunes only directories named as a job's and a
+step's, through descriptors. What it leaves alone it says once.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
+import fcntl
 import hashlib
 import json
 import logging
 import os
 import re
+import shutil
+import stat
 import time
+import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, BinaryIO
 
-from .errors import InvalidCheckpoint, NotFound
+from .errors import CheckpointError, InvalidCheckpoint, NotFound
 from .manifest import MANIFEST_NAME, Manifest, SaveCosts
-from .storage import STEP_DIR, Store, step_dir_name, write_atomic
+from .storage import STEP_DIR, Store, step_dir_name, storage_errors
 
 log = logging.getLogger(__name__)
 
 SPOOL_ENV = "CKPT_SPOOL"
 AGENT_FILE = "agent.json"
+LOCK_FILE = "agent.lock"
 NOTICE_FILE = "preempt"
 DURABLE_DIR = ".durable"
 REQUESTS_DIR = ".requests"
@@ -62,6 +78,9 @@ _PUBLIC_OPTIONS = {"endpoint_url", "region_name", "anon", "use_ssl", "requester_
 _PUBLIC_CLIENT_KWARGS = {"endpoint_url", "region_name"}
 # A file a request may name: a plain name in its step directory (DCP's data files, .metadata).
 _FILE_NAME = re.compile(r"^(\.metadata|[\w][\w.\-]*)$")
+_SAVE_ID = re.compile(r"^[\w\-]{1,64}$")  # a file name in the root (its markers)
+_JOB = re.compile(r"^[0-9a-f]{16}$")  # `job_key`
+_REQUEST = re.compile(r"^rank-\d{5}\.json$")
 
 UPLOADING, DURABLE, COMMITTED, FAILED = "uploading", "durable", "committed", "failed"
 
@@ -86,9 +105,11 @@ def public_options(options: dict[str, Any] | None) -> dict[str, Any]:
     return out
 
 
-def write_json(path: str, doc: Any) -> None:
-    """Write a small JSON file whole: readers see the old one or the new one."""
-    write_atomic(path, json.dumps(doc).encode())
+def write_json(path: str, doc: Any, under: str = "") -> None:
+    """Write a small JSON file whole: readers see the old one or the new one. No link on
+    the way from `under` (the spool; default: the file's directory) is followed."""
+    base = under or os.path.dirname(path)
+    put_file(base, os.path.relpath(path, base), json.dumps(doc).encode())
 
 
 def listdir(path: str) -> list[str]:
@@ -113,12 +134,17 @@ def request_of(status_path: str) -> str:
 
 def read_json(path: str) -> Any:
     """A JSON file, or None when it is missing or unreadable (a torn write never is: see
-    `write_json`; an unreadable one is treated as absent and rewritten)."""
+    `write_json`; an unreadable one is treated as absent and rewritten), or is not a regular
+    file: a link is not followed, a FIFO not waited on."""
     try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError):
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
         return None
+    with open(fd, "rb") as f:
+        try:
+            return json.load(f) if stat.S_ISREG(os.fstat(fd).st_mode) else None
+        except (OSError, ValueError):
+            return None
 
 
 _FIELD_TYPES: dict[str, tuple[type, ...]] = {
@@ -172,6 +198,7 @@ class Spool:
 
     def __init__(self, path: str) -> None:
         self.path = os.path.abspath(os.path.expanduser(path))
+        self._said: set[str] = set()  # entries left alone, and said so
 
     def __repr__(self) -> str:
         return f"Spool({self.path!r})"
@@ -199,15 +226,95 @@ class Spool:
     def metrics_path(self, job: str, rank: int) -> str:
         return os.path.join(self.path, "metrics", f"{job}.{rank_name(rank)}.prom")
 
+    def lock(self) -> int:
+        """Take the spool for this process: an exclusive `flock` on `agent.lock`, held while
+        the descriptor returned is open. SpoolTaken if another agent holds it."""
+        os.makedirs(self.path, exist_ok=True)
+        # 0600: a trainer that could open it could hold the lock and keep every agent out
+        fd = os.open(os.path.join(self.path, LOCK_FILE), os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            doc = read_json(self.agent_file)
+            pid = doc.get("pid", "unknown") if isinstance(doc, dict) else "unknown"
+            raise SpoolTaken(
+                f"another ckpt agent (pid {pid}) serves the spool {self.path}: one agent per spool "
+                "(two would upload, prune and rewrite each other's files); stop that one first"
+            ) from None
+        return fd
+
+    def steps(self, job: str | None = None) -> dict[str, list[str]]:
+        """The step directories of each job (or of one): entries named as a job's and a
+        step's that are directories themselves, not links. Anything else is left alone."""
+        jobs = [job] if job else self._entries("jobs", _JOB, "a job's directory")
+        return {j: self._entries(f"jobs/{j}", STEP_DIR, "a step directory") for j in jobs}
+
+    def request_files(self, job: str, rel: str) -> list[str]:
+        """The request files of one step directory: regular files named as a rank's."""
+        where = f"jobs/{job}/{rel}/{REQUESTS_DIR}"
+        return [os.path.join(self.path, where, n) for n in self._entries(where, _REQUEST, "a rank's request", directories=False)]
+
     def requests(self, job: str | None = None) -> list[str]:
         """The request files in the spool (of one job), in the order of their step."""
-        found = []
-        jobs = os.path.join(self.path, "jobs")
-        for j in [job] if job else listdir(jobs):
-            for rel in listdir(os.path.join(jobs, j)):
-                reqs = os.path.join(jobs, j, rel, REQUESTS_DIR)
-                found += [os.path.join(reqs, n) for n in listdir(reqs) if n.endswith(".json")]
+        found = [p for j, rels in self.steps(job).items() for rel in rels for p in self.request_files(j, rel)]
         return sorted(found, key=lambda p: (os.path.basename(os.path.dirname(os.path.dirname(p))), p))
+
+    def usage(self, rel: str) -> tuple[int, float]:
+        """Bytes of the regular files under the spool's directory `rel` and the newest
+        modification time there (now, if none); no link followed."""
+        size, newest = 0, 0.0
+        for base, _, names in os.walk(os.path.join(self.path, rel)):
+            for n in names:
+                with contextlib.suppress(OSError):
+                    st = os.lstat(os.path.join(base, n))
+                    size += st.st_size if stat.S_ISREG(st.st_mode) else 0
+                    newest = max(newest, st.st_mtime)
+        return size, newest or time.time()
+
+    def writing(self, rel: str, within_s: float) -> bool:
+        """Is a rank writing a save's files into the step directory `rel` (`Handoff.writing`):
+        a marker made less than `within_s` seconds ago?"""
+        markers = os.path.join(self.path, rel, WRITING_DIR)
+        for name in listdir(markers):
+            with contextlib.suppress(OSError):
+                if time.time() - os.lstat(os.path.join(markers, name)).st_mtime < within_s:
+                    return True
+        return False
+
+    def _entries(self, rel: str, pattern: re.Pattern[str], what: str, directories: bool = True) -> list[str]:
+        """The names in the spool's directory `rel` that match `pattern` and are directories
+        (or regular files), as the entries themselves are: reached and listed through no
+        link. Hidden names (temporary files) are passed over; others are said once."""
+        try:
+            fd = open_dir(self.path, rel)
+        except UnsafeEntry as e:
+            self._say(rel, str(e))
+            return []
+        except OSError:
+            return []
+        try:
+            with os.scandir(fd) as it:
+                found = list(it)
+        finally:
+            os.close(fd)
+        names = []
+        for e in found:
+            with contextlib.suppress(OSError):  # gone since it was listed
+                kind = e.is_dir(follow_symlinks=False) if directories else e.is_file(follow_symlinks=False)
+                if kind and pattern.match(e.name):
+                    names.append(e.name)
+                elif not e.name.startswith("."):
+                    link = e.is_symlink()
+                    self._say(f"{rel}/{e.name}", "a symbolic link" if link else f"not named as {what}" if kind else f"not a {'directory' if directories else 'regular file'}")
+        return sorted(names)
+
+    def _say(self, rel: str, why: str) -> None:
+        if len(self._said) > 10_000:  # a spool flooded with odd names: say them again, in time
+            self._said.clear()
+        if rel not in self._said:
+            self._said.add(rel)
+            log.warning("spool: left alone %s: %s (the agent follows no link and touches only what is named as its own)", os.path.join(self.path, rel), why)
 
     def agent(self) -> dict[str, Any] | None:
         """The agent's last heartbeat, if it is recent: None when no agent serves this spool."""
@@ -245,7 +352,7 @@ def marker_name(save_id: str, rank: int) -> str:
 def mark_durable(store: Store, rel: str, save_id: str, rank: int, files: dict[str, str]) -> None:
     """Record in the root that `rank`'s files of save `save_id` are durable there."""
     doc = {"save_id": save_id, "rank": rank, "files": files, "time": time.time()}
-    store.put_atomic(f"{rel}/{DURABLE_DIR}/{marker_name(save_id, rank)}", json.dumps(doc).encode())
+    put(store, f"{rel}/{DURABLE_DIR}/{marker_name(save_id, rank)}", json.dumps(doc).encode())
 
 
 def commit_if_complete(store: Store, request: Request) -> str | None:
@@ -271,7 +378,7 @@ def commit_if_complete(store: Store, request: Request) -> str | None:
         persist_s = max(time.time() - request.started, 0.0)
         manifest = dataclasses.replace(manifest, costs=SaveCosts(manifest.costs.blocking_s, persist_s, manifest.costs.bytes))
     # IMPORTANT: the commit. Every rank's files are durable: their markers say so.
-    store.put_atomic(f"{rel}/{MANIFEST_NAME}", manifest.to_json())
+    put(store, f"{rel}/{MANIFEST_NAME}", manifest.to_json())
     return "committed"
 
 
@@ -285,6 +392,8 @@ def check_request(request: Request) -> Manifest:
     bad = [n for n in request.files if not isinstance(n, str) or not _FILE_NAME.match(n)]
     if bad or not request.files:
         raise InvalidCheckpoint(f"{where}: not plain file names: {bad}")
+    if not _SAVE_ID.match(request.save_id):
+        raise InvalidCheckpoint(f"{where}: {request.save_id[:80]!r} is not a save id")
     manifest = request.manifest_obj()
     missing = [n for n in request.files if n not in manifest.files]
     if missing or manifest.step != request.step or not 0 <= request.rank < request.world == manifest.world_size:
@@ -296,7 +405,7 @@ def check_request(request: Request) -> Manifest:
 def claim(store: Store, rel: str, save_id: str) -> None:
     """Rank 0, when a save (with an agent) starts: this save owns the step directory now.
     An agent that finds another save's claim uploads nothing of its own (a stale hand-off)."""
-    store.put_atomic(f"{rel}/{CLAIM_NAME}", save_id.encode())
+    put(store, f"{rel}/{CLAIM_NAME}", save_id.encode())
 
 
 def superseded(store: Store, request: Request) -> str | None:
@@ -321,3 +430,195 @@ def committed_as_requested(store: Store, request: Request) -> bool | None:
     ours = request.manifest.get("files", {})
     theirs = doc.get("files", {}) if isinstance(doc, dict) else {}
     return all(isinstance(theirs.get(n), dict) and theirs[n].get("checksum") == ours[n]["checksum"] for n in request.files)
+
+
+# -- files under the spool and in a local root, never through a link ----------------------------
+class UnsafeEntry(InvalidCheckpoint):
+    """An entry of the spool or of a local root that the agent will not go through or read:
+    a symbolic link, a FIFO, socket or device, a file with other hard links, a directory
+    where a file belongs."""
+
+
+class SpoolTaken(CheckpointError):
+    """Another agent holds the spool."""
+
+
+_PATH = getattr(os, "O_PATH", os.O_RDONLY)  # a directory passed through: search permission is enough
+
+
+def open_dir(base: str, rel: str = "", create: bool = False) -> int:
+    """A descriptor of the directory `base`/`rel`, to list, fsync or open in (the caller
+    closes it). `base` is trusted as given (the operator's spool, a root as resolved); no
+    part of `rel` is followed if it is a link: UnsafeEntry. `create`: make what is missing."""
+    parts = _parts(base, rel)
+    if create:
+        os.makedirs(base, exist_ok=True)
+    fd = os.open(base, (_PATH if parts else os.O_RDONLY) | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for i, part in enumerate(parts):
+            if create:
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(part, dir_fd=fd)
+                    _fsync_at(fd)  # the new directory's entry is durable before what goes in it
+            flags = (os.O_RDONLY if i == len(parts) - 1 else _PATH) | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+            sub = _open_at(fd, part, flags, os.path.join(base, *parts[: i + 1]))
+            os.close(fd)
+            fd = sub
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def open_regular(base: str, rel: str) -> BinaryIO:
+    """A file below `base` to read: a regular file with no other hard link, reached through
+    no link (else UnsafeEntry; FileNotFoundError if it is missing). Nothing else is even
+    opened: a FIFO would block the reader, a device would read on without end."""
+    head, name = os.path.split(rel)
+    where = os.path.join(base, rel)
+    d = open_dir(base, head)
+    try:
+        before = os.lstat(name, dir_fd=d)
+        _check_regular(before, where)
+        fd = _open_at(d, name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, where)
+    finally:
+        os.close(d)
+    try:
+        now = os.fstat(fd)
+        if (now.st_dev, now.st_ino) != (before.st_dev, before.st_ino):
+            raise UnsafeEntry(f"{where}: replaced while it was opened; not read")
+        _check_regular(now, where)
+        return open(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+@contextlib.contextmanager
+def new_file(base: str, rel: str) -> Iterator[BinaryIO]:
+    """A file written whole at `base`/`rel`: its bytes go to a temporary name this call
+    creates, are fsync'd and then renamed over `rel` when the block exits. The directories
+    on the way are made as needed, none is followed if it is a link (UnsafeEntry)."""
+    head, name = os.path.split(rel)
+    d = open_dir(base, head, create=True)
+    tmp = f".{name}.{uuid.uuid4().hex}.tmp"
+    try:
+        # IMPORTANT: a name no one else made (O_EXCL), renamed into place once whole: a link at
+        # `rel` is replaced, never written through; an existing `rel` is never truncated,
+        # and on any failure only the temporary goes.
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666, dir_fd=d)
+        try:
+            with open(fd, "wb") as f:
+                yield f
+                f.flush()
+                os.fsync(f.fileno())
+            os.rename(tmp, name, src_dir_fd=d, dst_dir_fd=d)
+            os.fsync(d)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp, dir_fd=d)
+            raise
+    finally:
+        os.close(d)
+
+
+def put_file(base: str, rel: str, data: bytes) -> None:
+    """`data` written whole at `base`/`rel` (`new_file`)."""
+    with new_file(base, rel) as f:
+        f.write(data)
+
+
+def remove_tree(base: str, rel: str) -> None:
+    """Delete the directory `base`/`rel` and all in it, through descriptors: no link on the
+    way to it, nor in it, is followed (a link in it goes, not what it names)."""
+    head, name = os.path.split(rel)
+    d = open_dir(base, head)
+    try:
+        shutil.rmtree(name, dir_fd=d)  # refuses a link at `name` itself
+    finally:
+        os.close(d)
+
+
+@contextlib.contextmanager
+def open_new(store: Store, rel: str, size: int | None = None) -> Iterator[BinaryIO]:
+    """`Store.open_write`, but on a local root through `new_file`: never through a link."""
+    if not store.is_local:
+        with store.open_write(rel, size) as f:
+            yield f
+        return
+    with storage_errors(f"writing {store.display}/{rel}"), new_file(*_in_root(store, rel)) as f:
+        yield f
+
+
+def put(store: Store, rel: str, data: bytes) -> None:
+    """`Store.put_atomic`, but on a local root through `new_file`: never through a link."""
+    if not store.is_local:
+        store.put_atomic(rel, data)
+        return
+    base, path = _in_root(store, rel)
+    directory = os.path.dirname(path)
+    with storage_errors(f"committing {store.display}/{rel}"):
+        # IMPORTANT: the entries of the files it commits are durable before it is, and then
+        # its directory's own entry (as `Store.put_atomic`).
+        _fsync_dir(base, directory, create=True)
+        put_file(base, path, data)
+        _fsync_dir(base, os.path.dirname(directory))
+
+
+def _in_root(store: Store, rel: str) -> tuple[str, str]:
+    """`rel` of a local root as (base, rel) for `new_file`. A root whose path has no link
+    (the agent's: it resolves the root it checks) is walked from `/`, so that a link put in
+    its place later is refused; a trainer's root with links in its path is taken as given."""
+    if os.path.realpath(store.root) == store.root:
+        return "/", os.path.join(store.root.lstrip("/"), rel)
+    return store.root, rel
+
+
+def _parts(base: str, rel: str) -> list[str]:
+    parts = [p for p in rel.split("/") if p]
+    if rel.startswith("/") or any(p in (".", "..") for p in parts):
+        raise UnsafeEntry(f"{rel!r} is not a path below {base}")
+    return parts
+
+
+def _open_at(dir_fd: int, name: str, flags: int, where: str) -> int:
+    try:
+        return os.open(name, flags, dir_fd=dir_fd)
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.ENOTDIR) and _is_link(dir_fd, name):
+            raise UnsafeEntry(f"{where}: a symbolic link; not followed (the agent follows no link in its spool or a local root)") from None
+        raise
+
+
+def _is_link(dir_fd: int, name: str) -> bool:
+    try:
+        return stat.S_ISLNK(os.lstat(name, dir_fd=dir_fd).st_mode)
+    except OSError:
+        return False
+
+
+def _check_regular(st: os.stat_result, where: str) -> None:
+    why = (
+        "a symbolic link" if stat.S_ISLNK(st.st_mode)
+        else "not a regular file (a directory, FIFO, socket or device)" if not stat.S_ISREG(st.st_mode)
+        else f"a file with other hard links ({st.st_nlink}): another's file, perhaps" if st.st_nlink != 1
+        else None
+    )  # fmt: skip
+    if why:
+        raise UnsafeEntry(f"{where}: {why}; not read (the agent reads only a spool's own regular files)")
+
+
+def _fsync_dir(base: str, rel: str, create: bool = False) -> None:
+    fd = open_dir(base, rel, create)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_at(dir_fd: int) -> None:
+    fd = os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=dir_fd)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
