@@ -216,8 +216,9 @@ class TrainingState:
                 del sd["loader"]
         return sd
 
-    def apply(self, sd: dict[str, Any], rank: int) -> dict[str, Any]:
-        """Load a restored state dict into the objects; returns the saved counters."""
+    def apply(self, sd: dict[str, Any], rank: int, stateless: set[str] = frozenset()) -> dict[str, Any]:  # type: ignore[assignment]
+        """Load a restored state dict into the objects; returns the saved counters. The
+        parameters in `stateless` had no optimizer state at the save: they have none after."""
         if deepspeed_state.is_engine(self.model):
             deepspeed_state.apply(self.model, sd)
         elif "optim" in sd:
@@ -235,6 +236,11 @@ class TrainingState:
         elif "model" in sd and not loaded_in_place(sd["model"], self._template_model):
             set_model_state_dict(self.model, sd["model"])
         self._template_model, self._template_optim = {}, ({}, [])  # views: they must not outlive a replaced tensor
+        if stateless and not deepspeed_state.is_engine(self.model):
+            params = {fqn: p for name, p in self.model.named_parameters() for fqn in _get_fqns(self.model, name)}
+            for opt in self.optimizers:
+                for fqn in stateless:
+                    opt.state.pop(params.get(fqn), None)
         for i, sched in enumerate(self.schedulers):
             sched.load_state_dict(sd["scheduler"][str(i)])
         if self.scaler is not None:

@@ -477,6 +477,9 @@ def make_reader(
     return _Reader(store, step_dir, manifest, before_read, metadata)
 
 
+_OPTIM_STATE = "optim.state."  # DCP's flattened keys of the optimizers' state: <this><param fqn>.<name>
+
+
 class SafeLoadPlanner(DefaultLoadPlanner):
     """DCP's load planner, but pickled values load with `weights_only=True`: checksum-verified
     bytes may still have been written by someone else, so no code runs from them. Values for
@@ -485,6 +488,10 @@ class SafeLoadPlanner(DefaultLoadPlanner):
     def __init__(self, optional: Callable[[str], bool] = lambda fqn: False, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.optional = optional
+        #: Parameters (FQNs) the checkpoint holds no optimizer state for: no step had reached
+        #: them when it was saved (an expert no token was routed to). DCP made theirs up for
+        #: the state loaded into; `TrainingState.drop_optimizer_state` removes it again.
+        self.stateless: set[str] = set()
 
     def create_local_plan(self) -> LoadPlan:
         """DCP's default local plan (`create_default_local_load_plan`: a read item per piece
@@ -497,6 +504,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         if self.metadata is None:
             raise AssertionError("create_local_plan before set_up_planner")
         stored = self.metadata.state_dict_metadata
+        with_state = {k.rpartition(".")[0] for k in stored if k.startswith(_OPTIM_STATE)}
         chunks: dict[tuple[Any, ...], list[ChunkStorageMetadata]] = {}
         reads: dict[tuple[Any, ...], list[ReadItem]] = {}
         items: list[ReadItem] = []
@@ -504,6 +512,10 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             md = stored.get(fqn)
             if md is None:
                 if self.allow_partial_load or self.optional(fqn):
+                    continue
+                param = fqn.rpartition(".")[0]
+                if fqn.startswith(_OPTIM_STATE) and param not in with_state:  # none of its state, not a key of it
+                    self.stateless.add(param.removeprefix(_OPTIM_STATE))
                     continue
                 raise RuntimeError(f"Missing key in checkpoint state_dict: {fqn}.")
             if not (isinstance(md, TensorStorageMetadata) and isinstance(obj, torch.Tensor)):

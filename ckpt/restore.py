@@ -34,7 +34,7 @@ from .errors import (
 )
 from .manifest import MANIFEST_NAME, METADATA_NAME, Manifest
 from .prefetch import Prefetch
-from .storage import StepListing, Store, step_dir_name
+from .storage import StepListing, Store, Stray, step_dir_name
 
 if TYPE_CHECKING:
     from .handoff import Handoff, Tiered
@@ -157,9 +157,9 @@ def start_fresh(store: Store, ctrl: Group, key: SigningKey | None = None) -> tup
     if ctrl.rank == 0:
         try:
             store.check_reachable()
-            listings = store.scan()
+            listings, strays = store.survey()
             taken = {s for s, lst in listings.items() if lst.has_manifest}
-            got = (taken, newest_commit(store, key, listings) if taken else 0.0)
+            got = (taken | _held_by_strays(store, strays), newest_commit(store, key, listings) if taken else 0.0)
         except Exception as e:
             got, error = (str(e) if isinstance(e, CheckpointError) else f"rank 0: {type(e).__name__}: {e}"), e
     got = ctrl.broadcast(got)
@@ -204,13 +204,16 @@ def _restore_plan(
         if tried:
             return [], set(), [], 0.0, None
         store.check_reachable()
-        listings = store.scan()  # one listing for all three
+        listings, strays = store.survey()  # one listing for all three
         entry = catalog.find(store, mode, key, keep=True, listings=listings)
-        return [entry.step], {s for s, lst in listings.items() if lst.has_manifest}, [], newest_commit(store, key, listings), entry
+        taken = {s for s, lst in listings.items() if lst.has_manifest} | _held_by_strays(store, strays)
+        return [entry.step], taken, [], newest_commit(store, key, listings), entry
     if not tried:
         store.check_reachable()
-    good, skipped = catalog.restore_candidates(store, key, exclude=set(tried), keep=True)
+    listings, strays = store.survey()
+    good, skipped = catalog.restore_candidates(store, key, exclude=set(tried), keep=True, listings=listings)
     taken = {e.step for e in good} | {e.step for e in skipped if e.state == catalog.CORRUPT} | set(tried)
+    taken |= _held_by_strays(store, strays, say=not tried)
     if tried:  # falling back: the corrupt ones newer than the next candidate were said before
         passed = [e for e in skipped if e.state == catalog.CORRUPT and (not good or e.step < good[0].step)]
         for e in passed:
@@ -232,6 +235,14 @@ def _restore_plan(
             + "and their steps skipped) or use a new root."
         )
     return [e.step for e in good[:1]], taken, [], _newest(good), _first(good)
+
+
+def _held_by_strays(store: Store, strays: list[Stray], say: bool = True) -> set[int]:
+    """The steps whose names something else holds (a link, a file): this run saves past them,
+    never into them. Said once, with the other entries named like steps that are none."""
+    for s in strays if say else ():
+        log.warning("%s/%s is not a checkpoint (%s): left alone", store.display, s.name, s.what)
+    return {s.step for s in strays if s.step is not None}
 
 
 def _first(good: list[catalog.Entry]) -> catalog.Entry | None:
@@ -335,7 +346,7 @@ def _load(
     loaded = _outcome(lambda: dcp.load(sd, storage_reader=reader, planner=planner, no_dist=True))
     if failed := _agreed(ctrl, *loaded[:2], "another rank could not load its part"):
         return (*failed, None)
-    applied = _outcome(lambda: state.apply(sd, rank))
+    applied = _outcome(lambda: state.apply(sd, rank, stateless=planner.stateless))
     if failed := _agreed(ctrl, *applied[:2], "another rank could not apply what it read"):
         return (*failed, None)
     _say_old_cuda_rng(planner, rank)

@@ -34,15 +34,9 @@ RANKS = {"plain": 1, "fsdp2": 2}
 CASES = cases()
 
 
-def params(xfail_known_bugs: bool) -> list:
+def params() -> list:
     """(mode, case) for every case under every mode, ids `<mode>-<case>`."""
-    out = []
-    for mode in RANKS:
-        for case, (name, _) in CASES.items():
-            bug = KINDS[name].known_bug if xfail_known_bugs else ""
-            marks = [pytest.mark.xfail(strict=True, reason=bug)] if bug else []
-            out.append(pytest.param(mode, case, id=f"{mode}-{case}", marks=marks))
-    return out
+    return [pytest.param(mode, case, id=f"{mode}-{case}") for mode in RANKS for case in CASES]
 
 
 class Zoo:
@@ -98,7 +92,7 @@ def zoo(tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize(("mode", "case"), params(xfail_known_bugs=True))
+@pytest.mark.parametrize(("mode", "case"), params())
 def test_every_zoo_model_resumes_bitwise_after_sigkill(zoo, mode, case):
     kind = KINDS[CASES[case][0]]
     z = zoo(mode)
@@ -111,7 +105,7 @@ def test_every_zoo_model_resumes_bitwise_after_sigkill(zoo, mode, case):
         assert got[8]["ties"] == [sorted(t) for t in kind.ties], "parameters tied in the model are one tensor after the restore"
 
 
-@pytest.mark.parametrize(("mode", "case"), params(xfail_known_bugs=False))
+@pytest.mark.parametrize(("mode", "case"), params())
 def test_every_checkpoint_holds_the_state_when_its_step_done_returned(zoo, mode, case, tmp_path):
     kind = KINDS[CASES[case][0]]
     z = zoo(mode)

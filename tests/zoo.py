@@ -44,9 +44,6 @@ class Kind:
     ties: tuple[tuple[str, ...], ...] = ()  # parameters that are one tensor, before and after a restore
     unsaved: tuple[str, ...] = ()  # the model's keys no checkpoint may hold (non-persistent buffers)
     stateless: tuple[str, ...] = ()  # parameters no step has reached by the saves (no optimizer state)
-    # A known ckpt bug that keeps the kind from resuming: its resume test is a strict xfail,
-    # which fails once the bug is fixed, so that this is removed.
-    known_bug: str = ""
 
 
 def sharded(model: nn.Module, mode: str, *units: nn.Module) -> nn.Module:
@@ -241,12 +238,6 @@ KINDS: dict[str, Kind] = {
     "experts": Kind(
         module(Experts, batch_rows=2),
         stateless=("experts.e3.weight", "experts.e3.bias"),
-        known_bug=(
-            "a restore asks for optimizer state of every trainable parameter (torch's "
-            "_init_optim_state fills a fresh optimizer's), so a checkpoint without the state "
-            "of a parameter no step has reached fails: RestoreFailed, Missing key "
-            "optim.state.experts.e3.weight.step"
-        ),
     ),
 }
 
