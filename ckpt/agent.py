@@ -45,6 +45,7 @@ from .checksum import Hasher
 from .errors import CheckpointError, InvalidCheckpoint
 from .manifest import FileEntry, Manifest
 from .metrics import RankFiles, failure_kind
+from .nofollow import UnsafeEntry, open_dir, open_regular, remove_tree
 from .preempt import mtime_of
 from .redact import redact
 from .spool import (
@@ -55,17 +56,13 @@ from .spool import (
     UPLOADING,
     Request,
     Spool,
-    UnsafeEntry,
     check_request,
     commit_if_complete,
     committed_as_requested,
     mark_durable,
     marker_name,
-    open_dir,
     open_new,
-    open_regular,
     read_json,
-    remove_tree,
     status_of,
     superseded,
     write_json,

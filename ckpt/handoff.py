@@ -24,6 +24,7 @@ from typing import Any, BinaryIO
 
 from .errors import NotFound
 from .manifest import Manifest
+from .nofollow import UnsafeEntry, open_dir
 from .spool import (
     COMMITTED,
     DURABLE,
@@ -31,12 +32,10 @@ from .spool import (
     SPOOL_ENV,
     Request,
     Spool,
-    UnsafeEntry,
     commit_if_complete,
     committed_as_requested,
     job_key,
     mark_durable,
-    open_dir,
     public_options,
     read_json,
     request_of,

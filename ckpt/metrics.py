@@ -32,11 +32,13 @@ from prometheus_client import (
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-from .errors import SaveFailed, dcp_failures
+from .errors import CheckpointError, SaveFailed, dcp_failures
 from .manifest import Manifest
+from .nofollow import open_regular
 
 log = logging.getLogger(__name__)
 
+_RANK_FILE_MAX = 1 << 20  # a rank's metrics page is a few KB
 _BLOCKING_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 _LONG_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600)
 
@@ -255,12 +257,17 @@ class RankFiles:
             m = re.fullmatch(r"(\w+)\.rank-(\d+)\.prom", name)
             path = os.path.join(self.dir, name)
             try:
-                if not m or now - os.stat(path).st_mtime > self.stale_s:
+                if not m or now - os.lstat(path).st_mtime > self.stale_s:
                     continue
-                with open(path) as f:
-                    text = f.read()
+                # IMPORTANT: a trainer's file, read by the agent: no link, FIFO or device
+                # (a FIFO would hang every scrape), and no more than a rank's page of metrics.
+                with open_regular(self.dir, name) as f:
+                    text = f.read(_RANK_FILE_MAX + 1).decode()
+                if len(text) > _RANK_FILE_MAX:
+                    raise ValueError(f"{path} is over {_RANK_FILE_MAX} bytes")
                 parsed = list(text_string_to_metric_families(text))
-            except (OSError, ValueError):
+            except (OSError, ValueError, CheckpointError) as e:
+                log.debug("rank metrics %s left out: %s", path, e)
                 continue
             extra = {"job": m.group(1), "rank": str(int(m.group(2)))}
             for fam in parsed:

@@ -19,6 +19,7 @@ import os
 import stat
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -278,3 +279,32 @@ def test_the_shipped_unit_runs_as_its_own_user_and_the_example_config_names_its_
     assert users and users[0] not in ("root", "0"), users
     example = Config.load(["--config", str(REPO / "agents" / "ckpt-agent.toml")])
     assert example.allowed_roots and all("://" in r for r in example.allowed_roots), example.allowed_roots
+
+
+# -- the ranks' metrics files the agent serves ---------------------------------------------------
+METRICS_PLANTS: dict[str, Callable[[Path, Path], None]] = {
+    "fifo": lambda path, secret: os.mkfifo(path),
+    "link_to_a_root_only_file": lambda path, secret: path.symlink_to(secret),
+    "hard_link_to_a_root_only_file": lambda path, secret: os.link(secret, path),
+    "over_a_megabyte": lambda path, secret: path.write_text("# " + "x" * (2 << 20) + "\nckpt_up 1\n"),
+}
+
+
+@pytest.mark.parametrize("plant", METRICS_PLANTS)
+def test_a_hostile_rank_metrics_file_is_left_out_and_the_scrape_goes_on(tmp_path, plant):
+    from ckpt.metrics import RankFiles
+
+    secret = tmp_path / "secret.prom"
+    secret.write_text('ckpt_secret{token="s3cr3t"} 1\n')
+    secret.chmod(0o600)
+    metrics = tmp_path / "spool" / "metrics"
+    metrics.mkdir(parents=True)
+    (metrics / "good.rank-00000.prom").write_text("ckpt_saves 3\n")
+    METRICS_PLANTS[plant](metrics / "bad.rank-00001.prom", secret)
+    got: list = []
+    reader = threading.Thread(target=lambda: got.extend(RankFiles(str(metrics), stale_s=600).collect()), daemon=True)
+    reader.start()
+    reader.join(10)
+    assert not reader.is_alive(), "the scrape hangs"
+    samples = [(s.name, s.labels) for fam in got for s in fam.samples]
+    assert samples == [("ckpt_saves", {"job": "good", "rank": "0"})], samples
