@@ -21,7 +21,7 @@ from .checksum import Hasher, algorithm, checksum
 from .errors import CheckpointError, InvalidCheckpoint, NotFound
 from .manifest import MANIFEST_NAME, METADATA_NAME, FileEntry, Manifest
 from .signing import BAD, UNSIGNED, SigningKey
-from .storage import StepListing, Store, step_dir_name
+from .storage import StepListing, Store, Stray, step_dir_name
 
 if TYPE_CHECKING:
     from .policy import Keep
@@ -307,10 +307,13 @@ def inspect(
     `key`, a manifest not signed with it is corrupt: never to be trusted. `keep_doc`: the
     entry keeps the manifest's bytes, and `.metadata`'s once checked (if read whole)."""
     entry = Entry(listing.step, INCOMPLETE, bytes_on_store=sum(listing.files.values()))
+    where = f"{store.display}/{entry.dir}"
+    if MANIFEST_NAME in listing.odd:  # a link to another root's manifest, say: never read
+        entry.state, entry.problem = CORRUPT, _odd(where, MANIFEST_NAME, listing)
+        return entry
     if not listing.has_manifest:
         entry.problem = "no manifest (never committed, or still being written)"
         return entry
-    where = f"{store.display}/{entry.dir}"
     try:
         doc = store.read_bytes(f"{entry.dir}/{MANIFEST_NAME}") if doc is None else doc
         if keep_doc:
@@ -330,7 +333,7 @@ def inspect(
             algorithm(f, f"{where}/{name}")  # one this ckpt cannot check is never trusted
             size = listing.files.get(name)
             if size is None:
-                raise InvalidCheckpoint(f"{where}/{name}: missing")
+                raise InvalidCheckpoint(_odd(where, name, listing) if name in listing.odd else f"{where}/{name}: missing")
             if size != f.size:
                 raise InvalidCheckpoint(f"{where}/{name}: {size} bytes, manifest says {f.size}")
         names = manifest.files if deep else [METADATA_NAME] if metadata else []
@@ -350,9 +353,21 @@ def inspect(
     return entry
 
 
+def _odd(where: str, name: str, listing: StepListing) -> str:
+    what = listing.odd[name]
+    return f"{where}/{name} is {what}, not a file: {'links are never followed' if 'link' in what else 'never read'}"
+
+
 def scan(store: Store, *, metadata: bool = False, deep: bool = False, key: SigningKey | None = None) -> list[Entry]:
     """Every step directory of the root, oldest first."""
-    return _inspect_all(store, [lst for _, lst in sorted(store.scan().items())], metadata=metadata, deep=deep, key=key)
+    return survey(store, metadata=metadata, deep=deep, key=key)[0]
+
+
+def survey(store: Store, **how: object) -> tuple[list[Entry], list[Stray]]:
+    """`scan` (with its options), and the root's entries named `step-...` that are no step
+    directory (`Store.survey`): not checkpoints, and left alone."""
+    listings, strays = store.survey()
+    return _inspect_all(store, [lst for _, lst in sorted(listings.items())], **how), strays
 
 
 class Scans:

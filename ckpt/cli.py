@@ -18,13 +18,13 @@ from dataclasses import asdict
 from typing import Any
 
 from . import catalog, cli_tools
-from .cli_tools import key_option, signing_key
-from .errors import CheckpointError, InvalidCheckpoint
+from .cli_tools import key_option, printable, say, signing_key
+from .errors import CheckpointError, InvalidCheckpoint, NotFound
 from .manifest import METADATA_NAME
 from .policy import Keep
 from .redact import redact
 from .signing import SigningKey
-from .storage import Store, Transfer, step_dir_name
+from .storage import Store, Stray, Transfer, step_dir_name
 
 EXIT_OK, EXIT_INVALID, EXIT_USAGE = 0, 1, 2
 # An admin command on an unreachable store says so in seconds, not after a trainer's patience
@@ -39,7 +39,9 @@ def main(argv: list[str] | None = None) -> int:
 
         return agent_main(argv[1:])
     args = _parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING, format="%(message)s")
+    terminal = logging.StreamHandler()
+    terminal.setFormatter(_Printable("%(message)s"))
+    logging.basicConfig(level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING, handlers=[terminal])
     try:
         if getattr(args, "root", None) is None:  # plan, simulate: no checkpoint root
             return args.func(args)
@@ -76,7 +78,15 @@ def main(argv: list[str] | None = None) -> int:
 
 def _error(e: Exception) -> None:
     # One line even when a backend's message has several (botocore's validation errors).
-    print(f"ckpt: {redact(' '.join(str(e).split()))}", file=sys.stderr)
+    say(f"ckpt: {redact(' '.join(str(e).split()))}", err=True)
+
+
+class _Printable(logging.Formatter):
+    """Log lines as `say` writes its own: a message naming what the root holds is escaped
+    (a traceback keeps its lines)."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:  # noqa: N802 (logging's name)
+        return printable(super().formatMessage(record))
 
 
 class _Parser(argparse.ArgumentParser):
@@ -87,7 +97,7 @@ class _Parser(argparse.ArgumentParser):
         if sep:  # a mistyped option's value may be a credential: only the options are echoed
             names = [a for a in args.split() if a.startswith("-")]
             message = f"{head}unrecognized arguments: {' '.join(names) or '(values not shown)'}"
-        self.exit(EXIT_USAGE, f"ckpt: {redact(message)} (see {self.prog} --help)\n")
+        self.exit(EXIT_USAGE, f"ckpt: {printable(redact(message))} (see {self.prog} --help)\n")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -218,9 +228,10 @@ def _finite(doc: Any) -> Any:
 
 
 def _table(rows: list[list[str]], header: list[str]) -> None:
-    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
-    for r in [header, *rows]:
-        print("  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+    cells = [[printable(str(c)) for c in r] for r in [header, *rows]]  # escaped first: they are what is aligned
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    for r in cells:
+        say("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
 
 
 def human_bytes(n: float) -> str:
@@ -342,14 +353,14 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if args.json:
         _emit_json({"job": dataclasses.asdict(job), "policies": rows, **verdict})
         return EXIT_OK
-    print(f"job MTBF {_dur(job.mtbf_s)}, save blocks {_dur(job.blocking_s)}, persists in {_dur(job.persist_s)}, "
-          f"restarts {_dur(job.restart_min_s)}-{_dur(job.restart_max_s)}, {args.days:g} days, {args.runs} runs each")
+    say(f"job MTBF {_dur(job.mtbf_s)}, save blocks {_dur(job.blocking_s)}, persists in {_dur(job.persist_s)}, "
+        f"restarts {_dur(job.restart_min_s)}-{_dur(job.restart_max_s)}, {args.days:g} days, {args.runs} runs each")
     _table(
         [[k, f"{v['ettr']:.2%} ± {v['ettr_sd']:.2%}", _dur(v["interval_s"])] for k, v in rows.items()],
         ["policy", "ETTR", "mean interval"],
     )
-    print(f"coordinator vs best oracle: {verdict['coordinator_gap_pp']:.2f} pp below (target <= 2); "
-          f"never below the fixed interval: {'yes' if verdict['coordinator_above_fixed'] else 'NO'}")
+    say(f"coordinator vs best oracle: {verdict['coordinator_gap_pp']:.2f} pp below (target <= 2); "
+        f"never below the fixed interval: {'yes' if verdict['coordinator_above_fixed'] else 'NO'}")
     return EXIT_OK
 
 
@@ -366,9 +377,11 @@ def _dur(s: float) -> str:
 def cmd_ls(store: Store, args: argparse.Namespace) -> int:
     key = signing_key(args)
     _require_root(store)
-    entries = catalog.scan(store, key=key)
+    entries, strays = catalog.survey(store, key=key)
     if args.json:
         _emit_json([_entry_doc(e) for e in entries])
+        for s in strays:
+            say(f"ckpt: note: {_stray(s)}", err=True)
         return EXIT_OK
     rows = [
         [str(d["step"]), _when(d["time"]), human_bytes(d["bytes"]), str(d["world_size"] or "-"), d["state"]]
@@ -380,10 +393,17 @@ def cmd_ls(store: Store, args: argparse.Namespace) -> int:
         rows = [[*row, _signature_cell(e, key)] for row, e in zip(rows, entries, strict=True)]
         head.append("SIGNATURE")
     _table(rows, head)
+    for s in strays:
+        say(_stray(s))
     held = _lease_line(store)
     if held:
-        print(f"lease: {held}")
+        say(f"lease: {held}")
     return EXIT_OK
+
+
+def _stray(s: Stray) -> str:
+    """A root entry named like a step directory that is none, in a line."""
+    return f"{s.name}  not a checkpoint: {s.what}; left alone (nothing is read, written or deleted through it)"
 
 
 def _lease_line(store: Store) -> str | None:
@@ -407,7 +427,7 @@ def cmd_show(store: Store, args: argparse.Namespace) -> int:
         entry = good[0] if good else catalog.find(store, None, key)  # none: find says why
         newer = [e.dir for e in passed if catalog.untrusted(e)]
         if newer:
-            print(f"ckpt: note: newer checkpoints not signed with the key are not shown: {', '.join(newer)}", file=sys.stderr)
+            say(f"ckpt: note: newer checkpoints not signed with the key are not shown: {', '.join(newer)}", err=True)
     else:
         entry = catalog.find(store, args.step, key)
     m = entry.manifest
@@ -418,23 +438,23 @@ def cmd_show(store: Store, args: argparse.Namespace) -> int:
     if args.json:
         _emit_json({"root": store.display, "dir": entry.dir, **signature, "manifest": json.loads(m.to_json()), "tensors": tensors})
         return EXIT_OK
-    print(f"{store.display}/{entry.dir}")
-    print(f"  step {m.step}, world size {m.world_size}, committed {_when(m.created)}")
-    print(f"  {len(m.files)} files, {human_bytes(m.total_bytes)}")
+    say(f"{store.display}/{entry.dir}")
+    say(f"  step {m.step}, world size {m.world_size}, committed {_when(m.created)}")
+    say(f"  {len(m.files)} files, {human_bytes(m.total_bytes)}")
     if entry.signature is not None:
-        print(f"  signature: {entry.signature} (key {m.signed_key_id})")
+        say(f"  signature: {entry.signature} (key {m.signed_key_id})")
     else:
-        print(f"  signature: {f'key {m.signed_key_id}, not checked (no key given)' if m.signed_key_id else 'unsigned'}")
-    print(
+        say(f"  signature: {f'key {m.signed_key_id}, not checked (no key given)' if m.signed_key_id else 'unsigned'}")
+    say(
         f"  save: blocked {m.costs.blocking_s * 1e3:.1f} ms, persisted in {m.costs.persist_s:.2f} s"
     )
-    print(f"  counters: {json.dumps(m.counters)}")
+    say(f"  counters: {json.dumps(m.counters)}")
     if m.schedule:
-        print(f"  schedule: {json.dumps(m.schedule)}")
-    print(f"  versions: {', '.join(f'{k} {v}' for k, v in m.versions.items())}")
+        say(f"  schedule: {json.dumps(m.schedule)}")
+    say(f"  versions: {', '.join(f'{k} {v}' for k, v in m.versions.items())}")
     if m.user:
-        print(f"  metadata: {json.dumps(m.user)}")
-    print()
+        say(f"  metadata: {json.dumps(m.user)}")
+    say()
     _table(
         [[t["key"], t["dtype"], "x".join(map(str, t["shape"])) or "scalar", human_bytes(t["bytes"]) if t["bytes"] is not None else "-", str(t["chunks"])] for t in tensors],
         ["KEY", "DTYPE", "SHAPE", "SIZE", "CHUNKS"],
@@ -477,9 +497,9 @@ def cmd_verify(store: Store, args: argparse.Namespace) -> int:
         listing = store.list_step(args.step)
         if listing is None:
             raise catalog.NotFound(f"no checkpoint at step {args.step} under {store.display}")
-        entries = [catalog.inspect(store, listing, metadata=True, deep=args.deep, key=key)]
+        entries, strays = [catalog.inspect(store, listing, metadata=True, deep=args.deep, key=key)], []
     else:
-        entries = catalog.scan(store, metadata=True, deep=args.deep, key=key)
+        entries, strays = catalog.survey(store, metadata=True, deep=args.deep, key=key)
     newest = max((e.step for e in entries if e.state == catalog.COMMITTED), default=-1)
     # A directory without a manifest newer than the newest commit may be a save in flight.
     failed = [e for e in entries if e.state == catalog.CORRUPT or (e.state == catalog.INCOMPLETE and args.step is not None)]
@@ -494,14 +514,19 @@ def cmd_verify(store: Store, args: argparse.Namespace) -> int:
             if e.state == catalog.INCOMPLETE and e.step > newest and args.step is None:
                 note += " (may be a save in progress)"
             signed = f"  {e.signature}" if e.signature else ""
-            print(f"{e.dir}  {'ok' if e.state == catalog.COMMITTED else _state(e).upper()}{signed}{note}")
+            say(f"{e.dir}  {'ok' if e.state == catalog.COMMITTED else _state(e).upper()}{signed}{note}")
+        for s in strays:  # no checkpoint, so none that fails
+            say(_stray(s))
         ok = sum(e.state == catalog.COMMITTED for e in entries)
-        print(f"{ok} ok, {len(failed)} failed ({'checksums' if args.deep else 'sizes'})")
+        say(f"{ok} ok, {len(failed)} failed ({'checksums' if args.deep else 'sizes'})")
     return EXIT_INVALID if failed else EXIT_OK
 
 
 def cmd_rm(store: Store, args: argparse.Namespace) -> int:
-    listing = store.list_step(args.step)
+    try:
+        listing = store.list_step(args.step)
+    except NotFound as e:  # a link or a file holds the step's name
+        raise NotFound(f"no checkpoint at step {args.step}: {e}") from e
     if listing is None:
         raise catalog.NotFound(f"no checkpoint at step {args.step} under {store.display}")
     # Newest by commit time, as a restore picks it; with a key, the newest signed with it.
@@ -517,7 +542,7 @@ def cmd_rm(store: Store, args: argparse.Namespace) -> int:
             "Pass --force to delete it anyway."
         )
     store.remove_step(args.step)
-    print(f"deleted {store.display}/{step_dir_name(args.step)}")
+    say(f"deleted {store.display}/{step_dir_name(args.step)}")
     return EXIT_OK
 
 
@@ -525,29 +550,31 @@ def cmd_gc(store: Store, args: argparse.Namespace) -> int:
     _require_root(store)
     keep = Keep(last=args.keep_last, every_steps=args.keep_every)
     key = signing_key(args)
-    entries = catalog.scan(store, key=key)
+    entries, strays = catalog.survey(store, key=key)
     committed, doomed = catalog.retired(entries, keep)
     for e in entries:
         if catalog.untrusted(e):
-            print(f"left alone (not counted, not deleted): {e.problem}")
+            say(f"left alone (not counted, not deleted): {e.problem}")
+    for s in strays:
+        say(_stray(s))
     job = _lease_line(store)
     if job:  # its saves in progress (and a node agent's uploads) look like debris from here
         incomplete = {e.step for e in entries if e.state == catalog.INCOMPLETE}
         writing = [s for s in doomed if s in incomplete]
         doomed = [s for s in doomed if s not in incomplete]
         for step in writing:
-            print(f"left alone (not committed, and a job holds the root: it may be writing it): {store.display}/{step_dir_name(step)}")
+            say(f"left alone (not committed, and a job holds the root: it may be writing it): {store.display}/{step_dir_name(step)}")
     if key is None and any(e.manifest is not None and e.manifest.signature for e in entries):
-        print(
+        say(
             "ckpt: note: this root holds signed checkpoints but no signing key was given: unsigned "
             "ones count as any other (pass --signing-key-file to count only the signed)",
-            file=sys.stderr,
+            err=True,
         )
     for step in doomed:
         if not args.dry_run:
             store.remove_step(step)
-        print(f"{'would delete' if args.dry_run else 'deleted'} {store.display}/{step_dir_name(step)}")
-    print(f"{len(doomed)} {'to delete' if args.dry_run else 'deleted'}, {len(committed) - len([s for s in doomed if s in committed])} committed kept")
+        say(f"{'would delete' if args.dry_run else 'deleted'} {store.display}/{step_dir_name(step)}")
+    say(f"{len(doomed)} {'to delete' if args.dry_run else 'deleted'}, {len(committed) - len([s for s in doomed if s in committed])} committed kept")
     return EXIT_OK
 
 
@@ -570,7 +597,7 @@ def cmd_events(store: Store, args: argparse.Namespace) -> int:
             lost, world = "-", str(e.world_size)
         rows.append([_when(e.time), e.kind, what, lost, world, e.cause or "-"])
     _table(rows, ["TIME", "EVENT", "WHAT", "STEPS LOST", "WORLD", "CAUSE"])
-    print(f"{len(runs)} runs, {sum(e.kind == 'restart' for e in evs)} restarts")
+    say(f"{len(runs)} runs, {sum(e.kind == 'restart' for e in evs)} restarts")
     return EXIT_OK
 
 
@@ -580,7 +607,7 @@ def cmd_lease(store: Store, args: argparse.Namespace) -> int:
     _require_root(store)
     if args.break_lease:
         held = lease.break_lease(store)
-        print(f"{store.display}: " + ("no live lease to break" if held is None else f"broke the lease of {held.who()}; the root is free"))
+        say(f"{store.display}: " + ("no live lease to break" if held is None else f"broke the lease of {held.who()}; the root is free"))
         return EXIT_OK
     try:
         holder = lease.read(store)
@@ -596,7 +623,7 @@ def cmd_lease(store: Store, args: argparse.Namespace) -> int:
             "holder_alive": lease.holder_alive(holder),  # null: on another machine, nobody here can tell
         })
     else:
-        print(f"{store.display}: {lease.describe(holder, now, lease.holder_alive(holder))}")
+        say(f"{store.display}: {lease.describe(holder, now, lease.holder_alive(holder))}")
     return EXIT_OK
 
 

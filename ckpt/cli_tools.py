@@ -4,9 +4,9 @@
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
+import sys
 from typing import Any
 
 from . import catalog, tools
@@ -57,6 +57,19 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
     lt.set_defaults(func=cmd_load_test)
 
 
+def printable(text: str) -> str:
+    """`text` with every character a terminal would act on (escape sequences, carriage
+    returns, newlines, bidirectional overrides) written as a Python escape (`\\x1b`): what
+    the CLI shows comes from the root, and whoever can write the root writes it."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
+def say(text: str = "", *, err: bool = False) -> None:
+    """One line to the terminal (stdout, or stderr with `err`): the one way the CLI's text
+    reaches it, escaped by `printable`."""
+    print(printable(text), file=sys.stderr if err else sys.stdout)
+
+
 def key_option(parser: argparse.ArgumentParser, what: str = "only a checkpoint signed with it is used (by default the newest such)") -> None:
     parser.add_argument(
         "--signing-key-file",
@@ -93,10 +106,10 @@ def _report_copy(done: tools.Copied, src: Store, dst: Store) -> int:
 
     where = f"{dst.display}/{step_dir_name(done.step)}"
     if done.already:
-        print(f"{where} is already there (the same checkpoint, every file of its size; `ckpt verify --deep` reads them); nothing copied")
+        say(f"{where} is already there (the same checkpoint, every file of its size; `ckpt verify --deep` reads them); nothing copied")
     else:
         resumed = f", {done.resumed} already there (verified)" if done.resumed else ""
-        print(f"copied {src.display}/{step_dir_name(done.step)} to {where}: {done.files} files, {done.bytes / 1e6:.1f} MB{resumed}; committed")
+        say(f"copied {src.display}/{step_dir_name(done.step)} to {where}: {done.files} files, {done.bytes / 1e6:.1f} MB{resumed}; committed")
     return EXIT_OK
 
 
@@ -141,15 +154,16 @@ def cmd_diff(store: Store, args: argparse.Namespace) -> int:
 
         _emit_json(report)
         return EXIT_OK if same else EXIT_DIFFERENT
-    print(f"a: {report['a']}\nb: {report['b']}")
+    say(f"a: {report['a']}")
+    say(f"b: {report['b']}")
     for key in report["only_a"]:
-        print(f"  only in a: {key}")
+        say(f"  only in a: {key}")
     for key in report["only_b"]:
-        print(f"  only in b: {key}")
+        say(f"  only in b: {key}")
     for d in report["differ"]:
         how = d.get("why") or f"max abs {d['max_abs']:.3g}, max rel {d['max_rel']:.3g}, {d['elements']} elements"
-        print(f"  differs: {d['key']}: {how}")
-    print(f"{report['equal']} equal, {len(report['differ'])} different, {len(report['only_a'])} only in a, {len(report['only_b'])} only in b")
+        say(f"  differs: {d['key']}: {how}")
+    say(f"{report['equal']} equal, {len(report['differ'])} different, {len(report['only_a'])} only in a, {len(report['only_b'])} only in b")
     return EXIT_OK if same else EXIT_DIFFERENT
 
 
@@ -161,7 +175,7 @@ def cmd_export(store: Store, args: argparse.Namespace) -> int:
     done = export(store, entry, args.format, args.out, model_only=args.model_only, dtype=dtype, progress=args.progress, force=args.force)
     out = done["objects_left_out"]
     left = f"; {len(out)} objects left out (not tensors: {', '.join(out[:3])}{', ...' if len(out) > 3 else ''})" if out else ""
-    print(f"exported {store.display}/{entry.dir} to {args.out} ({args.format}): {done['tensors']} tensors, {done['bytes'] / 1e6:.1f} MB{left}")
+    say(f"exported {store.display}/{entry.dir} to {args.out} ({args.format}): {done['tensors']} tensors, {done['bytes'] / 1e6:.1f} MB{left}")
     return EXIT_OK
 
 
@@ -172,13 +186,15 @@ def cmd_load_test(store: Store, args: argparse.Namespace) -> int:
     plans = tools.plan_reads(store, entry, args.world_size)
     total = entry.manifest.total_bytes if entry.manifest else 0
     if args.json:
-        print(json.dumps({"dir": entry.dir, "world_size": args.world_size, "saved_on": entry.manifest.world_size if entry.manifest else None, "checkpoint_bytes": total, "ranks": plans}, indent=1))
+        from .cli import _emit_json
+
+        _emit_json({"dir": entry.dir, "world_size": args.world_size, "saved_on": entry.manifest.world_size if entry.manifest else None, "checkpoint_bytes": total, "ranks": plans})
         return EXIT_OK
-    print(f"{store.display}/{entry.dir}: saved on {entry.manifest.world_size if entry.manifest else '?'} ranks, {total / 1e6:.1f} MB; restored on {args.world_size}:")
+    say(f"{store.display}/{entry.dir}: saved on {entry.manifest.world_size if entry.manifest else '?'} ranks, {total / 1e6:.1f} MB; restored on {args.world_size}:")
     for p in plans:
-        print(f"  rank {p['rank']}: reads {p['bytes'] / 1e6:.1f} MB from {p['files']} files, holds {p['state_bytes'] / 1e6:.1f} MB")
+        say(f"  rank {p['rank']}: reads {p['bytes'] / 1e6:.1f} MB from {p['files']} files, holds {p['state_bytes'] / 1e6:.1f} MB")
     worst = max(plans, key=lambda p: p["bytes"])
-    print(f"the slowest rank reads {worst['bytes'] / 1e6:.1f} MB ({worst['bytes'] / max(total, 1):.0%} of the checkpoint); all ranks {sum(p['bytes'] for p in plans) / 1e6:.1f} MB")
+    say(f"the slowest rank reads {worst['bytes'] / 1e6:.1f} MB ({worst['bytes'] / max(total, 1):.0%} of the checkpoint); all ranks {sum(p['bytes'] for p in plans) / 1e6:.1f} MB")
     return EXIT_OK
 
 

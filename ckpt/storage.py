@@ -16,6 +16,7 @@ import math
 import os
 import re
 import shutil
+import stat
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
@@ -27,7 +28,8 @@ from fsspec.implementations.local import LocalFileSystem
 
 from ._faults import fault_point
 from .checksum import CHECKSUM_ALGO, checksum
-from .errors import CheckpointError, DiskFull, NotFound, StorageError
+from .errors import CheckpointError, DiskFull, InvalidCheckpoint, NotFound, StorageError
+from .manifest import MANIFEST_MAX, MANIFEST_NAME
 from .redact import redact, redact_request_logs, remember_secrets
 
 if TYPE_CHECKING:
@@ -36,14 +38,36 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 MiB = 1 << 20
-STEP_DIR = re.compile(r"^step-(\d{10})$")
+# IMPORTANT: ASCII digits only. `\d` and `str.isdigit` take the digits of every script
+# ("step-\u0660..." named step 6 and hid the real one), and `$` matches before a final newline.
+STEP_DIR = re.compile(r"\Astep-([0-9]{10})\Z", re.ASCII)
 EVENTS_DIR = "events"
+# The most bytes read of any other JSON object of a root (lease.json, events/*.json): a few
+# hundred bytes each when ckpt wrote them; a larger one is refused by its size, not parsed.
+SMALL_JSON_MAX = 1 * MiB
+NOT_A_STEP_NAME = "not step- and ten ASCII digits"
 
 
 def step_dir_name(step: int) -> str:
-    if not isinstance(step, int) or step < 0:
-        raise ValueError(f"a step is a non-negative integer, not {step!r}")
+    if not isinstance(step, int) or not 0 <= step < 10**10:
+        raise ValueError(f"a step is an integer from 0 to 9999999999, not {step!r}")
     return f"step-{step:010d}"
+
+
+def step_of(name: str) -> int | None:
+    """The step a root entry's name says, or None when it is no step directory's name: the
+    one check of step names, on every backend."""
+    m = STEP_DIR.match(name)
+    return int(m.group(1)) if m else None
+
+
+def json_cap(rel: str) -> int | None:
+    """The most bytes of `rel` read before it is parsed, when it is a JSON object of the root
+    (a manifest, the lease, an event); None for other files."""
+    name = rel.rsplit("/", 1)[-1]
+    if name == MANIFEST_NAME:
+        return MANIFEST_MAX
+    return SMALL_JSON_MAX if name.endswith(".json") else None
 
 
 @contextlib.contextmanager
@@ -119,44 +143,104 @@ class StepListing:
     step: int
     files: dict[str, int] = field(default_factory=dict)
     manifest_mtime: float | None = None  # when the store says the manifest was written
+    # Entries that are neither files nor directories (links, FIFOs, ...) and what each is:
+    # never followed, never read.
+    odd: dict[str, str] = field(default_factory=dict)
 
     @property
     def has_manifest(self) -> bool:
-        return "manifest.json" in self.files
+        return MANIFEST_NAME in self.files
 
 
-def _scan_local(root: str) -> dict[int, StepListing]:
-    """`Store.scan` of a local root: only its step directories are walked, and with os.scandir
-    (fsspec's walk stats every file in Python: 150 checkpoints kept took 21 ms of the save
-    thread's CPU at every save's retention, this 7 ms). A directory that cannot be read
-    raises; one that a concurrent delete removed mid-walk is left out, as a file is."""
+@dataclass(frozen=True)
+class Stray:
+    """An entry of the root named `step-...` that is no step directory (a link, a file, a
+    FIFO, a name in other digits): no checkpoint, and never read, written or deleted through."""
+
+    name: str
+    what: str  # "a symbolic link to ...", "a file", NOT_A_STEP_NAME, ...
+    step: int | None = None  # the step its name is, when it is a step directory's name
+
+
+def _what(mode: int, path: str) -> str:
+    """What a directory entry is, from its `lstat` mode, in words."""
+    if stat.S_ISLNK(mode):
+        try:
+            return f"a symbolic link to {os.readlink(path)}"
+        except OSError:
+            return "a symbolic link"
+    kinds = [(stat.S_ISDIR, "a directory"), (stat.S_ISREG, "a file"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket")]
+    return next((what for test, what in kinds if test(mode)), "a device")
+
+
+def _scan_local(root: str) -> tuple[dict[int, StepListing], list[Stray]]:
+    """`Store.survey` of a local root: only its step directories are walked, and with
+    os.scandir (fsspec's walk stats every file in Python: 150 checkpoints kept took 21 ms of
+    the save thread's CPU at every save's retention, this 7 ms). A directory that cannot be
+    read raises; one that a concurrent delete removed mid-walk is left out, as a file is.
+    IMPORTANT: no link is followed (a link out of the root, or a loop)."""
     try:
-        tops = [e for e in os.scandir(root) if STEP_DIR.match(e.name) and e.is_dir()]
+        tops = [e for e in os.scandir(root) if e.name.startswith("step-")]
     except FileNotFoundError:
-        return {}
+        return {}, []
     steps: dict[int, StepListing] = {}
-    for top in tops:
-        listing = StepListing(int(top.name[5:]))
-        pending, gone = [(top.path, "")], False
-        while pending:
-            path, rel = pending.pop()
-            try:
-                found = list(os.scandir(path))
-            except FileNotFoundError:  # deleted since it was seen
-                gone = gone or path == top.path
-                continue
-            for e in found:
-                with contextlib.suppress(FileNotFoundError):
-                    if e.is_dir():
-                        pending.append((e.path, f"{rel}{e.name}/"))
-                        continue
-                    st = e.stat()
+    strays: list[Stray] = []
+    for top in sorted(tops, key=lambda e: e.name):
+        step = step_of(top.name)
+        try:
+            mode = top.stat(follow_symlinks=False).st_mode
+        except FileNotFoundError:
+            continue
+        if step is None or not stat.S_ISDIR(mode):
+            strays.append(Stray(top.name, NOT_A_STEP_NAME if step is None else _what(mode, top.path), step))
+            continue
+        listing = _walk_step(top.path, step)
+        if listing is not None:
+            steps[step] = listing
+    return steps, strays
+
+
+def _walk_step(path: str, step: int) -> StepListing | None:
+    """The files of the local step directory `path`, links and other odd entries apart; None
+    if it is gone."""
+    listing = StepListing(step)
+    pending = [(path, "")]
+    while pending:
+        where, rel = pending.pop()
+        try:
+            found = list(os.scandir(where))
+        except FileNotFoundError:  # deleted since it was seen
+            if where == path:
+                return None
+            continue
+        for e in found:
+            with contextlib.suppress(FileNotFoundError):
+                st = e.stat(follow_symlinks=False)
+                if stat.S_ISDIR(st.st_mode):
+                    pending.append((e.path, f"{rel}{e.name}/"))
+                elif not stat.S_ISREG(st.st_mode):
+                    listing.odd[rel + e.name] = _what(st.st_mode, e.path)
+                else:
                     listing.files[rel + e.name] = st.st_size
-                    if not rel and e.name == "manifest.json":
+                    if not rel and e.name == MANIFEST_NAME:
                         listing.manifest_mtime = st.st_mtime
-        if not gone:
-            steps[listing.step] = listing
-    return steps
+    return listing
+
+
+def _open_local(path: str, where: str) -> BinaryIO:
+    """A local file of a root, opened for reading. IMPORTANT: a link is not followed, and
+    nothing but a plain file is read (a FIFO would block the reader forever)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise InvalidCheckpoint(f"{where} is a symbolic link, not a file: links are never followed") from e
+        raise
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise InvalidCheckpoint(f"{where} is {_what(mode, path)}, not a file: never read")
+    return os.fdopen(fd, "rb")
 
 
 class Store:
@@ -239,6 +323,10 @@ class Store:
     # -- listing ----------------------------------------------------------------------------
     def scan(self) -> dict[int, StepListing]:
         """Every step directory under the root with its files, in one recursive listing."""
+        return self.survey()[0]
+
+    def survey(self) -> tuple[dict[int, StepListing], list[Stray]]:
+        """`scan`, and the root's entries named `step-...` that are no step directory."""
         if self.is_local:
             with storage_errors(f"listing {self.display}"):
                 return _scan_local(self.root)
@@ -247,28 +335,39 @@ class Store:
             try:
                 found = self.fs.find(self.root, detail=True, withdirs=True, **self._strict)
             except FileNotFoundError:
-                return {}
+                return {}, []
         steps: dict[int, StepListing] = {}
+        strays: dict[str, Stray] = {}
         prefix = self.root.rstrip("/") + "/"
         for full, info in found.items():
             rel = full[len(prefix) :] if full.startswith(prefix) else full
             head, _, tail = rel.partition("/")
-            m = STEP_DIR.match(head)
-            if not m or (not tail and info.get("type") != "directory"):  # an object named like a step: no checkpoint
+            step = step_of(head)
+            if step is None:
+                if head.startswith("step-"):
+                    strays.setdefault(head, Stray(head, NOT_A_STEP_NAME))
                 continue
-            listing = steps.setdefault(int(m.group(1)), StepListing(int(m.group(1))))
+            if not tail and info.get("type") != "directory":  # an object named like a step: no checkpoint
+                strays[head] = Stray(head, "an object, not a directory", step)
+                continue
+            listing = steps.setdefault(step, StepListing(step))
             if tail and info.get("type") != "directory":
                 listing.files[tail] = int(info.get("size") or 0)
                 if tail == "manifest.json":
                     when = info.get("mtime", info.get("LastModified"))
                     listing.manifest_mtime = when.timestamp() if hasattr(when, "timestamp") else float(when) if when is not None else None
-        return steps
+        return steps, sorted(strays.values(), key=lambda s: s.name)
 
     def list_step(self, step: int) -> StepListing | None:
-        """The files of one step directory, or None if there is no such directory."""
+        """The files of one step directory, or None if there is no such directory. NotFound
+        when something else holds its name on a local root (a link, a file, a FIFO): nothing
+        is read, written or deleted through it."""
         with storage_errors(f"listing {self.display}/{step_dir_name(step)}"):
-            self.fs.invalidate_cache()
             base = self.step_path(step)
+            if self.is_local:
+                self._step_dir_mode(step)
+                return _walk_step(base, step)
+            self.fs.invalidate_cache()
             try:
                 found = self.fs.find(base, detail=True, **self._strict)
             except FileNotFoundError:
@@ -280,6 +379,21 @@ class Store:
             if not files and not self.fs.isdir(base):
                 return None
         return StepListing(step, files)
+
+    def _step_dir_mode(self, step: int) -> int | None:
+        """The `lstat` mode of a local step directory (None: there is none); NotFound when
+        its name holds anything but a directory."""
+        base = self.step_path(step)
+        try:
+            mode = os.lstat(base).st_mode
+        except FileNotFoundError:
+            return None
+        if not stat.S_ISDIR(mode):
+            raise NotFound(
+                f"{self.display}/{step_dir_name(step)} is {_what(mode, base)}, not a step directory: "
+                "nothing is read, written or deleted through it (remove it yourself if it should go)"
+            )
+        return mode
 
     def check_reachable(self) -> None:
         """Fail now, with a clear error, if the root's bucket (on an object store) does not
@@ -329,6 +443,14 @@ class Store:
 
     # -- reading ----------------------------------------------------------------------------
     def read_bytes(self, rel: str) -> bytes:
+        """The whole file. A JSON object of the root (`json_cap`) larger than its cap is an
+        InvalidCheckpoint, and no more of it than the cap is read."""
+        cap = json_cap(rel)
+        if cap is not None:
+            data = self.read_small(rel, cap)
+            if data is None:
+                raise InvalidCheckpoint(self._too_large(rel, cap))
+            return data
         with storage_errors(f"reading {self.display}/{rel}"):
             if self._s3 is not None:
                 data = self._s3.get_small(self.path(rel), f"{self.display}/{rel}")
@@ -352,8 +474,11 @@ class Store:
                     if data is None:
                         return None
                 elif self.is_local:
-                    with open(self.path(rel), "rb") as f:
-                        data = f.read(at_most + 1)
+                    with _open_local(self.path(rel), where) as f:
+                        size = os.fstat(f.fileno()).st_size
+                        if size > at_most:
+                            return None
+                        data = f.read(size + 1)  # read(n) allocates n bytes up front
                 else:
                     data = self.fs.cat_file(self.path(rel), start=0, end=at_most + 1)
             except FileNotFoundError as e:
@@ -361,12 +486,20 @@ class Store:
         return data if len(data) <= at_most else None
 
     def _cat(self, path: str) -> bytes:
-        """A whole file of a root that is not S3's (a local one without fsspec's layers: a
-        save reads the lease twice this way)."""
+        """A whole file of a root that is not S3's (a local one without fsspec's layers)."""
         if self.is_local:
-            with open(path, "rb") as f:
+            with _open_local(path, path) as f:
                 return f.read()
         return self.fs.cat_file(path)
+
+    def _too_large(self, rel: str, cap: int) -> str:
+        """Why `rel` is not read: its size (where the store tells it) and the cap."""
+        try:
+            size = f"{os.stat(self.path(rel)).st_size if self.is_local else self.fs.size(self.path(rel)):,} bytes"
+        except Exception:  # only to say how large: the cap is what counts
+            size = "larger"
+        kind = "a manifest" if rel.rsplit("/", 1)[-1] == MANIFEST_NAME else "a lease or an event"
+        return f"{self.display}/{rel}: {size}, more than the {cap / MiB:g} MiB {kind} may hold; not read"
 
     @contextlib.contextmanager
     def open_read(self, rel: str, ranges: list[tuple[int, int]] | None = None, size: int | None = None) -> Iterator[BinaryIO]:
@@ -382,7 +515,7 @@ class Store:
                     yield f
                 return
             try:
-                f: Any = open(self.path(rel), "rb") if self.is_local else self.fs.open(self.path(rel), "rb")
+                f: Any = _open_local(self.path(rel), f"{self.display}/{rel}") if self.is_local else self.fs.open(self.path(rel), "rb")
             except FileNotFoundError as e:
                 raise NotFound(f"{self.display}/{rel} does not exist") from e
             with f:
@@ -454,19 +587,28 @@ class Store:
     # on other fsspec backends a read then a write, which two racing writers can both pass.
     def read_tagged(self, rel: str) -> Tagged | None:
         """A small file's bytes and a tag of that version for `put_if_unchanged`, read
-        together; None if it does not exist."""
+        together; None if it does not exist. Of a file over SMALL_JSON_MAX only that much is
+        read (`Tagged.size` says how large it is); on S3 it is read whole."""
         path = self.path(rel)
         with storage_errors(f"reading {self.display}/{rel}"):
             if self._s3 is not None:
                 got = self._s3.get_tagged(path, f"{self.display}/{rel}")
-                return None if got is None else Tagged(*got)
+                return None if got is None else Tagged(got[0], got[1], len(got[0]))
             if not self.is_local:
                 self.fs.invalidate_cache()
             try:
-                data = self._cat(path)
+                if self.is_local:
+                    with _open_local(path, f"{self.display}/{rel}") as f:
+                        size = os.fstat(f.fileno()).st_size
+                        data = f.read(min(size, SMALL_JSON_MAX))
+                else:
+                    data = self.fs.cat_file(path, start=0, end=SMALL_JSON_MAX + 1)
+                    size = len(data) if len(data) <= SMALL_JSON_MAX else self.fs.size(path)
             except FileNotFoundError:
                 return None
-            return Tagged(data, checksum(data))
+            data = data[:SMALL_JSON_MAX]
+            # A file cut short is tagged by its size too: a rewrite of it reads as a change.
+            return Tagged(data, checksum(data) + ("" if size == len(data) else f"-{size}"), size)
 
     def put_if_absent(self, rel: str, data: bytes) -> str | None:
         """Create `rel` holding `data`, whole, unless it exists. Returns the new version's
@@ -530,18 +672,21 @@ class Store:
         leaves an incomplete directory, never a committed checkpoint with files missing.
 
         Paths are taken literally: fsspec's `rm` reads `[`, `*` and `?` as a glob pattern, so
-        that a root named `exp[12]` would delete the steps of `exp1` and `exp2`."""
+        that a root named `exp[12]` would delete the steps of `exp1` and `exp2`. On a local
+        root nothing is deleted through a link: a step name that is not a directory is a
+        NotFound, and the directory is opened without following links, then removed through
+        file descriptors (links inside it are removed, not followed)."""
         where = f"deleting {self.display}/{step_dir_name(step)}"
+        if self.is_local:
+            with storage_errors(where):
+                self._remove_local_step(step)
+            return
         with storage_errors(where):
             self.fs.invalidate_cache()
             with contextlib.suppress(FileNotFoundError):
-                self.fs.rm_file(self.step_path(step, "manifest.json"))
+                self.fs.rm_file(self.step_path(step, MANIFEST_NAME))
             fault_point("retention", 0, step)
             base = self.step_path(step)
-            if self.is_local:
-                with contextlib.suppress(FileNotFoundError):
-                    shutil.rmtree(base)
-                return
             try:
                 found = self.fs.find(base, withdirs=True, detail=True, **self._strict)
             except FileNotFoundError:
@@ -560,12 +705,41 @@ class Store:
                     self.fs.rmdir(d)
 
 
+    def _remove_local_step(self, step: int) -> None:
+        name = step_dir_name(step)
+        try:
+            top = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY)
+        except FileNotFoundError:
+            return
+        try:
+            try:
+                fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=top)
+            except FileNotFoundError:
+                return
+            except OSError as e:
+                if e.errno not in (errno.ELOOP, errno.ENOTDIR):
+                    raise
+                self._step_dir_mode(step)  # says what holds the name
+                raise
+            try:
+                with contextlib.suppress(FileNotFoundError, IsADirectoryError):
+                    os.unlink(MANIFEST_NAME, dir_fd=fd)
+            finally:
+                os.close(fd)
+            fault_point("retention", 0, step)
+            with contextlib.suppress(FileNotFoundError):
+                shutil.rmtree(name, dir_fd=top)  # refuses a link put in its place meanwhile
+        finally:
+            os.close(top)
+
+
 @dataclass(frozen=True)
 class Tagged:
     """A file's bytes and the tag of that version (an S3 ETag, else a checksum of the bytes)."""
 
-    data: bytes
+    data: bytes  # all of it, unless `size` is larger (a file over the cap, cut short)
     tag: str
+    size: int
 
 
 def _link_new(path: str, data: bytes) -> bool:
@@ -628,11 +802,16 @@ def write_atomic(path: str, data: bytes) -> None:
     directory = os.path.dirname(path)
     os.makedirs(directory, exist_ok=True)
     tmp = os.path.join(directory, f".{os.path.basename(path)}.{uuid.uuid4().hex}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)  # a full disk must not keep what it could not finish
+        raise
     fsync_dir(directory)
 
 

@@ -25,7 +25,7 @@ from launch import wait as wait_ranks
 import ckpt
 from ckpt import lease
 from ckpt.lease import Holder, Lease, LeaseKeeper, judge
-from ckpt.storage import Store
+from ckpt.storage import Store, Tagged
 
 WORKER = HERE / "lease_worker.py"
 TTL = 30.0  # long enough never to expire by itself during a test that does not wait for it
@@ -545,7 +545,8 @@ def test_the_job_id_comes_from_the_environment_in_order(monkeypatch, tmp_path):
     monkeypatch.setenv("CKPT_JOB_ID", "mine")
     assert lease.job_id() == "mine"
     # A refusal says where this job's id came from: a made-up one is never a restart's.
-    store, other = Store(str(tmp_path / "root")), Holder("job-x", "h", 1, "r", 0.0, 0.0, 60.0).to_json()
+    doc = Holder("job-x", "h", 1, "r", 0.0, 0.0, 60.0).to_json()
+    store, other = Store(str(tmp_path / "root")), Tagged(doc, "", len(doc))  # the lease as read
     assert "from CKPT_JOB_ID / TORCHELASTIC_RUN_ID / SLURM_JOB_ID" in lease._refusal(store, other, lease.this_process(60.0))
     for var in lease.JOB_ID_VARS:
         monkeypatch.delenv(var, raising=False)
