@@ -40,11 +40,24 @@ def full_state(engine, optimizer: bool) -> dict:
 
 
 def module_weights(engine) -> dict:
-    """Every parameter of the module, whole (gathered under ZeRO-3)."""
+    """Every parameter of the module, whole (gathered under ZeRO-3), and its buffers."""
     params = list(engine.module.named_parameters())
     gathered = deepspeed.zero.GatheredParameters([p for _, p in params]) if engine.zero_optimization_stage() == 3 else contextlib.nullcontext()
     with gathered:
-        return {n: p.detach().clone() for n, p in params}
+        return {n: t.detach().clone() for n, t in [*params, *engine.module.named_buffers()]}
+
+
+class Forwards(torch.nn.Module):
+    """A buffer forward changes in place (as BatchNorm's statistics): a checkpoint must hold it
+    as it was when step_done() returned."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("forwards", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.forwards += 1
+        return x
 
 
 def main() -> None:
@@ -79,7 +92,7 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(1234)  # the same initial weights on every rank
-    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8), Forwards())
     if args.frozen_seed is not None:  # as a fine-tune loads a frozen part; a resumed job may load other values
         g = torch.Generator().manual_seed(args.frozen_seed)
         for p in model[0].parameters():
