@@ -62,8 +62,11 @@ class StateDictCache:
             value = {"model": get_model_state_dict(model, options=options)}
         # Taken after: FSDP2's hook may have swapped unsharded parameters for sharded ones.
         tensors, self.params, _ = _walk(list(model.modules()))
-        self._key = _fingerprint(tensors, _locals(tensors), optimizers, skip_frozen) if checkable else None
-        self._value = value
+        if reuse:
+            # IMPORTANT: not a restore's template: DCP loads into it, and set_state_dict renames
+            # its keys in place (a DDP model's get the "module." prefix back).
+            self._key = _fingerprint(tensors, _locals(tensors), optimizers, skip_frozen) if checkable else None
+            self._value = value
         return dict(value)
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import boto3
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from compare import assert_bitwise_equal
 from jobs import (
     RANKS,
@@ -31,6 +32,7 @@ from jobs import (
 from launch import HERE, kill_all, run, start, wait
 
 import ckpt
+from ckpt.storage import step_dir_name
 
 pytestmark = pytest.mark.slow
 
@@ -53,6 +55,10 @@ def stop_at_10_then_resume(tmp_path: Path, mode: str, root: object) -> list[dict
 def test_resume_after_restart_is_bitwise_identical(mode, tmp_path, straight_run):
     resumed = stop_at_10_then_resume(tmp_path, mode, tmp_path / "root")
     assert_same_training_state(resumed, straight_run(mode).dumps)
+    # What a resumed run saves is named as a fresh run names it: the next restart finds every
+    # key (a DDP model with buffers saved "model.module.*" after its first restore).
+    keys = [set(dcp.FileSystemReader(str(tmp_path / "root" / step_dir_name(s))).read_metadata().state_dict_metadata) for s in (10, 20)]
+    assert keys[0] == keys[1] and "model.5.calls" in keys[0], keys[0] ^ keys[1]
 
 
 # -- 2. the files are plain DCP -----------------------------------------------------------------

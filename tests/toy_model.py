@@ -9,12 +9,27 @@ from __future__ import annotations
 import torch
 
 
-def build(mode: str, world: int, seed: int = 1234, frozen_seed: int | None = None) -> torch.nn.Module:
+class Forwards(torch.nn.Module):
+    """The identity, counting its calls in a buffer: state that forward changes in place (as
+    BatchNorm's statistics do), the same on every rank whatever its data."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return x
+
+
+def build(mode: str, world: int, seed: int = 1234, frozen_seed: int | None = None, counter: bool = False) -> torch.nn.Module:
     """With `frozen_seed`, the first layer is frozen (requires_grad=False) and its weights are
-    drawn from that seed, as a fine-tune loads its base model."""
+    drawn from that seed, as a fine-tune loads its base model. With `counter`, a last layer
+    counts the forwards in a buffer (`Forwards`)."""
     torch.manual_seed(seed)  # the same initial weights on every rank
     model = torch.nn.Sequential(
-        torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8)
+        torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8),
+        *([Forwards()] if counter else []),
     )
     if frozen_seed is not None:
         g = torch.Generator().manual_seed(frozen_seed)
