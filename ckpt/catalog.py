@@ -442,7 +442,7 @@ def retire(store: Store, scans: Scans, keep: Keep, key: SigningKey | None, *, in
     (`retired`). Housekeeping: a store that fails is logged, never fails the save."""
     try:
         for step in retired(scans.scan(store, key), keep, in_flight=in_flight, protect=protect)[1]:
-            log.info("retention: deleting %s", step_dir_name(step))
+            log.debug("retention: deleting %s", step_dir_name(step))
             store.remove_step(step)
     except CheckpointError as e:
         log.warning("retention skipped: %s", e)

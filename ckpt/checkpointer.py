@@ -244,6 +244,7 @@ class Checkpointer:
         self._taken: set[int] = set()  # steps whose directories hold a manifest: never written into
         self._newest = 0.0  # the root's newest commit time: this job's commits are dated after it
         self._said_commit_at: float | None = None  # when a commit was last said at INFO
+        self._leaving = False  # the saves now are the last of this run (leaving, preempted)
         self._failed_step = -1  # the step of the last save that failed
         #: This rank's Prometheus metrics (``cp.metrics.registry``), served with ``metrics_port``.
         self.metrics = Metrics()
@@ -304,6 +305,7 @@ class Checkpointer:
 
     def _start(self, agent: Handoff | None, any_agent: bool) -> Checkpointer:
         """The rest of entering, once the root is this job's."""
+        self._leaving = False
         self._slot.open()
         self.history = History(self.store, self._ctrl.world, enabled=self._ctrl.rank == 0)
         self._cadence.start(self.store, self._ctrl.rank, self._ctrl.world)
@@ -331,7 +333,7 @@ class Checkpointer:
         self._restart_interval()
         if self._ctrl.rank == 0:
             log.info("%s", self._cadence.describe())
-        self._preempt.start(sigterm=self.handle_sigterm)
+        self._preempt.start(sigterm=self.handle_sigterm, rank=self._ctrl.rank)
         self._hooks = [o.register_step_pre_hook(lambda *_: self.wait_for_staging()) for o in self.state.optimizers]
         if self._metrics_port is not None:
             try:
@@ -520,6 +522,7 @@ class Checkpointer:
         else:
             how, failure = f"error: {exc_type.__name__}: {error_gist(exc)}", True
         clean = False  # left without an error, the last save included: the root is free
+        self._leaving = True
         try:
             if exc_type is None and self.save_on_exit:
                 self._final_save()
@@ -530,6 +533,8 @@ class Checkpointer:
                     self.wait()
                 except CheckpointError as e:  # keep the loop's own exception the one raised
                     log.error("while leaving after %s: %s", exc_type.__name__, e)
+            if exc_type in (None, SystemExit) and self._ctrl.rank == 0 and self._handoff is None:
+                self._retire_restored()
             if self._handoff is not None and exc_type in (None, SystemExit):
                 self._learn_commits(self.timeout_s)  # the last save committed by the agent, if it can be
                 if self._handoff.pending:
@@ -639,7 +644,7 @@ class Checkpointer:
         if self._ctrl.rank == 0:
             self._apply_retention(step)
             self.history.beat()
-            if self._cadence.coordinator is not None:
+            if self._cadence.coordinator is not None and not self._leaving:  # a last save prices nothing
                 # The loop also waited for the copy in the optimizer's pre-hook (overlap mode;
                 # done by now) and, before this save, for the previous one's slot; the slot
                 # stays busy until retention and history are done too, not just the commit.
@@ -675,11 +680,23 @@ class Checkpointer:
         decides, from its own costs; on other ranks this stays the initial choice."""
         return self._cadence.schedule
 
+    def _retire_restored(self) -> None:
+        """Leaving with a newer commit than the step this run restored: retention need keep
+        that step no longer (`_apply_retention`)."""
+        last = self.last_commit.step if self.last_commit is not None else None
+        if self.restored_step is not None and last is not None and last != self.restored_step:
+            try:
+                self._apply_retention(last)
+            except CheckpointError as e:  # the checkpoints are safe; an extra one stays
+                log.warning("retention on leaving: %s", e)
+
     def _apply_retention(self, just_committed: int) -> None:
         if self._lease is not None and self._lease.lost is not None:
             log.warning("retention skipped: the root is not this job's any more")  # nor its checkpoints
             return
-        protect = {just_committed} | ({self.restored_step} if self.restored_step is not None else set())
+        # The step this run restored is known to restore: kept while the run goes on.
+        kept = self.restored_step if self.restored_step is not None and not self._leaving else None
+        protect = {just_committed} | ({kept} if kept is not None else set())
         # Handed off to the node agent, not committed yet: never debris to delete.
         in_flight = self._handoff.pending if self._handoff is not None else ()
         catalog.retire(self.store, self._scans, self.keep, self._signing_key, in_flight=in_flight, protect=protect)
@@ -687,7 +704,9 @@ class Checkpointer:
     # -- preemption ---------------------------------------------------------------------------
     def _exit_for_preemption(self) -> None:
         self._preempt.ask("asked on another rank")  # the meeting told this rank
-        log.warning("preempted (%s): checkpointing step %d before exiting", self._preempt.why, self._step)
+        self._leaving = True
+        level = logging.WARNING if self._ctrl.rank == 0 else logging.DEBUG  # every rank does it: one says so
+        log.log(level, "preempted (%s): checkpointing step %d before exiting", self._preempt.why, self._step)
         self.save(blocking=True)
         if self.last_commit is None or self.last_commit.step != self._step:
             # The save could not happen here (the step's directory holds an older checkpoint):

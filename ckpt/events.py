@@ -191,6 +191,11 @@ class History:
             world_size_before=prev.world_size if prev else restored.world_size,
             restored_from=f"step-{restored.step:010d}",
         )
+        if prev is not None:
+            log.info(
+                "the run before reached step %d (as of its last record, at most %.0f s old) and ended: %s; %d step(s) after step %d are done again",
+                prev.last_step, self.HEARTBEAT_S, prev.ended or UNKNOWN_CAUSE, self.restart_event.steps_lost, step,
+            )  # fmt: skip
         write_event(self.store, self.restart_event)
 
     def progress(self, step: int) -> None:

@@ -46,11 +46,13 @@ class Preemption:
         self._prev_handler: Any = None
         self._prev_sigint: Any = None
         self._sigint_at: float | None = None  # when the first Ctrl-C came
+        self._rank = 0
 
-    def start(self, sigterm: bool) -> None:
+    def start(self, sigterm: bool, rank: int = 0) -> None:
         """From now on: a notice counts unless it is the one already there; with `sigterm`,
         SIGTERM asks too, and so does a Ctrl-C unless the program handles SIGINT itself."""
         self._stale = {path: mtime_of(path) for path in self.notice_files}
+        self._rank = rank  # a Ctrl-C reaches every rank: rank 0 says so
         if not sigterm:
             return
         if threading.current_thread() is not threading.main_thread():
@@ -65,7 +67,10 @@ class Preemption:
         if self._sigint_at is None:
             self._sigint_at = now
             self.ask("SIGINT")
-            log.warning("Ctrl-C: saving a checkpoint at the next step boundary, then exiting (status %d); Ctrl-C again exits at once", EXIT_SIGINT)
+            log.log(
+                logging.WARNING if self._rank == 0 else logging.DEBUG,
+                "Ctrl-C: saving a checkpoint at the next step boundary, then exiting (status %d); Ctrl-C again exits at once", EXIT_SIGINT,
+            )  # fmt: skip
         elif now - self._sigint_at >= SAME_CTRL_C_S:
             log.warning("second Ctrl-C: exiting now (status %d); the save in flight, if any, is abandoned, the last committed checkpoint stays", EXIT_SIGINT)
             logging.shutdown()
@@ -83,7 +88,9 @@ class Preemption:
             signal.signal(signal.SIGTERM, self._prev_handler)
             self._prev_handler = None
         if self._prev_sigint is not None:
-            signal.signal(signal.SIGINT, self._prev_sigint)
+            # Stopping for a Ctrl-C: the same Ctrl-C passed on again (torchrun) finds the
+            # process on its way out, and must not turn its exit 130 into a traceback.
+            signal.signal(signal.SIGINT, self._on_sigint if self._sigint_at is not None else self._prev_sigint)
             self._prev_sigint = None
 
     def ask(self, why: str) -> None:

@@ -15,7 +15,6 @@ import logging
 import math
 import os
 import re
-import shutil
 import stat
 import time
 import uuid
@@ -30,6 +29,7 @@ from ._faults import fault_point
 from .checksum import CHECKSUM_ALGO, checksum
 from .errors import CheckpointError, DiskFull, InvalidCheckpoint, NotFound, StorageError
 from .manifest import MANIFEST_MAX, MANIFEST_NAME
+from .nofollow import open_dir, remove_tree
 from .redact import redact, redact_request_logs, remember_secrets
 
 if TYPE_CHECKING:
@@ -706,31 +706,20 @@ class Store:
 
 
     def _remove_local_step(self, step: int) -> None:
+        self._step_dir_mode(step)  # NotFound when a link, a file or a FIFO holds the name
         name = step_dir_name(step)
         try:
-            top = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY)
+            fd = open_dir(self.root, name)  # UnsafeEntry if a link took its place meanwhile
         except FileNotFoundError:
             return
         try:
-            try:
-                fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=top)
-            except FileNotFoundError:
-                return
-            except OSError as e:
-                if e.errno not in (errno.ELOOP, errno.ENOTDIR):
-                    raise
-                self._step_dir_mode(step)  # says what holds the name
-                raise
-            try:
-                with contextlib.suppress(FileNotFoundError, IsADirectoryError):
-                    os.unlink(MANIFEST_NAME, dir_fd=fd)
-            finally:
-                os.close(fd)
-            fault_point("retention", 0, step)
-            with contextlib.suppress(FileNotFoundError):
-                shutil.rmtree(name, dir_fd=top)  # refuses a link put in its place meanwhile
+            with contextlib.suppress(FileNotFoundError, IsADirectoryError):
+                os.unlink(MANIFEST_NAME, dir_fd=fd)
         finally:
-            os.close(top)
+            os.close(fd)
+        fault_point("retention", 0, step)
+        with contextlib.suppress(FileNotFoundError):
+            remove_tree(self.root, name)
 
 
 @dataclass(frozen=True)

@@ -96,6 +96,8 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format=f"[rank{rank}/{world}] %(message)s")
+    if rank == 0:  # every commit (ckpt says one every 10 minutes at INFO): the demo's report counts them
+        logging.getLogger("ckpt.checkpointer").setLevel(logging.DEBUG)
     torch.manual_seed(0)  # same initial weights everywhere; FSDP2 shards them
 
     from torch.distributed.device_mesh import init_device_mesh

@@ -91,3 +91,14 @@ def test_repository_paths_named_in_readme_and_docs_exist():
 def test_readme_is_a_page_or_two():
     lines = README.read_text(encoding="utf-8").count("\n")
     assert lines <= README_MAX_LINES, f"README.md has {lines} lines: move detail into docs/"
+
+
+def test_the_readme_snippet_runs_as_it_is_and_resumes(tmp_path):
+    """The first code block of the README, copied as a new user would: it trains, saves, and
+    a second run finds the work done."""
+    snippet = re.search(r"```python\n(.*?)```", README.read_text(), re.S).group(1)
+    runs = [subprocess.run([sys.executable, "-c", snippet], cwd=tmp_path, capture_output=True, text=True, timeout=300) for _ in range(2)]
+    assert runs[0].returncode == 0, runs[0].stderr
+    assert "ckpt: no checkpoint in ./checkpoints: starting at step 0" in runs[0].stderr
+    assert "ckpt: saved step 10: committed" in runs[0].stderr, runs[0].stderr
+    assert runs[1].returncode == 0 and "ckpt: restored step 1000" in runs[1].stderr, runs[1].stderr

@@ -124,6 +124,15 @@ def step_dirs(root: Path) -> list[str]:
     return sorted(p.name for p in root.iterdir() if p.name.startswith("step-"))
 
 
+def test_the_step_a_run_restored_is_kept_while_it_runs_and_retired_when_it_leaves(tmp_path):
+    root = tmp_path / "root"
+    run(root, 10, ckpt.Keep(last=2))
+    assert step_dirs(root) == [step_dir_name(s) for s in (5, 10)]
+    # The restored step 10 outlives Keep(last=2) while the run goes on, and goes as it leaves.
+    run(root, 25, ckpt.Keep(last=2))
+    assert step_dirs(root) == [step_dir_name(s) for s in (20, 25)]
+
+
 def test_run_with_keep_last_2_leaves_only_the_two_newest_and_clears_stale_debris(tmp_path, caplog):
     root = tmp_path / "root"
     # Debris of an earlier crashed save (older than any commit to come) and a directory
@@ -135,7 +144,7 @@ def test_run_with_keep_last_2_leaves_only_the_two_newest_and_clears_stale_debris
     newer.mkdir()
     (newer / "__0_0.distcp").write_bytes(b"being written")
 
-    caplog.set_level(logging.INFO, logger="ckpt")
+    caplog.set_level(logging.DEBUG, logger="ckpt")
     run(root, 20, ckpt.Keep(last=2))
 
     assert step_dirs(root) == [step_dir_name(s) for s in (15, 20, 1000)]
