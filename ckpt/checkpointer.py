@@ -430,8 +430,8 @@ class Checkpointer:
             return
         if self._step in self._taken:
             log.warning(
-                "%s/%s holds a checkpoint already (passed over at restore); it is left as it is "
-                "and this save moves to the next step",
+                "%s/%s is taken (a checkpoint passed over at restore, or something else under that name); "
+                "it is left as it is and this save moves to the next step",
                 self.store.display,
                 step_dir_name(self._step),
             )

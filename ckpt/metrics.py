@@ -254,7 +254,7 @@ class RankFiles:
         except OSError:
             names = []
         for name in names:
-            m = re.fullmatch(r"(\w+)\.rank-(\d+)\.prom", name)
+            m = re.fullmatch(r"(\w+)\.rank-([0-9]+)\.prom", name, re.ASCII)
             path = os.path.join(self.dir, name)
             try:
                 if not m or now - os.lstat(path).st_mtime > self.stale_s:

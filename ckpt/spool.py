@@ -78,7 +78,7 @@ _PUBLIC_CLIENT_KWARGS = {"endpoint_url", "region_name"}
 _FILE_NAME = re.compile(r"^(\.metadata|[\w][\w.\-]*)$")
 _SAVE_ID = re.compile(r"^[\w\-]{1,64}$")  # a file name in the root (its markers)
 _JOB = re.compile(r"^[0-9a-f]{16}$")  # `job_key`
-_REQUEST = re.compile(r"^rank-\d{5}\.json$")
+_REQUEST = re.compile(r"\Arank-[0-9]{5}\.json\Z")
 
 UPLOADING, DURABLE, COMMITTED, FAILED = "uploading", "durable", "committed", "failed"
 
