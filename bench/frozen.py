@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rank", type=int, default=8)
     p.add_argument("--saves", type=int, default=8)
     p.add_argument("--dir", default=None, help="where the roots go (default: a fresh directory under /tmp)")
-    p.add_argument("--out", default=None, help="JSON of every measurement (default: bench/results/frozen-<time>.json)")
+    p.add_argument("--out", default=None, help="JSON of every measurement (default: bench/results/frozen-<base>mb.json, replaced)")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     d = int(math.sqrt(args.base_mb * 1e6 / 4 / args.layers))
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print(table(result))
-    out = Path(args.out or HERE / "results" / f"frozen-{time.strftime('%Y%m%d-%H%M%S')}.json")
+    out = Path(args.out or HERE / "results" / f"frozen-{args.base_mb:g}mb.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     print(f"wrote {out}")

@@ -9,7 +9,7 @@
 # It runs bench/stall.py --device cuda (peers floor and ckpt, one rank per GPU, at most 2;
 # nccl for the model, ckpt on its own gloo groups) once per size, and prints stall's table
 # for each, then one summary: ckpt's blocking time, the floor's copy time and bandwidth.
-# Results: bench/results/stall-cuda-<size>mb-<time>.json.
+# Results: bench/results/stall-cuda-<size>mb.json (replaced; the ones before stay in git).
 #
 # Python: the repository's .venv, made as `make setup` makes it (python3 -m venv .venv, the
 # pinned torch, the package) if it is not there yet. PYTHON=/path/to/python uses another
@@ -88,10 +88,9 @@ for size in $SIZES_MB; do
 done
 
 # 4. The runs.
-STAMP=$(date +%Y%m%d-%H%M%S)
 OUTS=()
 for size in $SIZES_MB; do
-    out=bench/results/stall-cuda-${size}mb-$STAMP.json
+    out=bench/results/stall-cuda-${size}mb.json
     interval=$(( size >= 4000 ? 10 : 3 ))  # seconds of training between saves: a save's write fits in it
     cmd=("$PY" bench/stall.py --device cuda --ranks "$RANKS" --size-mb "$size" --peers floor,ckpt
          --saves "$SAVES" --interval-s "$interval" --out "$out")

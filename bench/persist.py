@@ -3,12 +3,14 @@
 
     .venv/bin/python bench/persist.py                        # 100 and 400 MB per rank: ~5 min here
     .venv/bin/python bench/persist.py --sizes-mb 50,200 --repeats 5 --stores local
-    .venv/bin/python bench/persist.py --show bench/results/persist-<time>.json
+    .venv/bin/python bench/persist.py --show bench/results/persist-local.json
 
 One command starts a moto S3 server on a free loopback port, then 2 ranks (gloo, this file
 again with RANK/WORLD_SIZE/MASTER_* set) that train the FSDP2 TinyGPT of bench/stall.py with
 AdamW, then one process for the resharded restore. It prints the table and writes every raw
-measurement to bench/results/persist-<time>.json. The checks, each against its target:
+measurement to bench/results/persist[-<sizes>][-<store>].json (persist.json for the default run,
+persist-local.json with --stores local, persist-1000mb-local.json with --sizes-mb 1000 too),
+replaced. The checks, each against its target:
 
   a) persist: bytes committed / time from save() to the commit (the manifest's persist_s),
      against a raw write of files of the same count and sizes by the same ranks at the same
@@ -93,7 +95,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="local reads: cold (default; the files are evicted from the page cache before each read, "
                    "as on a node that restarts) or warm (left in the page cache)")
     p.add_argument("--dir", default=None, help="local checkpoints and logs (default: a fresh dir under /tmp, deleted after)")
-    p.add_argument("--out", default=None, help="the JSON results file (default bench/results/persist-<time>.json)")
+    p.add_argument("--out", default=None, help="the JSON results file (default bench/results/persist[-<sizes>][-<store>].json, replaced)")
     p.add_argument("--show", metavar="JSON", help="print the table of an earlier run's results file and exit")
     p.add_argument("--worker", choices=["ranks", "single"], help=argparse.SUPPRESS)
     p.add_argument("--s3-endpoint", help=argparse.SUPPRESS)
@@ -165,7 +167,9 @@ def s3fs_for(endpoint: str) -> Any:
 
 
 def launch(args: argparse.Namespace, argv: list[str]) -> int:
-    out, work, made_dir = stall.run_paths("persist", "persist", args.out, args.dir)
+    sizes = "" if args.sizes == [100.0, 400.0] else "-" + "-".join(f"{s:g}mb" for s in args.sizes)
+    store = "" if len(args.stores) > 1 else "-" + args.stores[0]
+    out, work, made_dir = stall.run_paths("persist", f"persist{sizes}{store}", args.out, args.dir)
     for name in ("raw.json", "single.json"):
         with contextlib.suppress(FileNotFoundError):
             (work / name).unlink()

@@ -8,7 +8,8 @@
 
 One command starts 2 ranks (gloo on loopback, this file again with RANK/WORLD_SIZE/MASTER_*
 set) and prints the table; the numbers and every raw per-save measurement go to
-bench/results/stall-<mode>-<time>.json. See bench/README.md for what each column means.
+bench/results/stall-<mode>.json (stall-100mb, stall-1000mb, stall-many-small; stall-cuda-<size>mb
+on GPUs), the current result of that mode, replaced. See bench/README.md for what each column means.
 
 Every rank trains the same FSDP2 transformer (the shape of examples/train_transformer.py,
 wider and deeper) with AdamW, and every peer saves exactly the state that training holds:
@@ -71,7 +72,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--peers", default=None, help=f"comma-separated subset of {','.join(PEERS)} (default: all; with "
                    f"--device cuda {','.join(CUDA_PEERS)})")
     p.add_argument("--dir", default=None, help="where checkpoints are written (default: a fresh dir under /tmp)")
-    p.add_argument("--out", default=None, help="the JSON results file (default bench/results/stall-<mode>-<time>.json)")
+    p.add_argument("--out", default=None, help="the JSON results file (default bench/results/stall-<mode>.json, replaced)")
     p.add_argument("--order", choices=["rounds", "phases"], default=None,
                    help="rounds (default below 500 MB): all peers set up at once, one save of each per "
                    "round, so the machine's load weighs on all alike; phases (default from 500 MB): "
@@ -233,7 +234,7 @@ def launch(args: argparse.Namespace, argv: list[str]) -> int:
                   f"sees {torch.cuda.device_count() if torch.cuda.is_available() else 'no usable'} GPU", file=sys.stderr)
             return 2
     mode = "many-small" if args.many_small else f"{args.size_mb:g}mb"
-    out, work, made_dir = run_paths("stall", f"stall-{mode}", args.out, args.dir)
+    out, work, made_dir = run_paths("stall", f"stall-{'cuda-' if args.device == 'cuda' else ''}{mode}", args.out, args.dir)
     raw_path = work / "raw.json"
     with contextlib.suppress(FileNotFoundError):
         raw_path.unlink()
@@ -261,11 +262,11 @@ def launch(args: argparse.Namespace, argv: list[str]) -> int:
 
 
 def run_paths(bench: str, stem: str, out: str | None, work: str | None) -> tuple[Path, Path, bool]:
-    """The results file (`out`, or bench/results/<stem>-<time>.json) and the work directory
-    (`work`, or a fresh one under /tmp), both made; True when the work directory was made here
-    (to delete after a run that went well)."""
-    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    out_path = Path(out) if out else HERE / "results" / f"{stem}-{stamp}.json"
+    """The results file (`out`, or bench/results/<stem>.json: the current result of that
+    configuration, replaced; the ones before stay in git) and the work directory (`work`, or a
+    fresh one under /tmp), both made; True when the work directory was made here (to delete
+    after a run that went well)."""
+    out_path = Path(out) if out else HERE / "results" / f"{stem}.json"
     out_path.parent.mkdir(parents=True, exist_ok=True)
     work_path = Path(work) if work else Path(tempfile.mkdtemp(prefix=f"ckpt-{bench}-", dir="/tmp"))
     work_path.mkdir(parents=True, exist_ok=True)

@@ -7,7 +7,7 @@ Writes the same random bytes as one file, durably, through: a plain `open`/`writ
 fsync; S3: parallel multipart in 64 MiB parts, and with one part as large as the file, one
 PUT); and a tensorstore kvstore (`file` and `s3` drivers), whose write of a value is one
 PUT. S3 is a moto server this script starts on a free loopback port. Prints each path's best
-time and its ratio to ckpt's, and writes bench/results/tensorstore-engine-<time>.json.
+time and its ratio to ckpt's, and writes bench/results/tensorstore-engine.json (replaced).
 """
 
 from __future__ import annotations
@@ -120,7 +120,7 @@ def main() -> None:
     for r in results:
         ref = next(x["seconds"] for x in results if x["mb"] == r["mb"] and x["store"] == r["store"] and x["path"].startswith("ckpt"))
         print(f"{r['mb']:>5} {r['store']:6} {r['path']:26} {r['seconds']:8.3f} {r['seconds'] / ref:7.2f}x")
-    out = Path(args.out or HERE / "results" / f"tensorstore-engine-{time.strftime('%Y%m%d-%H%M%S')}.json")
+    out = Path(args.out or HERE / "results" / "tensorstore-engine.json")
     out.write_text(json.dumps({"results": results, "repeats": args.repeats}, indent=1))
     print(f"wrote {out}")
 
