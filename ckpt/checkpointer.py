@@ -48,6 +48,17 @@ _OUTSIDE = (
     "{}() outside the Checkpointer's `with` block, where nothing is restored or saved: "
     "`with ckpt.Checkpointer(...) as cp:` around the training loop"
 )
+def _first_step_pre_hook(opt: Any, hook: Callable[..., None]) -> Any:
+    """`opt.register_step_pre_hook(hook)`, run before the hooks registered already: a hook of
+    the program's that changes the parameters (a decay, a clamp) is part of the step, and
+    must find the staging copies made."""
+    handle = opt.register_step_pre_hook(hook)
+    hooks = getattr(opt, "_optimizer_step_pre_hooks", None)
+    if hasattr(hooks, "move_to_end") and handle.id in hooks:
+        hooks.move_to_end(handle.id, last=False)
+    return handle
+
+
 # Rank 0 says a commit at INFO at most this often (the rest at DEBUG).
 _SAY_COMMITS_EVERY_S = 600
 
@@ -334,7 +345,7 @@ class Checkpointer:
         if self._ctrl.rank == 0:
             log.info("%s", self._cadence.describe())
         self._preempt.start(sigterm=self.handle_sigterm, rank=self._ctrl.rank)
-        self._hooks = [o.register_step_pre_hook(lambda *_: self.wait_for_staging()) for o in self.state.optimizers]
+        self._hooks = [_first_step_pre_hook(o, lambda *_: self.wait_for_staging()) for o in self.state.optimizers]
         if self._metrics_port is not None:
             try:
                 self.metrics.serve(self._metrics_port, os.environ.get("CKPT_METRICS_ADDR", "127.0.0.1"))

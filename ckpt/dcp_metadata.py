@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import math
 import pickle
 from collections.abc import Callable
 from typing import Any
@@ -153,7 +154,88 @@ def load_metadata(blob: bytes, where: str = METADATA_NAME) -> Metadata:
         raise InvalidCheckpoint(f"{where} does not parse: {type(e).__name__}: {e}") from e
     if not isinstance(md, Metadata):
         raise InvalidCheckpoint(f"{where} holds {_describe(md)}, not DCP metadata")
-    # ckpt's reader sets an attribute of storage_meta; the rest is only read.
-    if not (type(md.state_dict_metadata) is dict and (md.storage_meta is None or type(md.storage_meta) is StorageMeta)):
-        raise InvalidCheckpoint(f"{where} holds DCP metadata whose state_dict_metadata or storage_meta is not what DCP writes")
+    problem = _malformed(md)
+    if problem:
+        raise InvalidCheckpoint(f"{where} is not DCP metadata as DCP writes it: {problem}")
     return md
+
+
+# A tensor's dimension, and the elements of one: what DCP itself could save (int64).
+_DIM_MAX = 1 << 62
+
+
+def _malformed(md: Metadata) -> str | None:
+    """What in `md` is not of the types and ranges DCP writes (the unpickler only proves which
+    classes it is made of: BUILD may still have set a field to any plain value, which a verb
+    would crash on, or allocate from, far from here); None if nothing. Every entry is looked
+    at: `.metadata` is read once per restore, and these are a few checks per tensor."""
+    if not (md.storage_meta is None or type(md.storage_meta) is StorageMeta):
+        return "storage_meta"  # ckpt's reader sets an attribute of it
+    if not (md.version is None or type(md.version) is str):
+        return "version"
+    if type(md.state_dict_metadata) is not dict:
+        return "state_dict_metadata is not a dict"
+    for fqn, entry in md.state_dict_metadata.items():
+        why = None if type(fqn) is str else "a key that is not a string"
+        if why is None and type(entry) is TensorStorageMetadata:
+            why = _tensor_problem(entry)
+        elif why is None and type(entry) is not BytesStorageMetadata:
+            why = f"an entry of type {type(entry).__name__}"
+        if why:
+            return f"{fqn!r}: {why}"
+    if not (md.storage_data is None or type(md.storage_data) is dict):
+        return "storage_data is not a dict"
+    stored: dict[tuple[str, tuple[int, ...] | None], int] = {}  # each piece's bytes in its file
+    for index, info in (md.storage_data or {}).items():
+        if not (type(index) is MetadataIndex and type(index.fqn) is str and (index.offset is None or _is_size(index.offset))
+                and (index.index is None or type(index.index) is int)):  # fmt: skip
+            return f"storage_data: a key {_describe(index)} that is not an index DCP writes"
+        if not (type(info) is _StorageInfo and type(info.relative_path) is str and _plain_name(info.relative_path)
+                and _count(info.offset) and _count(info.length)
+                and (info.transform_descriptors is None or all(type(t) is str for t in info.transform_descriptors))):  # fmt: skip
+            return f"storage_data[{index.fqn!r}]: not a file name and a byte range in it"
+        # A transformed (compressed) piece's raw size is not its stored one: not bounded here.
+        stored[(index.fqn, None if index.offset is None else tuple(index.offset))] = -1 if info.transform_descriptors else info.length
+    for fqn, entry in md.state_dict_metadata.items():
+        if type(entry) is TensorStorageMetadata and md.storage_data is not None:
+            # IMPORTANT: a chunk's elements fit in the bytes stored for it: a reader that
+            # allocates from the sizes allocates no more than the files hold.
+            itemsize = torch.empty((), dtype=entry.properties.dtype).element_size()
+            for chunk in entry.chunks:
+                length = stored.get((fqn, tuple(chunk.offsets)))
+                if length is None or (length >= 0 and math.prod(chunk.sizes) * itemsize > length):
+                    return f"{fqn!r}: a chunk of {math.prod(chunk.sizes)} elements that {'no file holds' if length is None else f'{length} bytes cannot hold'}"
+    if not (md.planner_data is None or type(md.planner_data) is dict):
+        return "planner_data is not a dict"
+    return None
+
+
+def _tensor_problem(entry: TensorStorageMetadata) -> str | None:
+    props = entry.properties
+    if not (type(props) is TensorProperties and type(props.dtype) is torch.dtype and type(props.layout) is torch.layout
+            and type(props.memory_format) is torch.memory_format and type(props.requires_grad) is bool
+            and type(props.pin_memory) is bool):  # fmt: skip
+        return "tensor properties (dtype, layout, memory format) that are not torch's"
+    if not _is_size(entry.size):
+        return "a size that is not a torch.Size of dimensions from 0 to 2**62"
+    if type(entry.chunks) is not list:
+        return "chunks that are not a list"
+    for chunk in entry.chunks:
+        if not (type(chunk) is ChunkStorageMetadata and _is_size(chunk.offsets) and _is_size(chunk.sizes)
+                and len(chunk.offsets) == len(chunk.sizes) == len(entry.size)
+                and all(o + n <= d for o, n, d in zip(chunk.offsets, chunk.sizes, entry.size, strict=True))):  # fmt: skip
+            return "a chunk that is not a box inside the tensor"
+    return None
+
+
+def _is_size(size: Any) -> bool:
+    return type(size) is torch.Size and all(type(d) is int and 0 <= d <= _DIM_MAX for d in size)
+
+
+def _count(n: Any) -> bool:
+    return type(n) is int and 0 <= n <= _DIM_MAX
+
+
+def _plain_name(name: str) -> bool:
+    """A file of the step directory, by name: no path, nothing hidden in it."""
+    return bool(name) and "/" not in name and "\\" not in name and name not in (".", "..") and name.isprintable()

@@ -16,7 +16,9 @@ _SECRET_PATTERNS = [
     (re.compile(r"(?i)(bearer\s+)[\w.~+/=-]+"), r"\1***"),
     # secret=..., "password": "...", api_key: ...
     # (a header dict's value may be bytes: b'...', as botocore logs a request it sends)
-    (re.compile(r"(?i)((?:secret|token|password|passwd|api[_-]?key|access[_-]?key|signature|credential)s?[\"']?\s*[=:]\s*(?:b?[\"'])?)[^\s\"',}&]+"), r"\1***"),
+    (re.compile(r"(?i)((?:secret|token|api[_-]?key|access[_-]?key|signature|credential)s?[\"']?\s*[=:]\s*(?:b?[\"'])?)[^\s\"',}&]+"), r"\1***"),
+    # (a password after a colon and a space only when quoted: "…/etc/passwd: not listed" is prose)
+    (re.compile(r"(?i)((?:password|passwd)s?[\"']?\s*(?:=\s*|:(?=\S)|:\s*(?=b?[\"']))(?:b?[\"'])?)[^\s\"',}&]+"), r"\1***"),
 ]
 _SECRET_ENV = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_ACCESS_KEY_ID", "CKPT_SIGNING_KEY")
 # Storage options whose values are credentials (s3fs' key/secret/token, Azure's account_key

@@ -231,7 +231,7 @@ def every_kind_of_metadata() -> Metadata:
         chunks = [ChunkStorageMetadata(torch.Size([r * 2, 0]), torch.Size([2, 3])) for r in range(1 + i % 3)]
         state[fqn] = TensorStorageMetadata(props, torch.Size([2 * len(chunks), 3]), chunks)
         for r, c in enumerate(chunks):
-            storage[MetadataIndex(fqn, c.offsets, r)] = _StorageInfo(f"__{r}_0.distcp", 64 * i, 64, ["zstd"] if i == 1 else None)
+            storage[MetadataIndex(fqn, c.offsets, r)] = _StorageInfo(f"__{r}_0.distcp", 128 * i, 128, ["zstd"] if i == 1 else None)
     planner = {k: tuple(k.split(".")) for k in state} | {"x": ("extra", 0, "x")}
     return Metadata(state, planner, storage, StorageMeta("id", "save", "load", ["m"]), "2.1")
 
@@ -373,3 +373,60 @@ def test_plain_values_load_only_through_the_refusing_unpickler_or_torchs_allowli
         z.writestr("archive/version", "3\n")
     with pytest.raises(pickle.UnpicklingError):
         tensor_blob.load_value(buf.getvalue())
+
+
+# -- metadata of the right classes, with the wrong values in them --------------------------------
+def _first_tensor(md: Metadata) -> tuple[str, TensorStorageMetadata]:
+    return next((k, v) for k, v in md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata) and v.size.numel() > 1)
+
+
+def _set(obj: object, field: str, value: object) -> None:
+    object.__setattr__(obj, field, value)  # frozen dataclasses too: what BUILD can do
+
+
+def _first_info(md: Metadata) -> _StorageInfo:
+    return next(iter(md.storage_data.values()))
+
+
+# Each changes one field of a real `.metadata` as BUILD may (the unpickler allows the classes,
+# not the values): every verb must refuse it with one line, and a restore fall back.
+TAMPERED: dict[str, Callable[[Metadata], None]] = {
+    "dtype_a_string": lambda md: _set(_first_tensor(md)[1].properties, "dtype", "float32"),
+    "size_a_string": lambda md: _set(_first_tensor(md)[1], "size", "abcd"),
+    "size_negative": lambda md: _set(_first_tensor(md)[1], "size", torch.Size([-7])),
+    "size_of_four_terabytes": lambda md: [_set(t, "size", torch.Size([1 << 40])) or _set(t, "chunks", [ChunkStorageMetadata(torch.Size([0]), torch.Size([1 << 40]))]) for t in [_first_tensor(md)[1]]],
+    "chunks_none": lambda md: _set(_first_tensor(md)[1], "chunks", None),
+    "file_outside_the_step": lambda md: _set(_first_info(md), "relative_path", "../../../etc/passwd"),
+    "file_absolute": lambda md: _set(_first_info(md), "relative_path", "/etc/passwd"),
+    "key_not_a_string": lambda md: md.state_dict_metadata.__setitem__((1, 2), BytesStorageMetadata()),
+    "storage_data_a_list": lambda md: _set(md, "storage_data", [1, 2]),
+}
+
+
+@pytest.fixture(params=list(TAMPERED))
+def tampered(request: pytest.FixtureRequest, saved: Path, tmp_path: Path) -> Path:
+    root = tmp_path / "root"
+    shutil.copytree(saved, root)
+    path = root / step_dir(2) / ".metadata"
+    md = pickle.loads(path.read_bytes())  # the test's own file, as a writer of the root would
+    TAMPERED[request.param](md)
+    blob = pickle.dumps(md)
+    path.write_bytes(blob)
+    doc = json.loads((root / step_dir(2) / "manifest.json").read_text())
+    hasher = Hasher(block_size(len(blob)))
+    hasher.update(blob)
+    doc["files"][".metadata"].update(dataclasses.asdict(hasher.entry(doc["files"][".metadata"]["rank"])))
+    (root / step_dir(2) / "manifest.json").write_text(json.dumps(doc))
+    return root
+
+
+def test_metadata_with_values_dcp_never_writes_is_refused_by_every_verb_and_restore_falls_back(tampered, tmp_path, capsys, caplog):
+    from ckpt.cli import main
+
+    for args in (["verify", "--deep"], ["show"], ["load-test", "--world-size", "2"], ["export", "--format", "torch", "--out", str(tmp_path / "x.pt")]):
+        assert main([args[0], str(tampered), *args[1:]]) == 1, args  # no traceback: an exception would escape
+        said = capsys.readouterr()
+        assert "is not DCP metadata as DCP writes it" in said.out + said.err, (args, said)
+    with caplog.at_level(logging.WARNING, logger="ckpt"):
+        assert job(tampered, 2, save_on_exit=False).restored_step == 1
+    assert f"could not restore {step_dir(2)}" in caplog.text

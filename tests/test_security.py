@@ -254,10 +254,11 @@ def test_with_a_key_retention_counts_only_trusted_checkpoints_and_leaves_the_oth
     train(root, 2, key=KEY)
     planted = _plant_unsigned(root, like=2, step=50)
     cp = train(root, 5, key=KEY, keep=ckpt.Keep(last=2))
-    # Restored the newest trusted one (50 is passed over), then kept the two newest trusted and
-    # the restored one. Counting the planted one as the newest would have deleted step 4.
+    # Restored the newest trusted one (50 is passed over), then kept the two newest trusted (the
+    # restored one retired as the run left). Counting the planted one as the newest would have
+    # deleted step 4.
     assert cp.restored_step == 2
-    assert sorted(p.name for p in root.glob("step-*")) == [step_dir(s) for s in (2, 4, 5, 50)]
+    assert sorted(p.name for p in root.glob("step-*")) == [step_dir(s) for s in (4, 5, 50)]
     assert manifest_doc(root, 50) == planted  # neither counted nor deleted
 
 

@@ -22,10 +22,10 @@ class Forwards(torch.nn.Module):
         return x
 
 
-def build(mode: str, world: int, seed: int = 1234, frozen_seed: int | None = None, counter: bool = False) -> torch.nn.Module:
+def build(mode: str, world: int, seed: int = 1234, frozen_seed: int | None = None, counter: bool = True) -> torch.nn.Module:
     """With `frozen_seed`, the first layer is frozen (requires_grad=False) and its weights are
-    drawn from that seed, as a fine-tune loads its base model. With `counter`, a last layer
-    counts the forwards in a buffer (`Forwards`)."""
+    drawn from that seed, as a fine-tune loads its base model. A last layer counts the
+    forwards in a buffer (`Forwards`), unless `counter` is false."""
     torch.manual_seed(seed)  # the same initial weights on every rank
     model = torch.nn.Sequential(
         torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8),

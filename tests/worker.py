@@ -56,7 +56,7 @@ def main() -> None:
     np.random.seed(200 + rank)
     torch.manual_seed(300 + rank)
 
-    model = build(args.mode, world, frozen_seed=args.frozen_seed, counter=True)
+    model = build(args.mode, world, frozen_seed=args.frozen_seed)
     opt, sched = optimizer(model)
     restore = int(args.restore) if args.restore.isdigit() else args.restore
     preempted: SystemExit | None = None
