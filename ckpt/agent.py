@@ -62,6 +62,7 @@ from .spool import (
     mark_durable,
     marker_name,
     open_new,
+    public_options,
     read_json,
     status_of,
     superseded,
@@ -70,6 +71,11 @@ from .spool import (
 from .storage import Store, Transfer
 
 log = logging.getLogger("ckpt.agent")
+
+
+def _endpoint(options: dict) -> str | None:
+    """The endpoint storage options name (s3fs takes it at the top or in client_kwargs)."""
+    return options.get("endpoint_url") or (options.get("client_kwargs") or {}).get("endpoint_url")
 
 CHUNK = 8 << 20  # bytes read from the spool per write to the store
 LOOP_S = 0.2  # how often the spool is looked at for new requests
@@ -442,7 +448,13 @@ class Agent:
             root = os.path.realpath(os.path.expanduser(root.split("://", 1)[-1]))
         if self.config.allowed_roots and not any(within(root, p) for p in self.config.allowed_roots):
             raise InvalidCheckpoint(f"{redact(request.root)} is not under the agent's allowed_roots")
-        options = {**request.storage_options, **self.config.storage_options}
+        # IMPORTANT: a trainer says where the store is (endpoint, region), never more: the
+        # agent's own credentials go only where its config says, and with allowed_roots, a
+        # root is under them on the agent's own endpoint, not on one the request names.
+        asked = public_options(request.storage_options)
+        if self.config.allowed_roots and _endpoint(asked) not in (None, _endpoint(self.config.storage_options)):
+            raise InvalidCheckpoint(f"{redact(request.root)}: the request names another endpoint ({redact(str(_endpoint(asked)))}) than the agent's")
+        options = {**asked, **self.config.storage_options}
         key = json.dumps([root, options], sort_keys=True, default=str)
         with self._lock:
             if key not in self._stores:

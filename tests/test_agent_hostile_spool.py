@@ -308,3 +308,23 @@ def test_a_hostile_rank_metrics_file_is_left_out_and_the_scrape_goes_on(tmp_path
     assert not reader.is_alive(), "the scrape hangs"
     samples = [(s.name, s.labels) for fam in got for s in fam.samples]
     assert samples == [("ckpt_saves", {"job": "good", "rank": "0"})], samples
+
+
+def test_a_request_sets_where_the_store_is_never_the_agents_credentials_or_another_endpoint(tmp_path):
+    from ckpt.agent import Agent
+    from ckpt.errors import InvalidCheckpoint
+    from ckpt.spool import Request
+
+    def request(options: dict) -> Request:
+        return Request("s3://bucket/run", options, "step-0000000001", 1, "s", 0, 1, [], {}, 0.0)
+
+    config = Config(spool=str(tmp_path / "spool"), allowed_roots=["s3://bucket/"], storage_options={"endpoint_url": "http://127.0.0.1:9000"})
+    agent = Agent(config)
+    # A trainer's options that are not about where the store is (credentials, a profile, a
+    # config file to read) are dropped; the agent's own come last.
+    agent._store(request({"key": "AKIA-theirs", "secret": "theirs", "profile": "other", "region_name": "eu-west-1"}))
+    [(_, options)] = [json.loads(k) for k in agent._stores]  # what the store was opened with
+    assert options == {"region_name": "eu-west-1", "endpoint_url": "http://127.0.0.1:9000"}
+    for elsewhere in ({"endpoint_url": "http://203.0.113.9"}, {"client_kwargs": {"endpoint_url": "http://203.0.113.9"}}):
+        with pytest.raises(InvalidCheckpoint, match="names another endpoint"):
+            agent._store(request(elsewhere))
