@@ -75,7 +75,7 @@ def main() -> None:
     else:
         loader = DataLoader(data, batch_size=args.micro_batch, sampler=sampler, num_workers=args.workers)
     accum = ckpt.accumulation_steps(args.global_batch, args.micro_batch, world)
-    model = build("fsdp2", world)
+    model = build("fsdp2", world, counter=False)  # forwards per step differ with the world size (accumulation)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     log = open(os.path.join(args.log_dir, "samples.jsonl"), "a")
 

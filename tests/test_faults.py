@@ -506,7 +506,7 @@ def test_resume_never_writes_into_a_corrupt_committed_step_and_saves_at_the_next
     cp, model, seen_now = train(root, 13, save_on_exit=False)
     assert cp.restored_step == 5 and cp.step == 13
     assert "could not restore " + sd(10) in caplog.text  # it did resume from 5
-    assert sd(10) + " holds a checkpoint already" in caplog.text
+    assert sd(10) + " is taken (a checkpoint passed over at restore" in caplog.text
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR and r.name.startswith("ckpt")]
     assert tree(root / sd(10)) == before
     assert states(root, deep=True) == {5: "committed", 10: "corrupt", 11: "committed"}
@@ -548,7 +548,7 @@ def test_fresh_start_over_an_old_run_never_writes_into_its_checkpoints(root_5_10
     cp, _, _ = train(root, 15, restore="none", seed=7)
     assert cp.restored_step is None and cp.step == 15
     assert "restore='none' but" in caplog.text
-    assert sd(5) + " holds a checkpoint already" in caplog.text
+    assert sd(5) + " is taken (a checkpoint passed over at restore" in caplog.text
     # Step 5's save moved to 6; the interval counts from there (11), and leaving saves 15.
     new_steps = {6, 11, 15}
     assert {k: v for k, v in tree(root).items() if not any(k.startswith(sd(n)) for n in new_steps)} == before
@@ -583,7 +583,7 @@ def test_metadata_rewritten_with_a_matching_manifest_is_still_never_run(root_5_1
     caplog.set_level(logging.WARNING, logger="ckpt")
     cp, restored = restore(root)
     assert cp.restored_step == 5
-    assert "which a checkpoint never holds" in caplog.text
+    assert "never holds: refused, nothing in it was run" in caplog.text
     deep = subprocess.run([sys.executable, "-m", "ckpt.cli", "verify", str(root), "--deep"], capture_output=True, text=True)
     assert deep.returncode == 1 and "never holds" in deep.stdout
     assert not marker.exists()
