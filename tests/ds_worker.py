@@ -21,7 +21,8 @@ import deepspeed  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state  # noqa: E402
-from launch import exit_without_teardown  # noqa: E402
+from launch import exit_without_teardown
+from toy_model import Forwards  # noqa: E402
 
 import ckpt  # noqa: E402
 
@@ -47,17 +48,6 @@ def module_weights(engine) -> dict:
         return {n: t.detach().clone() for n, t in [*params, *engine.module.named_buffers()]}
 
 
-class Forwards(torch.nn.Module):
-    """A buffer forward changes in place (as BatchNorm's statistics): a checkpoint must hold it
-    as it was when step_done() returned."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.register_buffer("forwards", torch.zeros((), dtype=torch.long))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.forwards += 1
-        return x
 
 
 def main() -> None:

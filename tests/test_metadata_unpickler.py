@@ -285,6 +285,17 @@ def step_dir(step: int) -> str:
     return f"step-{step:010d}"
 
 
+def plant_metadata(root: Path, step: int, blob: bytes) -> None:
+    """`blob` as the step's `.metadata`, the manifest's size and checksum of it rewritten to
+    match: what anyone who can write an unsigned root can do."""
+    (root / step_dir(step) / ".metadata").write_bytes(blob)
+    doc = json.loads((root / step_dir(step) / "manifest.json").read_text())
+    hasher = Hasher(block_size(len(blob)))
+    hasher.update(blob)
+    doc["files"][".metadata"].update(dataclasses.asdict(hasher.entry(doc["files"][".metadata"]["rank"])))
+    (root / step_dir(step) / "manifest.json").write_text(json.dumps(doc))
+
+
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A root of two committed steps, saved once for this module; tests copy it."""
@@ -305,12 +316,7 @@ def planted(saved: Path, tmp_path: Path, marker: Path) -> Path:
     assert real[:2] == pickle.PROTO + b"\x04"
     run = stack_global(DCP, "os.system") + const(f"touch {marker}") + pickle.TUPLE1 + pickle.REDUCE + pickle.POP
     evil = real[:2] + run + real[2:]
-    path.write_bytes(evil)
-    doc = json.loads((root / step_dir(2) / "manifest.json").read_text())
-    hasher = Hasher(block_size(len(evil)))
-    hasher.update(evil)
-    doc["files"][".metadata"].update(dataclasses.asdict(hasher.entry(doc["files"][".metadata"]["rank"])))
-    (root / step_dir(2) / "manifest.json").write_text(json.dumps(doc))
+    plant_metadata(root, 2, evil)
     # The payload is live: the stock unpickler runs it and yields the real metadata.
     assert pickle.loads(evil) == pickle.loads(real) and marker.exists()
     marker.unlink()
@@ -410,13 +416,7 @@ def tampered(request: pytest.FixtureRequest, saved: Path, tmp_path: Path) -> Pat
     path = root / step_dir(2) / ".metadata"
     md = pickle.loads(path.read_bytes())  # the test's own file, as a writer of the root would
     TAMPERED[request.param](md)
-    blob = pickle.dumps(md)
-    path.write_bytes(blob)
-    doc = json.loads((root / step_dir(2) / "manifest.json").read_text())
-    hasher = Hasher(block_size(len(blob)))
-    hasher.update(blob)
-    doc["files"][".metadata"].update(dataclasses.asdict(hasher.entry(doc["files"][".metadata"]["rank"])))
-    (root / step_dir(2) / "manifest.json").write_text(json.dumps(doc))
+    plant_metadata(root, 2, pickle.dumps(md))
     return root
 
 
