@@ -28,7 +28,7 @@ import io
 import json
 import logging
 import random
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -216,7 +216,7 @@ class TrainingState:
                 del sd["loader"]
         return sd
 
-    def apply(self, sd: dict[str, Any], rank: int, stateless: set[str] = frozenset()) -> dict[str, Any]:  # type: ignore[assignment]
+    def apply(self, sd: dict[str, Any], rank: int, stateless: Collection[str] = ()) -> dict[str, Any]:
         """Load a restored state dict into the objects; returns the saved counters. The
         parameters in `stateless` had no optimizer state at the save: they have none after."""
         if deepspeed_state.is_engine(self.model):
