@@ -48,6 +48,8 @@ _OUTSIDE = (
     "{}() outside the Checkpointer's `with` block, where nothing is restored or saved: "
     "`with ckpt.Checkpointer(...) as cp:` around the training loop"
 )
+
+
 def _first_step_pre_hook(opt: Any, hook: Callable[..., None]) -> Any:
     """`opt.register_step_pre_hook(hook)`, run before the hooks registered already: a hook of
     the program's that changes the parameters (a decay, a clamp) is part of the step, and
@@ -61,6 +63,7 @@ def _first_step_pre_hook(opt: Any, hook: Callable[..., None]) -> Any:
 
 # Rank 0 says a commit at INFO at most this often (the rest at DEBUG).
 _SAY_COMMITS_EVERY_S = 600
+
 
 class Checkpointer:
     """Saves and restores the whole training state of this rank, in step with the others.
