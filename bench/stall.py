@@ -754,7 +754,7 @@ _STAGING_COPY_CPU = [0.0]
 
 
 def _time_staging_copies() -> None:
-    from ckpt.stage import Copies
+    from ckpt.save.stage import Copies
 
     run = Copies.run
 

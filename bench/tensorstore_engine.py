@@ -32,7 +32,7 @@ sys.path.insert(0, str(HERE.parent / "tests"))
 
 from launch import free_port  # noqa: E402
 
-from ckpt.storage import Store, Transfer  # noqa: E402
+from ckpt.storage.store import Store, Transfer  # noqa: E402
 
 
 @contextlib.contextmanager

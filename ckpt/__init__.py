@@ -8,7 +8,7 @@
 
 from typing import TYPE_CHECKING, Any
 
-from .errors import (
+from ckpt.errors import (
     CheckpointError,
     DiskFull,
     InvalidCheckpoint,
@@ -18,25 +18,25 @@ from .errors import (
     SaveFailed,
     StorageError,
 )
-from .lease import Lease
-from .manifest import Manifest
-from .policy import Auto, Every, Keep
+from ckpt.format.manifest import Manifest
+from ckpt.schedule.policy import Auto, Every, Keep
+from ckpt.storage.lease import Lease
 
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
-    from .checkpointer import Checkpointer
-    from .data import ElasticSampler, accumulation_steps
-    from .export import read_export
-    from .storage import Transfer
+    from ckpt.admin.export import read_export
+    from ckpt.checkpointer import Checkpointer
+    from ckpt.data import ElasticSampler, accumulation_steps
+    from ckpt.storage.store import Transfer
 
 # The names that need torch load on first use, so that `ckpt ls` starts in a blink.
 _LAZY = {
     "Checkpointer": "checkpointer",
     "ElasticSampler": "data",
     "accumulation_steps": "data",
-    "Transfer": "storage",
-    "read_export": "export",
+    "Transfer": "storage.store",
+    "read_export": "admin.export",
 }
 
 

@@ -18,29 +18,30 @@ import time
 from collections.abc import Callable
 from typing import Any, Literal
 
-from . import catalog, console
-from ._faults import fault_point
-from ._gc import gc_paused
-from .cadence import Cadence
-from .capture import TrainingState
-from .checksum import BLAKE3
-from .commit import Group, forget_plans
-from .data import data_position, own_generator
-from .deepspeed_state import MidAccumulation
-from .errors import CheckpointError, SaveFailed
-from .events import Event, History, error_gist
-from .handoff import Handoff
-from .lease import Lease, LeaseKeeper, take_for_job
-from .manifest import Manifest
-from .metrics import Metrics, port_from_env
-from .options import Counters, OnError, Restore, check_counters, check_options, checked_interval
-from .policy import Auto, Every, Keep
-from .preempt import EXIT_SIGINT, Preemption
-from .restore import restore, start_fresh
-from .save_slot import SaveSlot, Staged
-from .signing import SigningKey
-from .stage import default_host_budget
-from .storage import Store, Transfer, step_dir_name
+from ckpt import console
+from ckpt._faults import fault_point
+from ckpt._gc import gc_paused
+from ckpt.capture.deepspeed_state import MidAccumulation
+from ckpt.capture.state import TrainingState
+from ckpt.data import data_position, own_generator
+from ckpt.errors import CheckpointError, SaveFailed
+from ckpt.events import Event, History, error_gist
+from ckpt.format.checksum import BLAKE3
+from ckpt.format.manifest import Manifest
+from ckpt.format.signing import SigningKey
+from ckpt.metrics import Metrics, port_from_env
+from ckpt.node.handoff import Handoff
+from ckpt.options import Counters, OnError, Restore, check_counters, check_options, checked_interval
+from ckpt.preempt import EXIT_SIGINT, Preemption
+from ckpt.restore.load import restore, start_fresh
+from ckpt.save.commit import Group, forget_plans
+from ckpt.save.slot import SaveSlot, Staged
+from ckpt.save.stage import default_host_budget
+from ckpt.schedule.cadence import Cadence
+from ckpt.schedule.policy import Auto, Every, Keep
+from ckpt.storage import catalog
+from ckpt.storage.lease import Lease, LeaseKeeper, take_for_job
+from ckpt.storage.store import Store, Transfer, step_dir_name
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +129,7 @@ class Checkpointer:
             collective) no more than this many seconds of rank 0's time apart, to save by
             the clock, to stop for a SIGTERM that reached any rank, and to report a failed
             background save, all at the same step; other steps cost no collective. Rank 0
-            turns seconds into steps from its measured step time (``ckpt.agreement``).
+            turns seconds into steps from its measured step time (``ckpt.schedule.agreement``).
         metrics_port: serve this rank's Prometheus metrics (``cp.metrics``) on this port plus
             its local rank, on loopback (``CKPT_METRICS_ADDR`` to change); default
             ``CKPT_METRICS_PORT``, else not served. See ``ckpt.metrics``.
@@ -138,7 +139,7 @@ class Checkpointer:
             if this process dies meanwhile; ``last_commit`` is then the last save handed off,
             and leaving the block waits (up to ``timeout_s``) for its commit. A restart on the
             node reads the files the spool still holds from there. The agent's SIGTERM or
-            notice asks for a checkpoint as a SIGTERM does. See ``ckpt.handoff``.
+            notice asks for a checkpoint as a SIGTERM does. See ``ckpt.node.handoff``.
         signing_key: a secret (bytes or str, at least 16 bytes) to sign every manifest with
             (HMAC-SHA256 over its content, which lists every file's size and checksum);
             default: the file named by ``CKPT_SIGNING_KEY_FILE`` (preferred), else
@@ -148,7 +149,7 @@ class Checkpointer:
             a silent fresh start. Retention (``keep``) then counts only checkpoints signed with
             it and leaves those signed otherwise or not at all alone. A node agent commits the
             signed draft and never sees the key; the key is never logged or stored. See
-            ``ckpt.signing``.
+            ``ckpt.format.signing``.
         lease: one job per root (``ckpt.Lease(ttl_s=60, takeover=False)``; None: no lease).
             Rank 0 takes ``<root>/lease.json`` on enter, before anything there is read or
             written; if another live job holds it, every rank raises ``ckpt.LeaseHeld``
@@ -157,7 +158,7 @@ class Checkpointer:
             restart on the same machine and a lease not renewed for ``ttl_s`` seconds are
             taken at once. Renewed every ``ttl_s / 3``; released on a clean exit. A job whose
             lease was taken over commits nothing more: its saves fail with ``SaveFailed``.
-            See ``ckpt.lease``.
+            See ``ckpt.storage.lease``.
         frozen: the model's parameters that do not require grad (a LoRA or adapter job's
             base model) are in every checkpoint ("save", default) or in none ("skip"): the
             checkpoints then hold only what training changes, and the job loads the base
@@ -366,7 +367,7 @@ class Checkpointer:
         # A failed save is reported where every rank learns of it at the same step (each
         # rank's background thread fails at its own time): at the ranks' next meeting, or
         # when the next save waits for it.
-        # Every rank must save at the same step (ckpt.cadence).
+        # Every rank must save at the same step (ckpt.schedule.cadence).
         due = self._cadence.at_step(self._step, self._ctrl.rank, self._ctrl.world, self._ctrl.max, self._preempt.asked(), self._slot.failed())
         if due.met:
             self.metrics.meetings.inc()

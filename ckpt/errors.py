@@ -32,7 +32,7 @@ class RestoreFailed(CheckpointError):
 
 
 class LeaseHeld(CheckpointError):
-    """The root belongs to another job (its lease, `ckpt.lease`), or no longer to this one."""
+    """The root belongs to another job (its lease, `ckpt.storage.lease`), or no longer to this one."""
 
 
 def dcp_failures(e: BaseException) -> list[BaseException]:

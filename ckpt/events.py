@@ -19,9 +19,9 @@ import uuid
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from .errors import CheckpointError
-from .redact import redact
-from .storage import EVENTS_DIR, Store
+from ckpt.errors import CheckpointError
+from ckpt.redact import redact
+from ckpt.storage.store import EVENTS_DIR, Store
 
 log = logging.getLogger(__name__)
 

@@ -32,9 +32,9 @@ from prometheus_client import (
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-from .errors import CheckpointError, SaveFailed, dcp_failures
-from .manifest import Manifest
-from .nofollow import open_regular
+from ckpt.errors import CheckpointError, SaveFailed, dcp_failures
+from ckpt.format.manifest import Manifest
+from ckpt.storage.nofollow import open_regular
 
 log = logging.getLogger(__name__)
 

@@ -8,8 +8,8 @@ import math
 import numbers
 from typing import Any, Literal
 
-from .lease import Lease
-from .policy import Auto, Every, Keep
+from ckpt.schedule.policy import Auto, Every, Keep
+from ckpt.storage.lease import Lease
 
 Restore = Literal["latest", "none"] | int
 OnError = Literal["raise", "log"] | int

@@ -201,7 +201,7 @@ def main() -> int:
     commits = re.findall(r"committed \S+/step-(\d+) \(([\d.]+) MB, blocked ([\d.]+) ms", node_logs)
     blocked = sorted(float(b) for _, _, b in commits)
     restarts = json.loads(subprocess.run(
-        [sys.executable, "-m", "ckpt.cli", "events", str(root), "--json"], capture_output=True, text=True,
+        [sys.executable, "-m", "ckpt.cli.main", "events", str(root), "--json"], capture_output=True, text=True,
         cwd=HERE.parent, check=True,
     ).stdout)["events"]  # fmt: skip
 

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 import ckpt
-from ckpt import stage
+from ckpt.save import stage
 
 
 def main() -> None:

@@ -73,8 +73,7 @@ def main() -> None:
     logging.getLogger("ckpt").addHandler(handler)
     logging.getLogger("ckpt").setLevel(logging.INFO)
     os.environ.setdefault("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    from ckpt import deepspeed_state
-
+    from ckpt.capture import deepspeed_state
     if args.gather_bytes:
         deepspeed_state.GATHER_BYTES = args.gather_bytes
     if args.save_no_frozen:

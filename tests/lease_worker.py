@@ -46,14 +46,14 @@ def main() -> None:
     p.add_argument("--on-error", default="raise")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format=f"[{os.environ.get('CKPT_JOB_ID')}] %(name)s %(levelname)s %(message)s")
-    logging.getLogger("ckpt.lease").setLevel(logging.DEBUG)  # how each lease was taken
+    logging.getLogger("ckpt.storage.lease").setLevel(logging.DEBUG)  # how each lease was taken
 
     import ckpt
 
     policy = ckpt.Lease(ttl_s=args.ttl, takeover=args.takeover)
     if args.bare:
-        from ckpt.lease import LEASE_NAME, LeaseKeeper
-        from ckpt.storage import Store
+        from ckpt.storage.lease import LEASE_NAME, LeaseKeeper
+        from ckpt.storage.store import Store
 
         store = Store(args.root)
         # The first requests set the client up (on S3: botocore's models, a connection): done

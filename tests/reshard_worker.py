@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from toy_model import build
 
 import ckpt
-import ckpt.capture
+import ckpt.capture.state
 
 
 def build_tp2d(dp: int, tp: int) -> torch.nn.Module:
@@ -56,7 +56,7 @@ def plan_is_dcps(model: torch.nn.Module, opt: torch.optim.Optimizer, root: str) 
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.default_planner import create_default_local_load_plan
 
-    from ckpt.dcp_io import SafeLoadPlanner
+    from ckpt.restore.dcp_read import SafeLoadPlanner
 
     step = max(Path(root).glob("step-*"))
     md = FileSystemReader(str(step)).read_metadata()
@@ -94,11 +94,11 @@ def main() -> None:
     torch.manual_seed(7)  # the same data on every rank: data parallel ranks see equal batches
 
     # Whether the restore loaded the model's values again after DCP (it need not when DCP
-    # loaded them into the model's own tensors: ckpt.live.loaded_in_place), and whether
+    # loaded them into the model's own tensors: ckpt.capture.live.loaded_in_place), and whether
     # only the optimizer's hyperparameters were set after (its state loaded in place:
-    # ckpt.live.optim_loaded_in_place): "optimizer in place".
+    # ckpt.capture.live.optim_loaded_in_place): "optimizer in place".
     loaded_again: list[bool | str] = []
-    real, real_groups = ckpt.capture.set_state_dict, ckpt.capture._load_hyperparameters
+    real, real_groups = ckpt.capture.state.set_state_dict, ckpt.capture.state._load_hyperparameters
 
     def spy(model, optimizers, *, model_state_dict, optim_state_dict):  # noqa: ANN001, ANN202
         loaded_again.append(bool(model_state_dict))
@@ -108,8 +108,8 @@ def main() -> None:
         loaded_again.append("optimizer in place")
         return real_groups(optimizers, groups)
 
-    ckpt.capture.set_state_dict = spy
-    ckpt.capture._load_hyperparameters = spy_groups
+    ckpt.capture.state.set_state_dict = spy
+    ckpt.capture.state._load_hyperparameters = spy_groups
     with ckpt.Checkpointer(args.root, model=model, optimizer=opt, interval=None, save_on_exit=False) as cp:
         if args.phase == "save":
             for _ in range(args.steps):

@@ -30,11 +30,11 @@ from jobs import RANKS, assert_same_training_state, dumps, rank_logs
 from launch import HERE, REPO, free_port, kill_all, start, wait
 
 import ckpt
-from ckpt.agent import Agent
-from ckpt.agent_config import Config, parse_size
-from ckpt.handoff import Handoff
-from ckpt.spool import Request, Spool, job_key, read_json, status_of
-from ckpt.storage import Store
+from ckpt.agent.config import Config, parse_size
+from ckpt.agent.daemon import Agent
+from ckpt.node.handoff import Handoff
+from ckpt.node.spool import Request, Spool, job_key, read_json, status_of
+from ckpt.storage.store import Store
 
 WORKER = HERE / "worker.py"
 
@@ -55,7 +55,7 @@ class Agentd:
         self.spool, self.log, self.port = spool, log, free_port()
         (spool / "agent.json").unlink(missing_ok=True)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "ckpt.cli", "agent", "--spool", str(spool), "--metrics-port", str(self.port), *flags],
+            [sys.executable, "-m", "ckpt.cli.main", "agent", "--spool", str(spool), "--metrics-port", str(self.port), *flags],
             env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})},
             stdout=open(log, "ab"),
             stderr=subprocess.STDOUT,
@@ -156,7 +156,7 @@ def test_ranks_on_two_nodes_one_without_an_agent_commit_by_whoever_is_last(tmp_p
         durable = sorted(p.name.split(".")[1] for p in (root / f"step-{step:010d}" / ".durable").iterdir())
         assert durable == ["rank-00000", "rank-00001"]
     assert not list((tmp_path / "node1").rglob("*.distcp"))  # rank 1 wrote to the root
-    rc = subprocess.run([sys.executable, "-m", "ckpt.cli", "verify", str(root), "--deep"], capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    rc = subprocess.run([sys.executable, "-m", "ckpt.cli.main", "verify", str(root), "--deep"], capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert rc.returncode == 0, rc.stdout + rc.stderr
 
 
@@ -179,7 +179,7 @@ def test_an_agent_killed_mid_upload_redoes_it_and_nothing_half_written_commits(t
 
     with agent(spool, tmp_path / "agent2.log") as a:
         until("the restarted agent to commit step 5", lambda: "step-0000000005/manifest.json" in s3_keys(s3_endpoint, s3_root), logs=a.text)
-    rc = subprocess.run([sys.executable, "-m", "ckpt.cli", "verify", s3_root, "--deep"], capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    rc = subprocess.run([sys.executable, "-m", "ckpt.cli.main", "verify", s3_root, "--deep"], capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert rc.returncode == 0, rc.stdout + rc.stderr
 
 
@@ -350,13 +350,12 @@ def test_an_agent_that_cannot_serve_its_metrics_says_so_in_one_line_and_exits_2(
         taken.listen()
         port = taken.getsockname()[1]
         for flags, says in ((["--metrics-port", str(port)], "Address already in use"), (["--metrics-addr", "192.0.2.1"], "cannot serve metrics on 192.0.2.1")):
-            r = subprocess.run([sys.executable, "-m", "ckpt.cli", "agent", "--spool", str(tmp_path / "spool"), *flags], capture_output=True, text=True, timeout=60)
+            r = subprocess.run([sys.executable, "-m", "ckpt.cli.main", "agent", "--spool", str(tmp_path / "spool"), *flags], capture_output=True, text=True, timeout=60)
             assert r.returncode == 2 and r.stderr.count("\n") == 1 and says in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
 def test_a_notice_file_given_to_the_agent_asks_the_ranks_of_the_node_to_stop(tmp_path, monkeypatch):
     from ckpt import preempt
-
     monkeypatch.setattr(preempt, "CHECK_EVERY_S", 0.0)
     spool, notice = tmp_path / "spool", tmp_path / "cloud-notice"
     local = Agent(Config(spool=str(spool), metrics_port=-1, preempt_file=str(notice)))
@@ -374,12 +373,12 @@ def test_a_notice_file_given_to_the_agent_asks_the_ranks_of_the_node_to_stop(tmp
 def test_json_logs_carry_the_record_and_no_credentials():
     import logging
 
-    from ckpt.agent_config import JsonFormatter
+    from ckpt.agent.config import JsonFormatter
 
-    record = logging.LogRecord("ckpt.agent", logging.INFO, __file__, 1, "uploading to %s", ("s3://AKIAXXX:hunter2@bucket/run",), None)
+    record = logging.LogRecord("ckpt.agent.daemon", logging.INFO, __file__, 1, "uploading to %s", ("s3://AKIAXXX:hunter2@bucket/run",), None)
     record.step = 5
     doc = json.loads(JsonFormatter().format(record))
-    assert doc["level"] == "info" and doc["step"] == 5 and doc["logger"] == "ckpt.agent"
+    assert doc["level"] == "info" and doc["step"] == 5 and doc["logger"] == "ckpt.agent.daemon"
     assert "hunter2" not in doc["message"] and "bucket/run" in doc["message"]
 
 
@@ -410,7 +409,7 @@ def test_a_stale_hand_off_never_overwrites_a_later_save_of_its_step(tmp_path):
         until("X's agent to settle A", lambda: (read_json(status_of(str(request))) or {}).get("state") == "failed", logs=a.text)
     assert "claimed by a later save" in read_json(status_of(str(request)))["why"]
     assert json.loads((root / "step-0000000001" / "manifest.json").read_text()) == committed
-    rc = subprocess.run([sys.executable, "-m", "ckpt.cli", "verify", str(root), "--deep"], capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    rc = subprocess.run([sys.executable, "-m", "ckpt.cli.main", "verify", str(root), "--deep"], capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert rc.returncode == 0, rc.stdout + rc.stderr
 
 
@@ -524,7 +523,7 @@ def test_the_agent_refuses_requests_that_name_paths_outside_the_spool(tmp_path):
 
 
 def test_allowed_roots_compare_whole_path_components_after_resolving_local_paths(tmp_path):
-    from ckpt.agent import within
+    from ckpt.agent.daemon import within
 
     allowed = tmp_path / "allowed"
     (tmp_path / "elsewhere").mkdir()
@@ -550,7 +549,7 @@ def test_allowed_roots_compare_whole_path_components_after_resolving_local_paths
 
 
 def test_only_where_the_store_is_goes_to_the_spool_never_credentials():
-    from ckpt.spool import public_options
+    from ckpt.node.spool import public_options
 
     options = {"endpoint_url": "http://minio:9000", "key": "AKIA", "secret": "s3cr3t", "token": "t", "account_key": "k",
                "client_kwargs": {"region_name": "eu-west-1", "aws_secret_access_key": "x"}, "s3_additional_kwargs": {"SSECustomerKey": "k"}}

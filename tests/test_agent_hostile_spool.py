@@ -29,8 +29,8 @@ import pytest
 from launch import REPO, free_port
 from test_agent import agent, until
 
-from ckpt.agent_config import Config
-from ckpt.checksum import checksum
+from ckpt.agent.config import Config
+from ckpt.format.checksum import checksum
 
 STEP = "step-0000000001"
 DATA = "__0_0.distcp"
@@ -258,7 +258,7 @@ def test_a_second_agent_on_a_spool_refuses_to_start_and_the_first_ones_commit_su
         until("the first agent to commit", lambda: (committed / "manifest.json").exists(), timeout=30, logs=first.text)
         files = {p.name: p.read_bytes() for p in committed.iterdir() if p.is_file()}
         second = subprocess.run(
-            [sys.executable, "-m", "ckpt.cli", "agent", "--spool", str(s.spool), "--metrics-port", str(free_port())],
+            [sys.executable, "-m", "ckpt.cli.main", "agent", "--spool", str(s.spool), "--metrics-port", str(free_port())],
             env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=30,
         )  # fmt: skip
         assert second.returncode == 2, second.stderr
@@ -311,9 +311,9 @@ def test_a_hostile_rank_metrics_file_is_left_out_and_the_scrape_goes_on(tmp_path
 
 
 def test_a_request_sets_where_the_store_is_never_the_agents_credentials_or_another_endpoint(tmp_path):
-    from ckpt.agent import Agent
+    from ckpt.agent.daemon import Agent
     from ckpt.errors import InvalidCheckpoint
-    from ckpt.spool import Request
+    from ckpt.node.spool import Request
 
     def request(options: dict) -> Request:
         return Request("s3://bucket/run", options, "step-0000000001", 1, "s", 0, 1, [], {}, 0.0)

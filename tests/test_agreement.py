@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import ckpt
-from ckpt.agreement import Agreement
+from ckpt.schedule.agreement import Agreement
 
 HERE = Path(__file__).resolve().parent
 

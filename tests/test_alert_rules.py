@@ -27,7 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from test_metrics import job, train
 
 import ckpt
-from ckpt.spool import Spool
+from ckpt.node.spool import Spool
 
 RULE_TESTS = ALERTS.with_name("ckpt-alerts.test.yml")
 STALE = "CkptCheckpointStale"
@@ -143,7 +143,7 @@ def agent(tmp_path) -> Iterator[tuple[Path, int]]:
     spool, port = tmp_path / "spool", free_port()
     log = open(tmp_path / "agent.log", "wb")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "ckpt.cli", "agent", "--spool", str(spool), "--metrics-port", str(port)],
+        [sys.executable, "-m", "ckpt.cli.main", "agent", "--spool", str(spool), "--metrics-port", str(port)],
         env={**os.environ, "PYTHONPATH": str(REPO)},
         stdout=log,
         stderr=subprocess.STDOUT,

@@ -10,7 +10,7 @@ import torch
 from compare import assert_bitwise_equal
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
-from ckpt.capture import TrainingState
+from ckpt.capture.state import TrainingState
 
 
 def _setup():
@@ -143,7 +143,7 @@ def _restore_through_checkpointer(tmp_path, model, monkeypatch, opt=None) -> lis
     restore, whether it was given the model's values, and "optimizer in place" where only
     the optimizer's hyperparameters were set (its state was loaded in place)."""
     import ckpt
-    import ckpt.capture
+    import ckpt.capture.state
 
     opt = opt or torch.optim.AdamW(model.parameters(), lr=0.1)
 
@@ -165,7 +165,7 @@ def _restore_through_checkpointer(tmp_path, model, monkeypatch, opt=None) -> lis
         opt.param_groups[0]["betas"] = (0.5, 0.5)
     assert any(not torch.equal(v, model.state_dict()[k]) for k, v in saved.items())
     calls: list[bool | str] = []
-    real, real_groups = ckpt.capture.set_state_dict, ckpt.capture._load_hyperparameters
+    real, real_groups = ckpt.capture.state.set_state_dict, ckpt.capture.state._load_hyperparameters
 
     def spy(model, optimizers, *, model_state_dict, optim_state_dict):
         calls.append(bool(model_state_dict))
@@ -175,8 +175,8 @@ def _restore_through_checkpointer(tmp_path, model, monkeypatch, opt=None) -> lis
         calls.append("optimizer in place")
         return real_groups(optimizers, groups)
 
-    monkeypatch.setattr(ckpt.capture, "set_state_dict", spy)
-    monkeypatch.setattr(ckpt.capture, "_load_hyperparameters", spy_groups)
+    monkeypatch.setattr(ckpt.capture.state, "set_state_dict", spy)
+    monkeypatch.setattr(ckpt.capture.state, "_load_hyperparameters", spy_groups)
     with ckpt.Checkpointer(str(tmp_path), model=model, optimizer=opt, interval=None, save_on_exit=False) as cp:
         assert cp.restored_step == 1
     assert_bitwise_equal(model.state_dict(), saved, "model")
@@ -294,7 +294,7 @@ def test_a_checkpoint_without_the_cuda_rng_stream_this_process_has_restores_and_
     import logging
 
     import ckpt
-    import ckpt.capture as capture
+    import ckpt.capture.state as capture
 
     real = capture.rng_state
     stands_for_cuda = torch.arange(16, dtype=torch.uint8)  # a CUDA generator's state, here on the CPU

@@ -24,13 +24,13 @@ import pytest
 import torch
 
 import ckpt
-from ckpt.cli import human_bytes
-from ckpt.storage import Store
+from ckpt.cli.main import human_bytes
+from ckpt.storage.store import Store
 
 sys.path.insert(0, os.path.dirname(__file__))
 from launch import free_port  # noqa: E402
 
-CLI = [sys.executable, "-m", "ckpt.cli"]
+CLI = [sys.executable, "-m", "ckpt.cli.main"]
 DATA = "__0_0.distcp"  # the one data file of a single-process save
 # Moto accepts any credentials; these are made up so that a leak is unmistakable.
 ENV_SECRET = "env-Secret/Value+Nr1"
@@ -588,7 +588,7 @@ def test_a_long_history_on_s3_is_read_whole_and_a_restart_names_the_run_before(s
     from types import SimpleNamespace
 
     from ckpt.events import Event, History, RunRecord, read_all, write_event, write_run
-    from ckpt.storage import Store
+    from ckpt.storage.store import Store
 
     store = Store(s3_root, s3_options)
     t0 = time.time() - 3600

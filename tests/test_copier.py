@@ -1,4 +1,4 @@
-"""A save's staging copies made while its file is written (ckpt.copier, filewrite.Gate).
+"""A save's staging copies made while its file is written (ckpt.save.copier, filewrite.Gate).
 
 What must hold: the writer never reads an arena range before the copies have reached it
 (a file written while they go on holds the state of its own step, never the bytes the
@@ -22,10 +22,10 @@ from test_faults import states, worker_args
 
 import ckpt
 from ckpt.errors import SaveFailed
-from ckpt.filewrite import GATE_FAILED, GATE_OPEN, GATE_WORD, Gate, Prefixes, write_file
-from ckpt.resave import Resaver
-from ckpt.stage import Stager
-from ckpt.storage import Store
+from ckpt.save.filewrite import GATE_FAILED, GATE_OPEN, GATE_WORD, Gate, Prefixes, write_file
+from ckpt.save.resave import Resaver
+from ckpt.save.stage import Stager
+from ckpt.storage.store import Store
 
 MB = 1 << 20
 PAGE = 4096
@@ -171,8 +171,8 @@ def test_the_copies_come_in_file_order_each_batch_marked_where_the_file_is_stage
     """Layout.copy_order against the file itself: filled with a pattern that names each
     tensor, the file says where each one's bytes lie; every byte of a tensor before a
     batch's mark is copied by that batch or an earlier one, and each copy is made once."""
-    from ckpt.commit import Group, persist
-    from ckpt.writer_proc import ThreadSink
+    from ckpt.save.commit import Group, persist
+    from ckpt.save.writer_proc import ThreadSink
 
     stager, resaver = Stager(), Resaver()
 

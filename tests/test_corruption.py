@@ -25,8 +25,8 @@ from jobs import RANKS, assert_same_training_state, dumps, rank_logs, train
 from launch import HERE, run
 from test_faults import malicious_pickle
 
-from ckpt import cli
-from ckpt.storage import step_dir_name
+from ckpt.cli import main as cli
+from ckpt.storage.store import step_dir_name
 
 PREVIOUS, NEWEST = 5, 10
 DATA = "__1_0.distcp"  # rank 1's data file of the newest step: rank 1 reads all of it to restore

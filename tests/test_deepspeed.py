@@ -18,7 +18,7 @@ import torch.distributed.checkpoint as dcp
 from compare import bits_equal
 from launch import HERE, run
 
-from ckpt.storage import step_dir_name
+from ckpt.storage.store import step_dir_name
 
 pytestmark = pytest.mark.slow
 

@@ -32,7 +32,7 @@ from jobs import (
 from launch import HERE, kill_all, run, start, wait
 
 import ckpt
-from ckpt.storage import step_dir_name
+from ckpt.storage.store import step_dir_name
 
 pytestmark = pytest.mark.slow
 

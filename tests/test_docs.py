@@ -19,7 +19,7 @@ README_MAX_LINES = 160
 _FENCE = re.compile(r"^```.*?^```", re.S | re.M)
 _LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
 _CODE = re.compile(r"`([^`\s]+)`")
-# A code span naming a file or folder of this repository: ckpt/interval.py, deploy/README.md.
+# A code span naming a file or folder of this repository: ckpt/schedule/interval.py, deploy/README.md.
 _REPO_PATH = re.compile(r"(?:ckpt|tests|bench|examples|deploy|agents|docs)/[\w.\-/]*|[A-Z]+\.md")
 
 

@@ -31,7 +31,7 @@ def global_batches(logs: Path) -> dict[int, set[int]]:
 
 
 def ckpt_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ckpt.cli", *args], capture_output=True, text=True, cwd=REPO)
+    return subprocess.run([sys.executable, "-m", "ckpt.cli.main", *args], capture_output=True, text=True, cwd=REPO)
 
 
 @pytest.mark.parametrize(("before", "after"), [(2, 1), (1, 2)], ids=["2to1", "1to2"])

@@ -27,8 +27,9 @@ import torch
 from compare import assert_bitwise_equal as assert_same
 
 import ckpt
-from ckpt import catalog, commit
-from ckpt.storage import Store, step_dir_name
+from ckpt.save import commit
+from ckpt.storage import catalog
+from ckpt.storage.store import Store, step_dir_name
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import launch  # noqa: E402
@@ -438,8 +439,8 @@ def test_every_checkpoint_corrupt_raises_restore_failed_and_touches_nothing(root
     assert tree(root) == before
     assert not marker.exists()
     # The failed start is in the job's history, for `ckpt events` and for the next run.
-    from ckpt.coordinator import failed
     from ckpt.events import read_all
+    from ckpt.schedule.coordinator import failed
 
     deadline = time.monotonic() + 30  # written in the background: the error was not held up for it
     while True:
@@ -452,7 +453,7 @@ def test_every_checkpoint_corrupt_raises_restore_failed_and_touches_nothing(root
     assert failure.phase == "start" and failure.cause.startswith("failed to start: RestoreFailed: ")
     (ended,) = [r.ended for r in runs if r.ended.startswith("failed to start")]
     assert ended == failure.cause and not failed(ended)  # not a machine failure (MTBF)
-    table = subprocess.run([sys.executable, "-m", "ckpt.cli", "events", str(root)], capture_output=True, text=True, check=True).stdout
+    table = subprocess.run([sys.executable, "-m", "ckpt.cli.main", "events", str(root)], capture_output=True, text=True, check=True).stdout
     assert "failed to start" in table and "RestoreFailed" in table
 
     model, _ = make_model(seed=99)
@@ -564,7 +565,7 @@ def test_metadata_rewritten_with_a_matching_manifest_is_still_never_run(root_5_1
     import subprocess
     import sys
 
-    from ckpt.checksum import checksum
+    from ckpt.format.checksum import checksum
 
     root, seen = root_5_10
     marker = tmp_path / "PWNED"
@@ -584,7 +585,7 @@ def test_metadata_rewritten_with_a_matching_manifest_is_still_never_run(root_5_1
     cp, restored = restore(root)
     assert cp.restored_step == 5
     assert "never holds: refused, nothing in it was run" in caplog.text
-    deep = subprocess.run([sys.executable, "-m", "ckpt.cli", "verify", str(root), "--deep"], capture_output=True, text=True)
+    deep = subprocess.run([sys.executable, "-m", "ckpt.cli.main", "verify", str(root), "--deep"], capture_output=True, text=True)
     assert deep.returncode == 1 and "never holds" in deep.stdout
     assert not marker.exists()
 

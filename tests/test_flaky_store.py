@@ -36,7 +36,7 @@ def proxy(s3_endpoint):
 
 def verify_deep(root: str, options: dict) -> subprocess.CompletedProcess:
     flags = [f"--storage-option={k}={v}" for k, v in options.items()]
-    return subprocess.run([sys.executable, "-m", "ckpt.cli", "verify", root, "--deep", *flags],
+    return subprocess.run([sys.executable, "-m", "ckpt.cli.main", "verify", root, "--deep", *flags],
                           capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
 
 
@@ -121,7 +121,7 @@ def test_ckpt_cp_from_a_store_that_throttles_retries_as_a_save_does(tmp_path, pr
         train_step(cp, model, opt)
         cp.wait()
     proxy.fail("range", *["503"] * 4)  # the first ranged GETs: more than 3 in a row
-    done = subprocess.run([sys.executable, "-m", "ckpt.cli", "cp", s3_root, str(tmp_path / "copy"), f"--storage-option=endpoint_url={proxy.url}"],
+    done = subprocess.run([sys.executable, "-m", "ckpt.cli.main", "cp", s3_root, str(tmp_path / "copy"), f"--storage-option=endpoint_url={proxy.url}"],
                           capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     assert proxy.failed["range"] == 4

@@ -21,8 +21,8 @@ from launch import run_worker
 from toy_model import build
 
 import ckpt
-from ckpt.capture import TrainingState
-from ckpt.storage import step_dir_name
+from ckpt.capture.state import TrainingState
+from ckpt.storage.store import step_dir_name
 
 FROZEN = ("0.weight", "0.bias")
 

@@ -24,8 +24,8 @@ import torch
 from compare import assert_bitwise_equal
 
 import ckpt
-from ckpt import catalog
-from ckpt.storage import Store, step_dir_name
+from ckpt.storage import catalog
+from ckpt.storage.store import Store, step_dir_name
 
 MB = 1 << 20
 
@@ -165,7 +165,7 @@ def test_a_spool_that_runs_out_of_space_mid_write_gives_way_to_the_root_and_the_
     the spool has room again, and the one after through the agent."""
     from test_agent import agent, until
 
-    from ckpt.spool import Spool
+    from ckpt.node.spool import Spool
 
     monkeypatch.setenv("CKPT_FAULT", "writer_process:0:2:sleep=3")  # step 2's writer waits before it writes
     caplog.set_level(logging.INFO, logger="ckpt")
@@ -396,7 +396,7 @@ def test_with_two_nodes_the_rank_whose_spool_fills_mid_write_goes_to_the_root_wh
     assert durable == ["rank-00000", "rank-00001"]
     manifest = json.loads((root / step_dir_name(10) / "manifest.json").read_text())
     assert manifest["step"] == 10 and {f["rank"] for f in manifest["files"].values()} >= {0, 1}
-    rc = subprocess.run([sys.executable, "-m", "ckpt.cli", "verify", str(root), "--deep"], capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    rc = subprocess.run([sys.executable, "-m", "ckpt.cli.main", "verify", str(root), "--deep"], capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert rc.returncode == 0, rc.stdout + rc.stderr
     assert [d["step"] for d in dumps(out)] == [10] * RANKS
     # A restart restores step 10 from the root, exactly what the ranks held.

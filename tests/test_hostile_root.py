@@ -7,7 +7,7 @@ One table of root entries (`KINDS`), and for each what a user would check after 
 `ckpt verify`, `ckpt rm --step`, `ckpt gc`, and a job that restores and saves with retention:
 the exit code, what is said, the step restored, and that the other root's and the outside
 directory's files are all still there, byte for byte. The roots are written by a real
-Checkpointer; the CLI runs in this process (`ckpt.cli.main`) but for the escaping test,
+Checkpointer; the CLI runs in this process (`ckpt.cli.main.main`) but for the escaping test,
 which runs it as a user does (a subprocess, its log lines too); the full disk is a real tmpfs.
 """
 
@@ -34,9 +34,9 @@ from launch import REPO
 from test_full_disk import fill, tmpfs
 
 import ckpt
-from ckpt import catalog, lease
-from ckpt.cli import main as cli
-from ckpt.storage import Store, step_dir_name
+from ckpt.cli.main import main as cli
+from ckpt.storage import catalog, lease
+from ckpt.storage.store import Store, step_dir_name
 
 MB = 1 << 20
 
@@ -351,7 +351,7 @@ def test_every_text_output_escapes_what_the_root_says(templates, tmp_path):
         "events": ["events", str(root)],
     }
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    procs = {k: subprocess.Popen([sys.executable, "-m", "ckpt.cli", *c], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE) for k, c in calls.items()}
+    procs = {k: subprocess.Popen([sys.executable, "-m", "ckpt.cli.main", *c], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE) for k, c in calls.items()}
     said = {k: p.communicate(timeout=120) for k, p in procs.items()}
     for verb, (out, err) in said.items():
         for stream, raw in (("stdout", out), ("stderr", err)):

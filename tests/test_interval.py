@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from ckpt.interval import (
+from ckpt.schedule.interval import (
     DAY,
     HOUR,
     MtbfEstimate,
@@ -99,7 +99,7 @@ def test_nonsense_inputs_are_refused_with_a_clear_error(bad):
 
 
 def test_auto_waits_for_a_measurement_then_takes_the_async_optimum():
-    from ckpt.policy import Auto
+    from ckpt.schedule.policy import Auto
 
     auto = Auto(node_mtbf_s=30 * DAY, first_after_s=120)
     assert auto.seconds(None, None, 3 * HOUR) == 120
@@ -111,14 +111,14 @@ def test_auto_waits_for_a_measurement_then_takes_the_async_optimum():
 
 
 def test_exposure_counts_failed_runs_and_node_time():
-    from ckpt.policy import exposure
+    from ckpt.schedule.policy import exposure
 
     runs = [(16, 3600.0, True), (16, 7200.0, False), (8, 1800.0, True)]  # 8 ranks per node
     assert exposure(runs, ranks_per_node=8) == (2, 3600 * 2 + 7200 * 2 + 1800 * 1)
 
 
 def test_auto_with_clustered_failures_lengthens_its_interval_as_the_run_survives():
-    from ckpt.policy import Auto
+    from ckpt.schedule.policy import Auto
 
     auto = Auto(node_mtbf_s=30 * DAY, weibull_shape=0.6)
     early, late = (auto.seconds(1.0, 10.0, 3 * HOUR, since) for since in (60.0, 12 * HOUR))
@@ -127,7 +127,7 @@ def test_auto_with_clustered_failures_lengthens_its_interval_as_the_run_survives
 
 
 def test_user_exits_are_not_failures_but_kills_and_crashes_are():
-    from ckpt.coordinator import failed
+    from ckpt.schedule.coordinator import failed
 
     assert failed(None) and failed("error: RuntimeError: CUDA error: an illegal memory access")
     assert not failed("completed") and not failed("preempted (SIGTERM)")
@@ -135,7 +135,7 @@ def test_user_exits_are_not_failures_but_kills_and_crashes_are():
 
 
 def test_the_node_count_comes_from_the_launchers_local_size(monkeypatch):
-    from ckpt.coordinator import ranks_per_node
+    from ckpt.schedule.coordinator import ranks_per_node
 
     for name in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"):
         monkeypatch.delenv(name, raising=False)

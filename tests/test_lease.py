@@ -1,4 +1,4 @@
-"""The root lease: one job writes to a root at a time (ckpt.lease).
+"""The root lease: one job writes to a root at a time (ckpt.storage.lease).
 
 Real jobs (tests/lease_worker.py, one process each, or two gloo ranks) on a local root and on
 a real S3-protocol server; what is checked is what a user would: the exit status, the error
@@ -23,9 +23,9 @@ from launch import HERE, REPO, start
 from launch import wait as wait_ranks
 
 import ckpt
-from ckpt import lease
-from ckpt.lease import Holder, Lease, LeaseKeeper, judge
-from ckpt.storage import Store, Tagged
+from ckpt.storage import lease
+from ckpt.storage.lease import Holder, Lease, LeaseKeeper, judge
+from ckpt.storage.store import Store, Tagged
 
 WORKER = HERE / "lease_worker.py"
 TTL = 30.0  # long enough never to expire by itself during a test that does not wait for it
@@ -134,7 +134,7 @@ def steps(root: str) -> list[str]:
 
 def cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "ckpt.cli", *args], env={**os.environ, "PYTHONPATH": str(REPO)},
+        [sys.executable, "-m", "ckpt.cli.main", *args], env={**os.environ, "PYTHONPATH": str(REPO)},
         capture_output=True, text=True, timeout=60,
     )
 
@@ -591,7 +591,7 @@ def test_a_lease_held_from_another_machine_is_waited_out_and_refused_only_if_it_
 
     import torch
 
-    from ckpt.lease import LEASE_NAME, this_process
+    from ckpt.storage.lease import LEASE_NAME, this_process
 
     def foreign(root: Path, ttl: float) -> None:
         now = time.time()

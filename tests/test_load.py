@@ -21,7 +21,7 @@ from launch import HERE, run
 from toy_model import build, optimizer
 
 import ckpt
-from ckpt import cli
+from ckpt.cli import main as cli
 
 FIGURES: dict = {}
 

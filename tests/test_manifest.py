@@ -9,8 +9,8 @@ import json
 import pytest
 
 from ckpt.errors import InvalidCheckpoint
-from ckpt.manifest import FileEntry as F
-from ckpt.manifest import Manifest, SaveCosts
+from ckpt.format.manifest import FileEntry as F
+from ckpt.format.manifest import Manifest, SaveCosts
 
 
 def _manifest(**changes: object) -> Manifest:

@@ -42,13 +42,13 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 import ckpt
-from ckpt import tensor_blob
-from ckpt.checksum import Hasher, block_size
-from ckpt.dcp_metadata import load_metadata
 from ckpt.errors import InvalidCheckpoint, RestoreFailed
+from ckpt.format import tensor_blob
+from ckpt.format.checksum import Hasher, block_size
+from ckpt.format.dcp_metadata import load_metadata
 
 DCP = "torch.distributed.checkpoint.metadata"
-CLI = [sys.executable, "-m", "ckpt.cli"]
+CLI = [sys.executable, "-m", "ckpt.cli.main"]
 
 
 # -- hand-written pickles ------------------------------------------------------------------------
@@ -421,7 +421,7 @@ def tampered(request: pytest.FixtureRequest, saved: Path, tmp_path: Path) -> Pat
 
 
 def test_metadata_with_values_dcp_never_writes_is_refused_by_every_verb_and_restore_falls_back(tampered, tmp_path, capsys, caplog):
-    from ckpt.cli import main
+    from ckpt.cli.main import main
 
     for args in (["verify", "--deep"], ["show"], ["load-test", "--world-size", "2"], ["export", "--format", "torch", "--out", str(tmp_path / "x.pt")]):
         assert main([args[0], str(tampered), *args[1:]]) == 1, args  # no traceback: an exception would escape

@@ -170,10 +170,10 @@ def test_every_steps_exports_its_interval_in_seconds_and_a_healthy_job_is_not_st
     [(ckpt.Every(steps=50), 50 / 3, 50), (ckpt.Every(seconds=7.0), 7.0, 21), (ckpt.Every(steps=50, seconds=7.0), 7.0, 50), (ckpt.Every(steps=15, seconds=7.0), 5.0, 15)],
 )
 def test_the_interval_in_seconds_is_the_sooner_of_the_steps_at_the_step_time_and_the_clock(monkeypatch, every, seconds, steps):
-    from ckpt.cadence import Cadence
+    from ckpt.schedule.cadence import Cadence
 
     now = [100.0]
-    monkeypatch.setattr("ckpt.cadence.time.monotonic", lambda: now[0])
+    monkeypatch.setattr("ckpt.schedule.cadence.time.monotonic", lambda: now[0])
     cadence = Cadence(every, agree_every_s=5.0)
     cadence.restart(0)  # the run starts: of the interval, only the clock's is known
     assert cadence.estimate()["seconds"] == every.seconds

@@ -26,7 +26,7 @@ from launch import HERE, kill_all, start, wait
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from zoo import KINDS, cases
 
-from ckpt.storage import step_dir_name
+from ckpt.storage.store import step_dir_name
 
 pytestmark = pytest.mark.slow
 

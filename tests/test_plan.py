@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from ckpt.interval import HOUR, async_interval, daly_exact
-from ckpt.plan import Ledger, parse_bytes, parse_count, parse_duration, plan
+from ckpt.schedule.interval import HOUR, async_interval, daly_exact
+from ckpt.schedule.plan import Ledger, parse_bytes, parse_count, parse_duration, plan
 
 
 def test_the_ledger_gives_designs_worked_case_208_gb_for_13b_at_16_bytes_per_parameter():
@@ -40,7 +40,7 @@ def test_counts_and_durations_parse_as_written():
 
 
 def _ckpt(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ckpt.cli", *args], capture_output=True, text=True)
+    return subprocess.run([sys.executable, "-m", "ckpt.cli.main", *args], capture_output=True, text=True)
 
 
 def test_ckpt_plan_prints_a_table_and_json_and_refuses_bad_units_in_one_line():
@@ -56,7 +56,7 @@ def test_ckpt_plan_prints_a_table_and_json_and_refuses_bad_units_in_one_line():
 
 
 def test_without_failures_a_job_loses_only_its_blocking_time():
-    from ckpt.simulate import Job, simulate
+    from ckpt.schedule.simulate import Job, simulate
 
     job = Job(mtbf_s=1e12, blocking_s=1.0, persist_s=10.0, wall_s=10 * 86400, fixed_steps=50, step_s=2.0)
     out = simulate(job, "fixed", runs=1)
@@ -68,8 +68,8 @@ def test_without_failures_a_job_loses_only_its_blocking_time():
 def test_the_coordinator_learning_from_a_wrong_prior_is_within_2_points_of_the_best_oracle(scenario, blocking, persist):
     import dataclasses
 
-    from ckpt.simulate import compare
-    from ckpt.simulate import scenario as make
+    from ckpt.schedule.simulate import compare
+    from ckpt.schedule.simulate import scenario as make
 
     job = dataclasses.replace(make(scenario), blocking_s=blocking, persist_s=persist, wall_s=20 * 86400)
     rows = compare(job, runs=4)
@@ -84,7 +84,7 @@ def test_the_coordinator_learning_from_a_wrong_prior_is_within_2_points_of_the_b
 def test_the_coordinator_ends_at_the_oracles_interval_from_a_prior_off_by_10x(factor):
     import dataclasses
 
-    from ckpt.simulate import scenario, simulate
+    from ckpt.schedule.simulate import scenario, simulate
 
     # C_b = 2 s, L = 60 s: the optimum (211 s) is well above the floor, so the interval shows
     # what was learned (without learning, a 10x prior would stay at sqrt(10) x 211 s).

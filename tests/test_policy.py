@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import ckpt
-from ckpt import catalog
-from ckpt.storage import Store, step_dir_name
+from ckpt.storage import catalog
+from ckpt.storage.store import Store, step_dir_name
 
 
 # -- Keep.to_delete on plain lists ------------------------------------------------------------
@@ -263,8 +263,7 @@ def test_a_local_root_that_is_not_there_lists_empty_and_an_unreadable_one_is_an_
 def test_a_step_directory_deleted_while_the_root_is_listed_is_left_out(tmp_path, monkeypatch):
     import shutil
 
-    from ckpt import storage
-
+    from ckpt.storage import store as storage
     for step in (1, 2):
         (tmp_path / step_dir_name(step) / "sub").mkdir(parents=True)
         (tmp_path / step_dir_name(step) / "f").write_bytes(b"ab")
@@ -385,7 +384,7 @@ def test_auto_interval_learns_a_shorter_mtbf_from_the_jobs_failed_runs(tmp_path)
     import time
 
     from ckpt.events import RunRecord, write_run
-    from ckpt.storage import Store
+    from ckpt.storage.store import Store
 
     store = Store(tmp_path)
     now = time.time()

@@ -17,11 +17,13 @@ import pytest
 import torch
 
 import ckpt
-from ckpt import dcp_io, prefetch, restore
-from ckpt.handoff import Tiered
-from ckpt.manifest import METADATA_NAME, FileEntry, Manifest
-from ckpt.prefetch import Prefetch
-from ckpt.storage import Store, step_dir_name
+from ckpt.format.manifest import METADATA_NAME, FileEntry, Manifest
+from ckpt.node.handoff import Tiered
+from ckpt.restore import dcp_read as dcp_io
+from ckpt.restore import load as restore
+from ckpt.restore import prefetch
+from ckpt.restore.prefetch import Prefetch
+from ckpt.storage.store import Store, step_dir_name
 
 linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the prefetch uses Linux's sendfile to /dev/null")
 

@@ -1,4 +1,4 @@
-"""Saves after the first lay their files out as the last planned save did (ckpt.resave).
+"""Saves after the first lay their files out as the last planned save did (ckpt.save.resave).
 
 What must hold: a resaved file is the file DCP's planned save would have written, byte for
 byte, and loads with plain `dcp.load`; a state that changed shape on any rank is planned
@@ -17,11 +17,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 from compare import assert_bitwise_equal
 
-from ckpt.commit import Group, persist
-from ckpt.resave import Resaver
-from ckpt.stage import Stager
-from ckpt.storage import Store
-from ckpt.writer_proc import ThreadSink
+from ckpt.save.commit import Group, persist
+from ckpt.save.resave import Resaver
+from ckpt.save.stage import Stager
+from ckpt.save.writer_proc import ThreadSink
+from ckpt.storage.store import Store
 
 HERE = Path(__file__).resolve().parent
 
@@ -78,7 +78,7 @@ def test_a_resaved_file_is_byte_for_byte_the_file_dcp_plans(tmp_path):
 
 
 def test_an_unchanged_object_is_not_pickled_again_and_a_changed_one_is(tmp_path, monkeypatch):
-    import ckpt.resave
+    import ckpt.save.resave
 
     saved: list = []
     real = torch.save
@@ -87,7 +87,7 @@ def test_an_unchanged_object_is_not_pickled_again_and_a_changed_one_is(tmp_path,
         saved.append(obj)
         return real(obj, f, *a, **k)
 
-    monkeypatch.setattr(ckpt.resave.torch, "save", counting)
+    monkeypatch.setattr(ckpt.save.resave.torch, "save", counting)
     stager, resaver = Stager(), Resaver()
     groups = {"lr": 0.1, "betas": (0.9, 0.999), "names": ["w", "b"], "opt": {"eps": 1e-8}}
     live = {**_state(1, "same"), "groups": groups, "numpy": np.float64(2.0)}

@@ -32,12 +32,14 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
 
 import ckpt
-from ckpt import catalog, dcp_io, tensor_blob
-from ckpt.checksum import checksum
-from ckpt.dcp_io import SafeLoadPlanner, make_reader
 from ckpt.errors import InvalidCheckpoint
-from ckpt.manifest import MANIFEST_NAME, METADATA_NAME, FileEntry, Manifest
-from ckpt.storage import Store, step_dir_name
+from ckpt.format import tensor_blob
+from ckpt.format.checksum import checksum
+from ckpt.format.manifest import MANIFEST_NAME, METADATA_NAME, FileEntry, Manifest
+from ckpt.restore import dcp_read as dcp_io
+from ckpt.restore.dcp_read import SafeLoadPlanner, make_reader
+from ckpt.storage import catalog
+from ckpt.storage.store import Store, step_dir_name
 
 DATA = "__0_0.distcp"
 
@@ -745,7 +747,7 @@ def test_a_small_file_checked_in_one_read_cut_short_or_grown_is_caught(tmp_path,
 def test_a_partial_read_verifies_every_block_it_touched_and_nothing_past_the_manifests_size():
     """VerifyingReader on its own, over 3.5 blocks: peeks, mid-block skips and the short last
     block are all checked; a skipped block is not read; bytes past the recorded size fail."""
-    from ckpt.checksum import Hasher
+    from ckpt.format.checksum import Hasher
 
     B = 1 << 20
     good = os.urandom(3 * B + B // 2)

@@ -95,8 +95,8 @@ def test_a_restore_of_a_named_step_lists_the_root_once_and_reads_no_other_metada
 
 
 def test_only_a_restore_keeps_the_checked_bytes_and_only_of_the_checkpoint_it_picks(tmp_path):
-    from ckpt import catalog
-    from ckpt.storage import Store
+    from ckpt.storage import catalog
+    from ckpt.storage.store import Store
 
     m = torch.nn.Linear(8, 8)
     with ckpt.Checkpointer(tmp_path, model=m, interval=None, save_on_exit=False) as cp:
@@ -122,7 +122,7 @@ def test_a_restart_reads_the_newest_run_records_not_the_whole_history(s3_root, s
     from s3proxy import FaultyProxy
 
     from ckpt.events import RunRecord, write_run
-    from ckpt.storage import Store
+    from ckpt.storage.store import Store
 
     m = torch.nn.Linear(8, 8)
     with ckpt.Checkpointer(s3_root, model=m, storage_options=s3_options, interval=None, save_on_exit=False) as cp:

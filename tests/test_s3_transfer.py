@@ -18,7 +18,7 @@ import s3fs
 from s3proxy import FaultyProxy
 
 from ckpt.errors import InvalidCheckpoint, NotFound, StorageError
-from ckpt.storage import MiB, Store, Transfer
+from ckpt.storage.store import MiB, Store, Transfer
 
 PART = 5 * MiB  # S3's smallest part, so that a few MiB make several parts
 SMALL = Transfer(part_size=PART, concurrency=3, read_size=2 * MiB, readahead=3, backoff_s=0.01)
@@ -289,7 +289,7 @@ def test_the_checkpointers_transfer_settings_reach_its_writer_process(proxy, s3_
 def test_transient_failures_are_retried_and_the_data_still_round_trips(
     proxy, s3_root, s3_options, caplog
 ):
-    caplog.set_level(logging.INFO, logger="ckpt.s3")
+    caplog.set_level(logging.INFO, logger="ckpt.storage.s3")
     store = through(proxy, s3_root, s3_options, attempts=4)
     data, small = payload(23 * MiB), payload(1000)
     proxy.fail("part", "503", "reset", "500")
@@ -495,8 +495,8 @@ def test_a_wrong_size_told_costs_requests_never_bytes(store, s3_root, s3_endpoin
 
 
 def test_one_put_never_carries_more_than_s3_takes(s3_root, s3_options):
-    from ckpt.s3 import Upload
-    from ckpt.storage import PUT_MAX
+    from ckpt.storage.s3 import Upload
+    from ckpt.storage.store import PUT_MAX
 
     big = Store(s3_root, s3_options, Transfer(part_size=3 << 30))
     assert Upload(big._s3, big.path("x"), "x")._one_put == PUT_MAX

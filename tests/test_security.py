@@ -31,16 +31,16 @@ from jobs import RANKS, rank_logs
 from launch import HERE, REPO, free_port, start, wait
 
 import ckpt
-from ckpt.agent import Agent
-from ckpt.agent_config import Config
+from ckpt.agent.config import Config
+from ckpt.agent.daemon import Agent
 from ckpt.errors import InvalidCheckpoint, RestoreFailed
-from ckpt.manifest import Manifest
+from ckpt.format.manifest import Manifest
+from ckpt.format.signing import SigningKey
 from ckpt.metrics import Metrics
-from ckpt.signing import SigningKey
-from ckpt.spool import Request, Spool, check_request, read_json, status_of
-from ckpt.storage import Store
+from ckpt.node.spool import Request, Spool, check_request, read_json, status_of
+from ckpt.storage.store import Store
 
-CLI = [sys.executable, "-m", "ckpt.cli"]
+CLI = [sys.executable, "-m", "ckpt.cli.main"]
 WORKER = HERE / "worker.py"
 KEY = "signing-key-0123456789-abcdef-Nr1"
 OTHER_KEY = "another-key-0123456789-abcdef-Nr2"

@@ -22,7 +22,7 @@ from compare import assert_bitwise_equal
 from test_agent import agent
 
 import ckpt
-from ckpt.storage import step_dir_name
+from ckpt.storage.store import step_dir_name
 
 
 class Counter(torch.nn.Module):

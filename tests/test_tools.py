@@ -20,9 +20,9 @@ from jobs import RANKS
 from launch import REPO, run
 
 import ckpt
-from ckpt.export import read_export
+from ckpt.admin.export import read_export
 
-CLI = [sys.executable, "-m", "ckpt.cli"]
+CLI = [sys.executable, "-m", "ckpt.cli.main"]
 
 
 def cli(*args: object, env: dict[str, str] | None = None, check: bool = True) -> subprocess.CompletedProcess:
@@ -130,8 +130,8 @@ def test_diff_names_what_differs_by_how_much_and_what_one_side_lacks(tmp_path):
 def test_diff_stopped_by_an_unexpected_error_is_no_answer_not_they_differ(tmp_path, monkeypatch, capsys):
     """diff's exit 1 means "they differ": an error no other handler knows (a bug, a tensor
     that cannot be compared) is exit 2, in one line, like a corrupt side."""
-    from ckpt import cli, cli_tools
-
+    from ckpt.cli import main as cli
+    from ckpt.cli import whole as cli_tools
     a = tmp_path / "a"
     train(a, 10)
 
@@ -143,8 +143,7 @@ def test_diff_stopped_by_an_unexpected_error_is_no_answer_not_they_differ(tmp_pa
     err = capsys.readouterr().err
     assert err == "ckpt: cannot compare these\n", err
     # Any other verb lets such an error through, with its traceback: a bug shows where it is.
-    from ckpt import catalog
-
+    from ckpt.storage import catalog
     monkeypatch.setattr(catalog, "find", broken)
     with pytest.raises(RuntimeError, match="cannot compare"):
         cli.main(["cp", str(a), str(tmp_path / "b")])
@@ -234,8 +233,9 @@ def test_an_export_that_fails_part_way_leaves_nothing_at_its_out(tmp_path, monke
     """An export that fails after some tensors were written (here: a corrupt block found on
     the way, one tensor read at a time) leaves neither `--out` nor its partial files: a zarr
     directory of half the arrays would read back as a complete, smaller checkpoint."""
-    from ckpt import catalog, export, tools
-    from ckpt.storage import Store
+    from ckpt.admin import export, tools
+    from ckpt.storage import catalog
+    from ckpt.storage.store import Store
 
     root = tmp_path / "root"
     train(root, 10)

@@ -24,8 +24,8 @@ import torch.distributed.checkpoint as dcp
 import xxhash
 
 import ckpt
-from ckpt.filewrite import write_file
-from ckpt.storage import Store
+from ckpt.save.filewrite import write_file
+from ckpt.storage.store import Store
 
 MB = 1 << 20
 
@@ -88,8 +88,7 @@ def test_pieces_land_in_order_with_their_checksum_on_any_filesystem(tmp_path, wh
 def test_direct_writes_queued_in_batches_land_in_order_whatever_the_batch(tmp_path, monkeypatch, limits):
     """O_DIRECT writes are queued and sent in batches (bytes, pieces), the bounce buffer's
     pages held until their batch is written: with tiny limits every flush path runs."""
-    from ckpt import filewrite
-
+    from ckpt.save import filewrite
     batch, iov, bounce = limits
     monkeypatch.setattr(filewrite, "_DIRECT_BATCH", batch)
     monkeypatch.setattr(filewrite, "_IOV_MAX", iov)
@@ -125,7 +124,7 @@ def _prefix_pieces(seg: int = 0) -> list:
 
 @pytest.mark.parametrize("direct", [True, False], ids=["direct", "buffered"])
 def test_a_layout_written_again_from_its_gathered_prefix_is_the_file_written_piece_by_piece(tmp_path, direct):
-    from ckpt.filewrite import Prefixes
+    from ckpt.save.filewrite import Prefixes
 
     seg = _segment(16 * MB)
     pieces = _prefix_pieces()
@@ -149,8 +148,8 @@ def test_a_layout_written_again_from_its_gathered_prefix_is_the_file_written_pie
 
 @pytest.mark.parametrize("where", FILESYSTEMS)
 def test_a_whole_file_image_writes_its_bytes_again_and_again_without_the_page_cache(tmp_path, where):
-    from ckpt.checksum import checksum
-    from ckpt.filewrite import Image
+    from ckpt.format.checksum import checksum
+    from ckpt.save.filewrite import Image
 
     root = tmp_path if where == "tmp_path" else Path(where)
     data = os.urandom(3 * MB + 1234)  # not a whole number of pages: the tail is written buffered
@@ -166,8 +165,8 @@ def test_a_whole_file_image_writes_its_bytes_again_and_again_without_the_page_ca
 
 
 def test_the_writer_process_keeps_a_layouts_fixed_pieces_and_lets_go_of_dead_segments(tmp_path):
-    from ckpt.arena import Arena
-    from ckpt.writer_proc import ProcessSink
+    from ckpt.save.arena import Arena
+    from ckpt.save.writer_proc import ProcessSink
 
     store = Store(tmp_path)
     arena = Arena()
@@ -323,7 +322,7 @@ def _alive(pid: int) -> bool:
 
 def test_the_writer_process_never_imports_torch(tmp_path):
     out = subprocess.run(
-        [sys.executable, "-c", "import sys, ckpt.writer_proc; print('torch' in sys.modules)"],
+        [sys.executable, "-c", "import sys, ckpt.save.writer_proc; print('torch' in sys.modules)"],
         capture_output=True,
         text=True,
         check=True,
@@ -360,10 +359,10 @@ def test_tensors_staged_in_two_arenas_are_written_from_the_right_one(tmp_path, w
     # On CUDA a stager has a pageable and a pinned arena; their segments must never be mixed
     # up (they once were: both numbered theirs from 0, and small CPU tensors were saved with
     # the bytes of a pinned segment).
-    from ckpt.arena import Arena
-    from ckpt.commit import Group, persist
-    from ckpt.resave import Resaver
-    from ckpt.writer_proc import ProcessSink, ThreadSink
+    from ckpt.save.arena import Arena
+    from ckpt.save.commit import Group, persist
+    from ckpt.save.resave import Resaver
+    from ckpt.save.writer_proc import ProcessSink, ThreadSink
 
     arenas = [Arena(), Arena()]
     want = {f"t{i}": torch.randn(100 + i) for i in range(6)}
@@ -385,7 +384,7 @@ def test_tensors_staged_in_two_arenas_are_written_from_the_right_one(tmp_path, w
 
 
 def test_direct_io_writes_aligned_tensors_straight_from_shared_memory(tmp_path, monkeypatch):
-    import ckpt.filewrite as fw
+    import ckpt.save.filewrite as fw
 
     seen = []
     finish = fw._DirectFile.finish

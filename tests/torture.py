@@ -87,11 +87,11 @@ class Agent:
         if self.proc is not None and self.proc.poll() is None and not env:
             return
         self.stop()
-        from ckpt.spool import Spool
+        from ckpt.node.spool import Spool
 
         (self.spool / "agent.json").unlink(missing_ok=True)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "ckpt.cli", "agent", "--spool", str(self.spool), "--metrics-port", "0"],
+            [sys.executable, "-m", "ckpt.cli.main", "agent", "--spool", str(self.spool), "--metrics-port", "0"],
             env={**_env(), **(env or {})}, stdout=open(self.log, "ab"), stderr=subprocess.STDOUT,
         )
         deadline = time.monotonic() + 30
@@ -103,8 +103,8 @@ class Agent:
     def settle(self, root: Path) -> None:
         """A live agent that has finished what the last trial handed off, as the ranks of a
         restart on its node wait for (a dead one is replaced first)."""
-        from ckpt.handoff import Handoff
-        from ckpt.storage import Store
+        from ckpt.node.handoff import Handoff
+        from ckpt.storage.store import Store
 
         self.ensure()
         handoff = Handoff.find(str(self.spool), Store(str(root)), 0, None)
@@ -125,8 +125,8 @@ def _env() -> dict[str, str]:
 
 
 def committed(root: Path) -> list[int]:
-    from ckpt import catalog
-    from ckpt.storage import Store
+    from ckpt.storage import catalog
+    from ckpt.storage.store import Store
 
     return sorted(e.step for e in catalog.scan(Store(str(root))) if e.state == catalog.COMMITTED)
 
@@ -241,7 +241,7 @@ def sweep(trials: int, seed: int, base: Path, agent_share: float = 1 / 3, log=pr
 
 def verify_deep(root: Path) -> dict:
     """Every committed checkpoint the root still holds, read whole against its checksums."""
-    r = subprocess.run([sys.executable, "-m", "ckpt.cli", "verify", str(root), "--deep"],
+    r = subprocess.run([sys.executable, "-m", "ckpt.cli.main", "verify", str(root), "--deep"],
                        capture_output=True, text=True, env=_env())
     return {"rc": r.returncode, "out": (r.stdout + r.stderr)[-2000:]}
 

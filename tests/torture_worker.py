@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 from toy_model import build, optimizer
 
 import ckpt
-from ckpt import catalog
+from ckpt.storage import catalog
 
 
 def state_hash(model: torch.nn.Module, opt: torch.optim.Optimizer, sched: object, step: int) -> str:

@@ -1,0 +1,444 @@
+"""Restore on enter: the newest checkpoint that loads, into the training state of every rank.
+
+Rank 0 lists the root and picks the candidates (committed, newest first; incomplete and
+corrupt ones passed over, saying why); every rank loads the same one through ckpt's verified
+reader, and all ranks learn each phase's outcome together, so none is left alone in a
+collective. A checkpoint that fails to load falls back to the one before; a storage error or
+a state that does not match the checkpoint (another model) stops the restore, and committed
+checkpoints that cannot be trusted are never silently replaced by a fresh start.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, cast
+
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+from ckpt._gc import gc_paused
+from ckpt.capture.state import CUDA_RNG, TrainingState
+from ckpt.errors import (
+    CheckpointError,
+    InvalidCheckpoint,
+    RestoreFailed,
+    StorageError,
+    dcp_failures,
+)
+from ckpt.format.checksum import BLAKE3
+from ckpt.format.manifest import MANIFEST_NAME, METADATA_NAME, Manifest
+from ckpt.restore.dcp_read import SafeLoadPlanner, make_reader
+from ckpt.restore.prefetch import Prefetch
+from ckpt.save.commit import Group
+from ckpt.storage import catalog
+from ckpt.storage.store import StepListing, Store, Stray, step_dir_name
+
+if TYPE_CHECKING:
+    from ckpt.format.signing import SigningKey
+    from ckpt.node.handoff import Handoff, Tiered
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Restored:
+    """What a restore loaded: the step it resumes at, the saved counters, the manifest, and
+    how many bytes this rank read for it."""
+
+    step: int
+    counters: dict[str, Any]
+    manifest: Manifest
+    read_bytes: int = 0
+    source: str = "store"  # where most of the bytes came from: "store", or "spool" (the node agent's)
+    unasked: tuple[str, ...] = ()  # values under model./extra. the checkpoint holds and this rank did not load
+
+
+@gc_paused  # the restore makes many small objects: a full collection costs more than the read
+def restore(
+    store: Store,
+    ctrl: Group,
+    state: TrainingState,
+    mode: str | int,
+    handoff: Handoff | None = None,
+    key: SigningKey | None = None,
+) -> tuple[Restored | None, set[int], float]:
+    """Load the newest checkpoint that loads (`mode` "latest") or step `mode` into `state`
+    on every rank; with `handoff`, files the node spool holds are read from there; with
+    `key`, only checkpoints signed with it are trusted (the others are passed over). Returns
+    what was restored (None: the root holds nothing to restore) and the steps that hold a
+    manifest, which this run must never write into, and the newest commit time among them
+    (`newest_commit`)."""
+    problems: list[str] = []
+    tried: list[int] = []
+    taken: set[int] = set()
+    passed: list[str] = []
+    newest = 0.0
+    while True:
+        # Rank 0 picks the next candidate afresh after each failure: the catalog reads only
+        # the manifests it needs to know the newest (catalog.restore_candidates), and the
+        # pick's manifest, as it read and checked it, goes round with the pick in the same
+        # collective (read again only if it did not keep it: it reads it, once, in
+        # `_try_restore`, as the ranks build their templates meanwhile).
+        plan: list[int] | str = []
+        doc: bytes | str | None = None
+        metadata = None  # rank 0's: the pick's `.metadata`, as the catalog checked it
+        error: Exception | None = None  # rank 0's, told to every rank: none is left in the broadcast
+        if ctrl.rank == 0:
+            try:
+                plan, more, passed, created, first = _restore_plan(store, mode, key, tried)
+                taken |= more
+                newest = max(newest, created)
+                if first is not None:
+                    doc, metadata = first.doc, first.metadata
+            except Exception as e:
+                plan, error = f"{type(e).__name__}: {e}", e
+            if plan and not isinstance(plan, str) and doc is None and store.is_local:
+                doc = _read_manifest(store, plan[0])
+        plan, taken, passed, newest, doc = ctrl.broadcast((plan, taken, passed if ctrl.rank == 0 else [], newest, doc))
+        problems += passed
+        if isinstance(plan, str):
+            kind = plan.partition(":")[0]  # the error's type name, as rank 0 raised it
+            if kind in ("StorageError", "DiskFull"):
+                raise StorageError(plan) from error
+            if error is None or isinstance(error, CheckpointError):
+                raise RestoreFailed(plan if kind in ("NotFound", "InvalidCheckpoint", "RestoreFailed") else f"rank 0 could not pick a checkpoint: {plan}") from error
+            raise error  # rank 0's own: not one of ckpt's, its traceback says where
+        if not plan:
+            break
+        step = plan[0]
+        tried.append(step)
+        outcome, why, restored = _try_restore(store, ctrl, state, step, handoff, key, doc, metadata)
+        # One collective for the outcome, whether a spool was used, and whether any rank has
+        # values left unloaded (only then are they gathered, to be named).
+        worst, spooled, unasked = ctrl.max([outcome, int(handoff is not None and handoff.local is not None), _has_unasked(restored)])
+        if worst == 1 and spooled:  # a spool's copy may be what failed: the root's decides
+            log.warning("restoring %s with the node spool's copies failed (%s); reading it all from %s", step_dir_name(step), why, store.display)
+            outcome, why, restored = _try_restore(store, ctrl, state, step, None, key, doc, metadata)
+            worst, unasked = ctrl.max([outcome, _has_unasked(restored)])
+        if worst == 0:
+            assert restored is not None
+            if unasked:
+                _say_unasked(ctrl, store, restored)
+            return restored, taken, newest
+        if worst == 2:
+            raise StorageError(f"restoring step {step} from {store.display}: {why}")
+        if worst == 3:
+            raise RestoreFailed(
+                f"{store.display}/{step_dir_name(step)} does not hold what this job has "
+                f"(another model, optimizer, tensor shapes, or objects added since it was saved): {why[:500]}. "
+                "Nothing was deleted; restore=STEP restores a step that matches, restore='none' starts fresh"
+            )
+        problems.append(f"{step_dir_name(step)}: {why}")
+        if isinstance(mode, int):  # the step asked for, or nothing
+            raise RestoreFailed(
+                f"{store.display}/{step_dir_name(step)} could not be restored ({why}); it is left as it is (the model may "
+                "hold partly loaded values). restore='latest' restores the newest checkpoint that loads."
+            )
+        log.warning("could not restore %s (%s); falling back to the one before", step_dir_name(step), why)
+    if tried:
+        raise RestoreFailed(
+            f"no checkpoint under {store.display} could be restored ("
+            + "; ".join(problems)
+            + "). The checkpoints are left as they are (the model may hold partly loaded "
+            + "values). To start fresh, pass restore='none' (the corrupt directories are kept "
+            + "and their steps skipped) or use a new root."
+        )
+    return None, taken, newest
+
+
+def start_fresh(store: Store, ctrl: Group, key: SigningKey | None = None) -> tuple[set[int], float]:
+    """restore='none': train from step 0, never writing into what the root already holds.
+    Returns the steps that hold a manifest, and the newest commit time among them."""
+    got: tuple[set[int], float] | str = (set(), 0.0)
+    error: Exception | None = None  # rank 0's, told to every rank: none is left in the broadcast
+    if ctrl.rank == 0:
+        try:
+            store.check_reachable()
+            listings, strays = store.survey()
+            taken = {s for s, lst in listings.items() if lst.has_manifest}
+            got = (taken | _held_by_strays(store, strays), newest_commit(store, key, listings) if taken else 0.0)
+        except Exception as e:
+            got, error = (str(e) if isinstance(e, CheckpointError) else f"rank 0: {type(e).__name__}: {e}"), e
+    got = ctrl.broadcast(got)
+    if isinstance(got, str):
+        if error is not None and not isinstance(error, CheckpointError):
+            raise error  # rank 0's own: not one of ckpt's, its traceback says where
+        raise StorageError(got) from error
+    taken, newest = got
+    if taken and ctrl.rank == 0:
+        log.warning(
+            "restore='none' but %s holds checkpoints at steps %s: they are kept, this run skips "
+            "saving at those steps, and a later restore picks the newest valid one of either run",
+            store.display,
+            sorted(taken),
+        )
+    return taken, newest
+
+
+def newest_commit(store: Store, key: SigningKey | None, listings: dict[int, StepListing] | None = None) -> float:
+    """The newest commit time (`created`) among the root's checkpoints whose manifests check
+    (with `key`, those signed with it); 0 if none. This job's commits are dated after it
+    (`commit.persist`'s `after`), whatever this host's clock says: a restore picks the newest
+    commit, and a run that went on from an older step must win over the one it abandoned.
+    `listings`: the root's `scan()`, where the caller has one. The newest one's `.metadata` is
+    not read: a date after a checkpoint that turns out unusable is as good."""
+    good, _ = catalog.restore_candidates(store, key, listings=listings, check_first=False)
+    return _newest(good)
+
+
+def _newest(entries: list[catalog.Entry]) -> float:
+    return max((e.manifest.created for e in entries if e.manifest is not None), default=0.0)
+
+
+def _restore_plan(
+    store: Store, mode: str | int, key: SigningKey | None, tried: list[int]
+) -> tuple[list[int], set[int], list[str], float, catalog.Entry | None]:
+    """Rank 0: the next step to try (none left: []), after the `tried` ones failed; the steps
+    that hold a manifest; falling back, the corrupt ones passed over on the way; the newest
+    commit time it saw (`newest_commit`); and the catalog's entry of the step to try (with
+    the manifest and `.metadata` it read and checked, where it kept them)."""
+    if isinstance(mode, int):
+        if tried:
+            return [], set(), [], 0.0, None
+        store.check_reachable()
+        listings, strays = store.survey()  # one listing for all three
+        entry = catalog.find(store, mode, key, keep=True, listings=listings)
+        taken = {s for s, lst in listings.items() if lst.has_manifest} | _held_by_strays(store, strays)
+        return [entry.step], taken, [], newest_commit(store, key, listings), entry
+    if not tried:
+        store.check_reachable()
+    listings, strays = store.survey()
+    good, skipped = catalog.restore_candidates(store, key, exclude=set(tried), keep=True, listings=listings)
+    taken = {e.step for e in good} | {e.step for e in skipped if e.state == catalog.CORRUPT} | set(tried)
+    taken |= _held_by_strays(store, strays, say=not tried)
+    if tried:  # falling back: the corrupt ones newer than the next candidate were said before
+        passed = [e for e in skipped if e.state == catalog.CORRUPT and (not good or e.step < good[0].step)]
+        for e in passed:
+            log.warning("passing over %s/%s: %s", store.display, e.dir, e.problem)
+        if good:
+            log.info("falling back to %s/%s", store.display, good[0].dir)
+        return [e.step for e in good[:1]], taken, [f"{e.dir}: {e.problem}" for e in passed], _newest(good), _first(good)
+    for e in skipped:
+        log.warning("passing over %s/%s: %s", store.display, e.dir, e.problem)
+    if good:
+        log.info("restoring from %s/%s", store.display, good[0].dir)
+    elif any(e.state == catalog.CORRUPT for e in skipped):
+        # Checkpoints were committed but none can be trusted: never silently start over.
+        raise RestoreFailed(
+            f"no checkpoint under {store.display} could be restored ("
+            + "; ".join(f"{e.dir}: {e.problem}" for e in skipped)
+            + "). The checkpoints are left as they are (the model may hold partly loaded "
+            + "values). To start fresh, pass restore='none' (the corrupt directories are kept "
+            + "and their steps skipped) or use a new root."
+        )
+    return [e.step for e in good[:1]], taken, [], _newest(good), _first(good)
+
+
+def _held_by_strays(store: Store, strays: list[Stray], say: bool = True) -> set[int]:
+    """The steps whose names something else holds (a link, a file): this run saves past them,
+    never into them. Said once, with the other entries named like steps that are none."""
+    for s in strays if say else ():
+        log.warning("%s/%s is not a checkpoint (%s): left alone", store.display, s.name, s.what)
+    return {s.step for s in strays if s.step is not None}
+
+
+def _first(good: list[catalog.Entry]) -> catalog.Entry | None:
+    return good[0] if good else None
+
+
+def _read_manifest(store: Store, step: int) -> bytes | str:
+    """Rank 0's one read of the manifest of `step`, which goes to every rank: its bytes, or
+    the error (its type's name first)."""
+    try:
+        return store.read_bytes(f"{step_dir_name(step)}/{MANIFEST_NAME}")
+    except Exception as e:  # told to every rank: none is left in the broadcast
+        return f"{type(e).__name__}: {e}"
+
+
+def _try_restore(
+    store: Store, ctrl: Group, state: TrainingState, step: int, handoff: Handoff | None, key: SigningKey | None,
+    doc: bytes | str | None, metadata: bytes | None = None,
+) -> tuple[int, str, Restored | None]:  # fmt: skip
+    """Load `step` into the objects, given its manifest `doc` as rank 0 read it (or why it
+    could not; None: rank 0 reads it now) and on rank 0 perhaps its `.metadata`, checked
+    against that manifest: 0 ok, 1 invalid (fall back), 2 storage error, 3 the training
+    state does not match the checkpoint's (no fallback can help). Every phase ends with all
+    ranks knowing its outcome, so no rank enters a collective alone."""
+    rel = step_dir_name(step)
+    rank = ctrl.rank
+    # From a local disk (the root, the node spool) the rank's files come into the page cache
+    # while it builds its template, so the manifest that names them is needed first. From an
+    # object store, where nothing is warmed, every rank builds its template first (while rank
+    # 0 reads the manifest, when the catalog did not keep it: else they would wait for that
+    # read, and rank 0 then for their templates).
+    local = store.is_local or (handoff is not None and handoff.local is not None)
+    base = None if local else _template(state, rank)
+    if doc is None:  # the same on every rank: rank 0 sent it or not
+        doc = ctrl.broadcast(_read_manifest(store, step) if rank == 0 else None)
+    if isinstance(doc, str):
+        return (2 if doc.startswith("StorageError") else 1), doc, None
+    prep: tuple[int, str] = (0, "")
+    with contextlib.ExitStack() as stack:
+        try:
+            manifest = Manifest.from_json(doc, f"{store.display}/{rel}")
+            # IMPORTANT: the manifest read now is the one checked, whatever the listing saw.
+            why = key.check(manifest)[1] if key is not None else ""
+            if why:
+                raise InvalidCheckpoint(f"{store.display}/{rel}: {why}")
+            if key is not None and rank == 0 and (weak := sorted(n for n, e in manifest.files.items() if not e.checksum.startswith(BLAKE3))):
+                log.warning(
+                    "%s/%s is signed, but %s carry xxh3-64 checksums (written by an earlier ckpt, or by a rank without "
+                    "the key): its signature covers them against corruption, not against a forger",
+                    store.display, rel, catalog.first_few(weak, ", "),
+                )
+            if manifest.step != step:  # IMPORTANT: another step's manifest lists that step's files
+                raise InvalidCheckpoint(f"{store.display}/{rel}: manifest is for step {manifest.step}")
+            catalog.check_ranks(manifest, f"{store.display}/{rel}")
+            tiered = handoff.reader_store(rel, manifest) if handoff is not None else None
+            # Stopped as the reader starts (nothing read ahead is trusted before the reader
+            # verified it, as always).
+            warm = stack.enter_context(Prefetch(_files_to_warm(tiered or store, rel, manifest, rank, ctrl.world)))
+            base = _template(state, rank) if base is None else base
+            if isinstance(base, Exception):
+                raise base
+            sd = state.fit_template(base, rank, ctrl.world, manifest.world_size)
+        except Exception as e:  # IMPORTANT: on one rank only, still told to all (below): that step is passed over
+            prep = (1, f"{type(e).__name__}: {e}")
+        if failed := _agreed(ctrl, *prep, "another rank could not prepare the restore"):
+            return (*failed, None)
+        return _load(ctrl, state, store, rel, manifest, sd, tiered, warm.stop, metadata)
+
+
+def _agreed(ctrl: Group, code: int, why: str, otherwise: str) -> tuple[int, str] | None:
+    """Every rank's outcome of one phase (`code` and `why`, this rank's): None if it went well
+    on all, else a code of failure and why, every failing rank's reason on rank 0 (rare: so
+    that it can say what went wrong where), this rank's own (or `otherwise`) elsewhere. The
+    caller agrees on the worst code anyway."""
+    if not ctrl.max([code])[0]:
+        return None
+    whys = ctrl.gather((code, why)) or [(code, why)]  # rank 0 gets all; the others their own
+    text = "; ".join(f"rank {r}: {w}" if len(whys) > 1 else w for r, (c, w) in enumerate(whys) if c)
+    return max(max(c for c, _ in whys), 1), text or otherwise
+
+
+def _template(state: TrainingState, rank: int) -> dict[str, Any] | Exception:
+    """The rank's template, or why it could not be built (said once the manifest was checked)."""
+    try:
+        return state.template(rank)
+    except Exception as e:  # a state_dict() that raises, on this rank alone
+        return e
+
+
+def _load(
+    ctrl: Group, state: TrainingState, store: Store, rel: str, manifest: Manifest, sd: dict[str, Any],
+    tiered: Tiered | None, before_read: Callable[[], None], metadata: bytes | None = None,
+) -> tuple[int, str, Restored | None]:  # fmt: skip
+    """The second half of `_try_restore`: read the step into `sd` and apply it."""
+    rank = ctrl.rank
+    # Each rank plans and reads its part alone (DCP's default load planning has no global
+    # step: its collectives would only carry the plans around and wait); the ranks then
+    # agree on the outcome before anything is applied, as applying may take collectives.
+    reader = make_reader(tiered or store, rel, manifest, before_read, metadata)  # type: ignore[arg-type]
+    planner = SafeLoadPlanner(state.optional())
+    loaded = _outcome(lambda: dcp.load(sd, storage_reader=reader, planner=planner, no_dist=True))
+    if failed := _agreed(ctrl, *loaded[:2], "another rank could not load its part"):
+        return (*failed, None)
+    applied = _outcome(lambda: state.apply(sd, rank, stateless=planner.stateless))
+    if failed := _agreed(ctrl, *applied[:2], "another rank could not apply what it read"):
+        return (*failed, None)
+    _say_old_cuda_rng(planner, rank)
+    if rank == 0 and (kept := planner.not_in_checkpoint("model.")):
+        # Expected with frozen="skip"; otherwise the checkpoint is a "skip" job's or an earlier ckpt's.
+        log.log(
+            logging.INFO if state.skip_frozen else logging.WARNING,
+            "this checkpoint holds no value for %d frozen parameter(s) (%s%s): they keep the values they have",
+            len(kept), _few(kept), "" if state.skip_frozen else "; saved with frozen='skip' or by an earlier ckpt",
+        )  # fmt: skip
+    counters = cast(dict, applied[2])
+    source = tiered.source if tiered else "store"
+    restored = Restored(int(counters.pop("step")), counters, manifest, reader.read_bytes, source, tuple(planner.unasked(("model.", "extra."))))
+    if tiered is not None:
+        log.info("rank %d read %.1f MB of %s from the node spool and %.1f MB from %s", rank, tiered.bytes["spool"] / 1e6, rel, tiered.bytes["store"] / 1e6, store.display)
+    if rank == 0 and manifest.world_size != ctrl.world:
+        log.warning(
+            "resuming step %d on %d ranks (saved on %d): model and optimizer resharded%s",
+            restored.step,
+            ctrl.world,
+            manifest.world_size,
+            ""
+            if state.loader is None
+            else "; the data loader's per-rank state is dropped and the global data position rules"
+            if state.data is not None
+            else "; THE DATA POSITION IS LOST: the data loader's per-rank state cannot apply to "
+            "another world size and it has no ckpt.ElasticSampler; its data starts over",
+        )
+    return 0, "", restored
+
+
+def _few(keys: list[str]) -> str:
+    """The first five model keys, without "model.", for a log line."""
+    return catalog.first_few([k.removeprefix("model.") for k in keys], ", ", 5)
+
+
+def _files_to_warm(store: Store | Tiered, rel: str, manifest: Manifest, rank: int, world: int) -> list[str]:
+    """The local files a rank reads first: .metadata, then, on the world size that saved the
+    checkpoint, its own data files (on another, its plan picks parts of several)."""
+    names = [METADATA_NAME]
+    if manifest.world_size == world:
+        names += sorted(n for n, e in manifest.files.items() if e.rank == rank)
+    return [p for n in names if (p := store.local_path(f"{rel}/{n}")) is not None]
+
+
+def _say_old_cuda_rng(planner: SafeLoadPlanner, rank: int) -> None:
+    """A checkpoint of an earlier ckpt holds a rank's CUDA streams by device index, which
+    another node may number otherwise: none of them is loaded, and the user is told."""
+    stored = planner.metadata.state_dict_metadata if planner.metadata is not None else {}
+    mine = f"rng.rank_{rank}."
+    if f"{mine}{CUDA_RNG}" in planner.state_dict and f"{mine}{CUDA_RNG}" not in stored and any(k.startswith(f"{mine}cuda.") for k in stored):
+        log.warning(
+            "rank %d: this checkpoint holds its CUDA RNG streams by device index (saved by an earlier ckpt): "
+            "they are not restored, and the current device's stream goes on from where it is", rank,
+        )
+
+
+def _has_unasked(restored: Restored | None) -> int:
+    return int(restored is not None and bool(restored.unasked))
+
+
+def _say_unasked(ctrl: Group, store: Store, restored: Restored) -> None:
+    """Warn of the values under model. and extra. that the checkpoint holds and no rank loaded
+    (a rank's own keys, extra.stream.rank_1, are another rank's to load)."""
+    every = ctrl.gather(restored.unasked)
+    if every is not None and (left := sorted(set.intersection(*map(set, every)))):
+        log.warning(
+            "%s/%s holds values that this job's objects do not ask for, left unrestored: %s (an object that "
+            "builds its state lazily must list it in its state_dict() before the Checkpointer is entered)",
+            store.display, step_dir_name(restored.step), catalog.first_few(left, ", "),
+        )  # fmt: skip
+
+
+def _outcome(load: Callable[[], Any]) -> tuple[int, str, Any]:
+    """Run one phase of a restore: (0, "", its result), or the code and reason of its failure
+    as `_try_restore` returns them."""
+    try:
+        return 0, "", load()
+    except StorageError as e:
+        return 2, str(e), None
+    except CheckpointException as e:
+        causes = dcp_failures(e)
+        # Each rank loads alone (no_dist): DCP calls every one of them rank 0, so its own
+        # "rank N:" would mislead; the caller names the rank.
+        text = "; ".join(str(c) for c in causes)
+        if any(isinstance(c, StorageError) for c in causes):
+            return 2, text, None
+        # The checkpoint is verified: a key it lacks or a shape it disagrees on is this job's
+        # state that changed (another model), which no older checkpoint is likely to mend;
+        # falling back would resume an older step and let retention delete the newer ones.
+        if "Missing key in checkpoint" in text or "Size mismatch between saved" in text:
+            return 3, text, None
+        return 1, text, None
+    except Exception as e:  # on this rank alone, maybe: told to all, none left in a collective
+        return 1, f"{type(e).__name__}: {e}", None
