@@ -8,6 +8,7 @@
 
 from typing import TYPE_CHECKING, Any
 
+from ckpt._version import __version__ as __version__
 from ckpt.errors import (
     CheckpointError,
     DiskFull,
@@ -21,8 +22,6 @@ from ckpt.errors import (
 from ckpt.format.manifest import Manifest
 from ckpt.schedule.policy import Auto, Every, Keep
 from ckpt.storage.lease import Lease
-
-__version__ = "0.1.0"
 
 if TYPE_CHECKING:
     from ckpt.admin.export import read_export

@@ -38,8 +38,8 @@ from typing import Any
 import fsspec
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from ckpt import __version__
 from ckpt._faults import fault_point
+from ckpt._version import __version__
 from ckpt.agent.config import Config, JsonFormatter, within
 from ckpt.errors import CheckpointError, InvalidCheckpoint
 from ckpt.format.checksum import Hasher

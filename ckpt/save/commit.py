@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import SavePlanner
 
 from ckpt._faults import fault_point
+from ckpt._version import __version__
 from ckpt.errors import CheckpointError, DiskFull, LeaseHeld, SaveFailed, dcp_failures
 from ckpt.format.manifest import MANIFEST_NAME, METADATA_NAME, FileEntry, Manifest, SaveCosts
 from ckpt.node.spool import claim
@@ -475,7 +476,6 @@ def _own_failure(e: BaseException, rank: int) -> BaseException | None:
 
 
 def versions() -> dict[str, str]:
-    from ckpt import __version__
     return {
         "ckpt": __version__,
         "torch": torch.__version__,
