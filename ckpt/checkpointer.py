@@ -23,6 +23,7 @@ from ckpt._faults import fault_point
 from ckpt._gc import gc_paused
 from ckpt.capture.deepspeed_state import MidAccumulation
 from ckpt.capture.state import TrainingState
+from ckpt.collectives import Group
 from ckpt.data import data_position, own_generator
 from ckpt.errors import CheckpointError, SaveFailed
 from ckpt.events import Event, History, error_gist
@@ -34,7 +35,7 @@ from ckpt.node.handoff import Handoff
 from ckpt.options import Counters, OnError, Restore, check_counters, check_options, checked_interval
 from ckpt.preempt import EXIT_SIGINT, Preemption
 from ckpt.restore.load import restore, start_fresh
-from ckpt.save.commit import Group, forget_plans
+from ckpt.save.commit import forget_plans
 from ckpt.save.slot import SaveSlot, Staged
 from ckpt.save.stage import default_host_budget
 from ckpt.schedule.cadence import Cadence

@@ -1,5 +1,5 @@
 """Runs on each rank of a gloo job (tests/test_group.py): ckpt's collectives over its own
-groups (`ckpt.save.commit.Group`), counted as torch's collective calls, then a save whose files'
+groups (`ckpt.collectives.Group`), counted as torch's collective calls, then a save whose files'
 entries do not fit `gather_short` at first. Writes what it saw to <out>/rank<N>.json."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from launch import exit_without_teardown  # noqa: E402
 
 import ckpt  # noqa: E402
-from ckpt.save.commit import _SHORT, Group, TooLong  # noqa: E402
+from ckpt.collectives import _SHORT, Group, TooLong  # noqa: E402
 
 calls: list[str] = []
 

@@ -1,4 +1,4 @@
-"""ckpt's collectives over its own gloo groups (`ckpt.save.commit.Group`) on 3 real ranks: a
+"""ckpt's collectives over its own gloo groups (`ckpt.collectives.Group`) on 3 real ranks: a
 broadcast takes one collective where torch's object broadcast takes two, a gather of short
 objects one, and what does not fit takes the long way without losing anything."""
 
@@ -9,7 +9,7 @@ import pickle
 
 from launch import HERE, run
 
-from ckpt.save.commit import _SHORT
+from ckpt.collectives import _SHORT
 
 WORKER = HERE / "group_worker.py"
 

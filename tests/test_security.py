@@ -425,7 +425,7 @@ def test_a_manifest_the_agent_commits_is_signed_though_the_key_never_reaches_the
 # Each unpickling in ckpt/ that is not torch.load(weights_only=True), and why it is safe.
 ALLOWED_UNPICKLING = {
     ("writer_proc.py", "_recv", "pickle.loads"): "messages from our own parent over a private socket pair, never storage",
-    ("commit.py", "Group", "pickle.loads"): "objects of this job's own ranks over ckpt's gloo group (as torch's "
+    ("collectives.py", "Group", "pickle.loads"): "objects of this job's own ranks over ckpt's gloo group (as torch's "
     "broadcast_object_list and gather_object, which it replaces, unpickled them), never storage",
     ("dcp_metadata.py", "_MetadataUnpickler", "pickle._Unpickler"): "the allowlisting unpickler of checksum-verified .metadata",
     ("dcp_metadata.py", "load_metadata", "_MetadataUnpickler"): "checksum-verified bytes, through the allowlist",

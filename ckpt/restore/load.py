@@ -21,6 +21,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from ckpt._gc import gc_paused
 from ckpt.capture.state import CUDA_RNG, TrainingState
+from ckpt.collectives import Group
 from ckpt.errors import (
     CheckpointError,
     InvalidCheckpoint,
@@ -32,7 +33,6 @@ from ckpt.format.checksum import BLAKE3
 from ckpt.format.manifest import MANIFEST_NAME, METADATA_NAME, Manifest
 from ckpt.restore.dcp_read import SafeLoadPlanner, make_reader
 from ckpt.restore.prefetch import Prefetch
-from ckpt.save.commit import Group
 from ckpt.storage import catalog
 from ckpt.storage.store import StepListing, Store, Stray, step_dir_name
 

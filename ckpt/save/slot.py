@@ -22,10 +22,11 @@ from typing import Any
 from torch.distributed.checkpoint.api import CheckpointException
 
 from ckpt._faults import fault_point
+from ckpt.collectives import Group
 from ckpt.errors import SaveFailed, dcp_causes
 from ckpt.format.manifest import Manifest
 from ckpt.save.arena import Arena
-from ckpt.save.commit import Group, persist
+from ckpt.save.commit import persist
 from ckpt.save.copier import Copier
 from ckpt.save.dcp_write import Sink
 from ckpt.save.resave import Resaver

@@ -490,7 +490,7 @@ def _acquire(store: Store, policy: Lease, me: Holder, *, wait: bool) -> str:
 
 
 def take_for_job(store: Store, policy: Lease | None, group: Any, flag: bool = False) -> tuple[LeaseKeeper | None, bool]:
-    """Rank 0 of `group` (a `ckpt.save.commit.Group`) takes the root's lease under `policy`
+    """Rank 0 of `group` (a `ckpt.collectives.Group`) takes the root's lease under `policy`
     (None: no lease), once it saw the root is not a checkpoint's own step directory; every
     rank learns the outcome and raises the same error, so that none goes on alone into a
     collective. Returns rank 0's keeper (None elsewhere), and whether any rank's `flag` was
