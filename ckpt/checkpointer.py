@@ -35,9 +35,10 @@ from ckpt.node.handoff import Handoff
 from ckpt.options import Counters, OnError, Restore, check_counters, check_options, checked_interval
 from ckpt.preempt import EXIT_SIGINT, Preemption
 from ckpt.restore.load import restore, start_fresh
-from ckpt.save.commit import forget_plans
+from ckpt.save.commit import Save, forget_plans
 from ckpt.save.slot import SaveSlot, Staged
 from ckpt.save.stage import default_host_budget
+from ckpt.save.upload import Direct, ViaAgent
 from ckpt.schedule.cadence import Cadence
 from ckpt.schedule.policy import Auto, Every, Keep
 from ckpt.storage import catalog
@@ -639,21 +640,12 @@ class Checkpointer:
     ) -> Manifest:
         try:
             assert self._io is not None, "made by save()"
-            manifest = self._slot.write_and_commit(
-                self._io,
-                step,
-                staged,
-                self.timeout_s,
-                counters=counters,
-                user=self.metadata,
-                schedule=self.schedule,
-                blocking_s=blocking_s,
-                started=started,
-                handoff=self._handoff,
-                key=self._signing_key,
-                guard=self._lease.check if self._lease is not None else None,
-                after=self._newest,
-            )
+            save = Save(
+                step, self.store, self._io, counters, user=self.metadata, schedule=self.schedule, blocking_s=blocking_s, started=started,
+                key=self._signing_key, guard=self._lease.check if self._lease is not None else None, after=self._newest,
+            )  # fmt: skip
+            upload = Direct() if self._handoff is None else ViaAgent(self._handoff)
+            manifest = self._slot.write_and_commit(save, staged, upload, self.timeout_s)
         finally:
             self._slot.staging_done()  # IMPORTANT: whatever failed, the optimizer's pre-hook never waits forever
         self._newest = max(self._newest, manifest.created)

@@ -171,16 +171,21 @@ def test_the_copies_come_in_file_order_each_batch_marked_where_the_file_is_stage
     """Layout.copy_order against the file itself: filled with a pattern that names each
     tensor, the file says where each one's bytes lie; every byte of a tensor before a
     batch's mark is copied by that batch or an earlier one, and each copy is made once."""
-    from ckpt.save.commit import Group, persist
+    from ckpt.collectives import Group
+    from ckpt.save.commit import Save, Source, persist
+    from ckpt.save.upload import Direct
     from ckpt.save.writer_proc import ThreadSink
 
     stager, resaver = Stager(), Resaver()
 
+    def write(step: int, staged: dict) -> None:
+        source = Source(staged, ThreadSink, resaver, stager.arenas, layout=resaver.fitting(staged))
+        persist(Save(step, Store(tmp_path), Group(None, 0, 1)), source, Direct())
+
     def save(step: int) -> dict:
         staged, copies = stager.prepare(_state(step), defer=lambda path, t: True)
         copies.run()
-        persist(Store(tmp_path), Group(None, 0, 1), step, staged, sinks=ThreadSink, arenas=stager.arenas, resaver=resaver,
-                counters={}, user={}, blocking_s=0.0, started=0.0)  # fmt: skip
+        write(step, staged)
         return staged
 
     save(1)
@@ -194,8 +199,7 @@ def test_the_copies_come_in_file_order_each_batch_marked_where_the_file_is_stage
     # Each buffer filled with its own index, the file written: where each lies in it.
     for i, (dst, _) in enumerate(copies.pairs):
         dst.reshape(-1).view(torch.uint8).fill_(i + 1)
-    persist(Store(tmp_path), Group(None, 0, 1), 3, staged, sinks=ThreadSink, arenas=stager.arenas, resaver=resaver,
-            counters={}, user={}, blocking_s=0.0, started=0.0)  # fmt: skip
+    write(3, staged)
     data = (tmp_path / "step-0000000003" / layout.name).read_bytes()
     big = [(i, dst) for i, (dst, _) in enumerate(copies.pairs) if dst.numel() * dst.element_size() >= 256 << 10]
     where = {i: data.index(bytes([i + 1]) * dst.numel() * dst.element_size()) for i, dst in big}

@@ -17,9 +17,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 from compare import assert_bitwise_equal
 
-from ckpt.save.commit import Group, persist
+from ckpt.collectives import Group
+from ckpt.save.commit import Save, Source, persist
 from ckpt.save.resave import Resaver
 from ckpt.save.stage import Stager
+from ckpt.save.upload import Direct
 from ckpt.save.writer_proc import ThreadSink
 from ckpt.storage.store import Store
 
@@ -38,9 +40,8 @@ def _state(step: int, note: str) -> dict:
 
 
 def _persist(root: Path, step: int, staged: dict, stager: Stager, resaver: Resaver) -> None:
-    store = Store(root)
-    persist(store, Group(None, 0, 1), step, staged, sinks=ThreadSink, arenas=stager.arenas, resaver=resaver,
-            counters={}, user={}, blocking_s=0.0, started=0.0)
+    source = Source(staged, ThreadSink, resaver, stager.arenas, layout=resaver.fitting(staged))
+    persist(Save(step, Store(root), Group(None, 0, 1)), source, Direct())
 
 
 def _empty(like):

@@ -359,9 +359,11 @@ def test_tensors_staged_in_two_arenas_are_written_from_the_right_one(tmp_path, w
     # On CUDA a stager has a pageable and a pinned arena; their segments must never be mixed
     # up (they once were: both numbered theirs from 0, and small CPU tensors were saved with
     # the bytes of a pinned segment).
+    from ckpt.collectives import Group
     from ckpt.save.arena import Arena
-    from ckpt.save.commit import Group, persist
+    from ckpt.save.commit import Save, Source, persist
     from ckpt.save.resave import Resaver
+    from ckpt.save.upload import Direct
     from ckpt.save.writer_proc import ProcessSink, ThreadSink
 
     arenas = [Arena(), Arena()]
@@ -373,7 +375,7 @@ def test_tensors_staged_in_two_arenas_are_written_from_the_right_one(tmp_path, w
     store = Store(tmp_path)
     sink = ProcessSink(store) if writer == "process" else ThreadSink(store)
     try:
-        persist(store, Group(None, 0, 1), 1, {"extra": staged}, sinks=lambda _: sink, arenas=arenas, resaver=Resaver(), counters={}, user={}, blocking_s=0.0, started=time.perf_counter())
+        persist(Save(1, store, Group(None, 0, 1)), Source({"extra": staged}, lambda _: sink, Resaver(), arenas), Direct())
     finally:
         sink.close()
     assert len({s for a in arenas for s in a.segments}) == 2

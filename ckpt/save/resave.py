@@ -259,8 +259,9 @@ class Resaver:
         self.layout: Layout | None = None
         self.generation = 0
 
-    def can_resave(self, staged: Any) -> bool:
-        return self.layout is not None and self.layout.fits(staged)
+    def fitting(self, staged: Any) -> Layout | None:
+        """The last layout, if `staged` fits it: its file can be written again."""
+        return self.layout if self.layout is not None and self.layout.fits(staged) else None
 
     def learn(self, writer: Writer, mappings: dict[str, tuple[Any, ...]], staged: Any) -> None:
         """After a save planned by DCP (the last layout already forgotten): remember this

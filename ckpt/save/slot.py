@@ -22,14 +22,13 @@ from typing import Any
 from torch.distributed.checkpoint.api import CheckpointException
 
 from ckpt._faults import fault_point
-from ckpt.collectives import Group
 from ckpt.errors import SaveFailed, dcp_causes
 from ckpt.format.manifest import Manifest
 from ckpt.save.arena import Arena
-from ckpt.save.commit import persist
+from ckpt.save.commit import Save, Source, Upload, persist
 from ckpt.save.copier import Copier
 from ckpt.save.dcp_write import Sink
-from ckpt.save.resave import Resaver
+from ckpt.save.resave import Layout, Resaver
 from ckpt.save.stage import Copies, Stager, StagingRaced
 from ckpt.save.writer_proc import Sinks, ThreadSink
 from ckpt.storage.store import Store
@@ -134,33 +133,32 @@ class SaveSlot:
         assert self._pool is not None, "use the Checkpointer as a context manager"
         self._inflight = self._pool.submit(fn, *args)
 
-    def write_and_commit(self, group: Group, step: int, staged: Staged, timeout_s: float, **commit: Any) -> Manifest:
-        """The background save: the copies left to it, then the write and the commit of
-        `commit.persist` (`commit` holds its other arguments); every failure a `SaveFailed`.
-        A rank that has nothing to write (its staging failed) still goes into the save, where
-        every rank learns at the first collective that it failed."""
+    def write_and_commit(self, save: Save, staged: Staged, upload: Upload, timeout_s: float) -> Manifest:
+        """The background save: the copies left to it, then `commit.persist`; every failure a
+        `SaveFailed`. A rank that has nothing to write (its staging failed) still goes into
+        the save, where every rank learns at the first collective that it failed."""
         unready = f"{type(staged.failed).__name__}: {staged.failed}" if staged.failed is not None else None
+        # The last save's layout, if the state fits it: the copies come in its file's order.
+        layout = self.resaver.fitting(staged.state) if unready is None else None
         sinks: Callable[[Store], Sink] = ThreadSink
         arenas: list[Arena] = []
         copier = None
         try:
-            copier = self.copy(staged, group.rank, step)
+            copier = self.copy(staged, layout, save.rank, save.step)
             if unready is None:
                 sinks, arenas = self.writer(staged.copies, timeout_s)
         except Exception as e:  # told to the other ranks at persist's first collective
-            log.error("rank %d: the save of step %d cannot start", group.rank, step, exc_info=True)
+            log.error("rank %d: the save of step %d cannot start", save.rank, save.step, exc_info=True)
             unready = f"{type(e).__name__}: {e}"
         try:
-            return persist(
-                self.store, group, step, staged.state, sinks=sinks, arenas=arenas, resaver=self.resaver,
-                need=self.stager.bytes_staged, unready=unready, copier=copier, **commit,
-            )  # fmt: skip
+            source = Source(staged.state, sinks, self.resaver, arenas, layout, copier, unready, self.stager.bytes_staged)
+            return persist(save, source, upload)
         except SaveFailed:
             raise
         except CheckpointException as e:  # DCP's error is a BaseException: say what it wraps
-            raise SaveFailed(f"save of step {step} to {self.store.display} failed: {dcp_causes(e)}") from e
+            raise SaveFailed(f"save of step {save.step} to {self.store.display} failed: {dcp_causes(e)}") from e
         except Exception as e:
-            raise SaveFailed(f"save of step {step} to {self.store.display} failed: {e}") from e
+            raise SaveFailed(f"save of step {save.step} to {self.store.display} failed: {e}") from e
         finally:
             if copier is not None:
                 copier.close()  # IMPORTANT: the next save reuses the buffers
@@ -168,10 +166,10 @@ class SaveSlot:
                 if isinstance(raced, StagingRaced):
                     self.stager.copy_at_once(raced.paths)
 
-    def copy(self, staged: Staged, rank: int, step: int) -> Copier | None:
+    def copy(self, staged: Staged, layout: Layout | None, rank: int, step: int) -> Copier | None:
         """In the background save, first: the copies left to it, started in a thread of their
-        own in the order the data file needs them (`ckpt.save.copier`), so the write need not wait
-        for the last. The loop may go on once they have ended, however they ended."""
+        own in the order `layout`'s file needs them (`ckpt.save.copier`), so the write need not
+        wait for the last. The loop may go on once they have ended, however they ended."""
         copies = staged.copies
         if copies is None or staged.failed is not None or not copies.pending:
             self.staging_done()
@@ -179,7 +177,6 @@ class SaveSlot:
         assert self._copy_pool is not None, "use the Checkpointer as a context manager"
         try:
             fault_point("staging", rank, step)
-            layout = self.resaver.layout if self.resaver.can_resave(staged.state) else None
             batches, rest = layout.copy_order(copies.pairs, self.stager.arenas) if layout is not None else (None, copies.pairs)
             return Copier(copies, batches, rest, self._copy_pool, self.staging_done, rank=rank, step=step, order=layout)
         except BaseException:
