@@ -14,8 +14,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from launch import free_port  # noqa: E402
+from tests.support.launch import free_port
 
 S3_ENV = {
     "AWS_ACCESS_KEY_ID": "testing",
@@ -94,8 +93,8 @@ def s3_options(s3_endpoint):
 
 @pytest.fixture(scope="session")
 def straight_run(tmp_path_factory):
-    """The uninterrupted reference job per wrapping (tests/jobs.py), run once per session."""
-    from jobs import reference_runs
+    """The uninterrupted reference job per wrapping (tests/support/jobs.py), run once per session."""
+    from tests.support.jobs import reference_runs
 
     return reference_runs(tmp_path_factory)
 

@@ -26,8 +26,6 @@ from pathlib import Path
 import boto3
 import pytest
 import torch
-from jobs import RANKS, assert_same_training_state, dumps, rank_logs
-from launch import HERE, REPO, free_port, kill_all, start, wait
 
 import ckpt
 from ckpt.agent.config import Config, parse_size
@@ -35,8 +33,10 @@ from ckpt.agent.daemon import Agent
 from ckpt.node.handoff import Handoff
 from ckpt.node.spool import Request, Spool, job_key, read_json, status_of
 from ckpt.storage.store import Store
+from tests.support.jobs import RANKS, assert_same_training_state, dumps, rank_logs
+from tests.support.launch import REPO, WORKERS, free_port, kill_all, start, wait
 
-WORKER = HERE / "worker.py"
+WORKER = WORKERS / "worker.py"
 
 
 # -- helpers ------------------------------------------------------------------------------------
@@ -217,7 +217,7 @@ def test_sigterm_to_the_agent_checkpoints_the_ranks_and_it_exits_once_uploaded(t
     for r in range(RANKS):
         assert any(line.startswith("ckpt_last_committed_step{") and job_label in line and f'rank="{r}"' in line for line in scraped.splitlines()), scraped
     # The deployment's dashboard and alerts (deploy/) use no metric name the code lacks.
-    from deploy_names import metric_names_used
+    from tests.support.deploy_names import metric_names_used
 
     assert metric_names_used() <= names, sorted(metric_names_used() - names)
 

@@ -26,11 +26,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from launch import REPO, free_port
-from test_agent import agent, until
 
 from ckpt.agent.config import Config
 from ckpt.format.checksum import checksum
+from tests.support.launch import REPO, free_port
+from tests.test_agent import agent, until
 
 STEP = "step-0000000001"
 DATA = "__0_0.distcp"

@@ -11,8 +11,6 @@ import pytest
 import ckpt
 from ckpt.schedule.agreement import Agreement
 
-HERE = Path(__file__).resolve().parent
-
 
 def _timed(agree: Agreement, steps: int, step_s: float) -> None:
     for i in range(steps):
@@ -89,11 +87,11 @@ def test_a_rank_sends_its_signal_and_failure_and_only_rank0_its_plan_and_acts_on
 
 
 def _run(tmp_path: Path, how: str, steps: int, step_s: float) -> tuple[list[dict], list[ckpt.Manifest]]:
-    import launch
+    from tests.support import launch
 
     root, out = tmp_path / "root", tmp_path / "out"
     out.mkdir()
-    codes = launch.run(2, HERE / "agree_worker.py", str(root), str(out), how, str(steps), str(step_s), log_dir=tmp_path)
+    codes = launch.run(2, launch.WORKERS / "agree_worker.py", str(root), str(out), how, str(steps), str(step_s), log_dir=tmp_path)
     logs = "\n".join((tmp_path / f"rank{r}.log").read_text()[-3000:] for r in range(2))
     assert codes == [0, 0], logs
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]

@@ -21,13 +21,13 @@ from pathlib import Path
 
 import pytest
 import yaml
-from deploy_names import ALERTS
-from launch import REPO, free_port
 from prometheus_client.parser import text_string_to_metric_families
-from test_metrics import job, train
 
 import ckpt
 from ckpt.node.spool import Spool
+from tests.support.deploy_names import ALERTS
+from tests.support.launch import REPO, free_port
+from tests.test_metrics import job, train
 
 RULE_TESTS = ALERTS.with_name("ckpt-alerts.test.yml")
 STALE = "CkptCheckpointStale"

@@ -7,10 +7,10 @@ at the same moment: values, structure and optimizer hyperparameters.
 from __future__ import annotations
 
 import torch
-from compare import assert_bitwise_equal
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from ckpt.capture.state import TrainingState
+from tests.support.compare import assert_bitwise_equal
 
 
 def _setup():

@@ -26,9 +26,7 @@ import torch
 import ckpt
 from ckpt.cli.main import human_bytes
 from ckpt.storage.store import Store
-
-sys.path.insert(0, os.path.dirname(__file__))
-from launch import free_port  # noqa: E402
+from tests.support.launch import free_port
 
 CLI = [sys.executable, "-m", "ckpt.cli.main"]
 DATA = "__0_0.distcp"  # the one data file of a single-process save

@@ -9,7 +9,7 @@ import signal
 import subprocess
 import sys
 
-from launch import REPO, start, wait
+from tests.support.launch import REPO, start, wait
 
 # The README's loop with its defaults, in a script that configures no logging.
 LOOP = """

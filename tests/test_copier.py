@@ -14,22 +14,22 @@ import threading
 import time
 from pathlib import Path
 
-import launch
 import pytest
 import torch
-from compare import assert_bitwise_equal
-from test_faults import states, worker_args
 
 import ckpt
 from ckpt.errors import SaveFailed
-from ckpt.save.filewrite import GATE_FAILED, GATE_OPEN, GATE_WORD, Gate, Prefixes, write_file
+from ckpt.save.filewrite import GATE_FAILED, GATE_OPEN, GATE_WORD, Gate, write_file
+from ckpt.save.prefix import Prefixes
 from ckpt.save.resave import Resaver
 from ckpt.save.stage import Stager
 from ckpt.storage.store import Store
+from tests.support import launch
+from tests.support.compare import assert_bitwise_equal
+from tests.test_faults import states, worker_args
 
 MB = 1 << 20
 PAGE = 4096
-HERE = Path(__file__).resolve().parent
 
 
 def _segment(size: int) -> memoryview:
@@ -282,7 +282,7 @@ def test_a_rank_skips_the_copies_its_file_does_not_hold_and_the_checkpoint_resto
     two together every large tensor once; the checkpoint restores bit for bit on two ranks."""
     root = tmp_path / "root"
     for mode in ("save", "load"):
-        codes = launch.run(2, HERE / "copier_worker.py", mode, str(root), str(tmp_path), log_dir=tmp_path, timeout=180)
+        codes = launch.run(2, launch.WORKERS / "copier_worker.py", mode, str(root), str(tmp_path), log_dir=tmp_path, timeout=180)
         assert codes == [0, 0], [(tmp_path / f"rank{r}.log").read_text()[-3000:] for r in range(2)]
     saved = [torch.load(tmp_path / f"save-rank{r}.pt", weights_only=False) for r in range(2)]
     loaded = [torch.load(tmp_path / f"load-rank{r}.pt", weights_only=False) for r in range(2)]

@@ -6,7 +6,7 @@ and says why, and nothing unverified is ever unpickled.
 A pristine root with steps 5 and 10 is written once by real 2-rank FSDP2 jobs; each case
 copies it, damages step 10, and is checked by the CLI (in this process: the same `main` a
 user's `ckpt` runs) and by one 2-rank restore job per backend that restores every case's root
-in turn (tests/restore_worker.py), so that the matrix pays for starting ranks twice, not once
+in turn (tests/workers/restore_worker.py), so that the matrix pays for starting ranks twice, not once
 per case.
 """
 
@@ -21,12 +21,12 @@ from pathlib import Path
 
 import fsspec
 import pytest
-from jobs import RANKS, assert_same_training_state, dumps, rank_logs, train
-from launch import HERE, run
-from test_faults import malicious_pickle
 
 from ckpt.cli import main as cli
 from ckpt.storage.store import step_dir_name
+from tests.support.jobs import RANKS, assert_same_training_state, dumps, rank_logs, train
+from tests.support.launch import WORKERS, run
+from tests.test_faults import malicious_pickle
 
 PREVIOUS, NEWEST = 5, 10
 DATA = "__1_0.distcp"  # rank 1's data file of the newest step: rank 1 reads all of it to restore
@@ -194,7 +194,7 @@ def matrix(pristine, tmp_path_factory, request):
             outcomes[case] = Outcome(rc, capsys.readouterr().out, root.tree(), root)
         options = outcomes["intact"].root.options
         cases = json.dumps([[c, o.root.url] for c, o in outcomes.items()])
-        codes = run(RANKS, HERE / "restore_worker.py", str(work / "out"), cases, json.dumps(options), log_dir=work, timeout=300)
+        codes = run(RANKS, WORKERS / "restore_worker.py", str(work / "out"), cases, json.dumps(options), log_dir=work, timeout=300)
         assert codes == [0] * RANKS, f"exit codes {codes}\n{rank_logs(work)}"
         done[backend] = (outcomes, work)
         return done[backend]

@@ -1,6 +1,6 @@
 """DeepSpeed engines (ZeRO stage 1, 2 and 3, and stage 2 with the optimizer offloaded to the
 CPU) saved and restored by ckpt: real engines on DeepSpeed's CPU accelerator, ranks over
-gloo (tests/ds_worker.py). The restored weights and Adam moments are bitwise the saved ones,
+gloo (tests/workers/ds_worker.py). The restored weights and Adam moments are bitwise the saved ones,
 on the same world size and, for stages 1-3, on another one (2 -> 1, 1 -> 2), with no
 conversion step; the offloaded engine is restored on the same world size. A frozen layer
 and bf16 weights are restored bitwise too.
@@ -15,14 +15,14 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from compare import bits_equal
-from launch import HERE, run
 
 from ckpt.storage.store import step_dir_name
+from tests.support.compare import bits_equal
+from tests.support.launch import WORKERS, run
 
 pytestmark = pytest.mark.slow
 
-WORKER = HERE / "ds_worker.py"
+WORKER = WORKERS / "ds_worker.py"
 
 
 @pytest.fixture(scope="module")

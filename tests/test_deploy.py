@@ -19,7 +19,8 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
-from deploy_names import ALERTS, DASHBOARD, DEPLOY, metric_names, metric_names_used
+
+from tests.support.deploy_names import ALERTS, DASHBOARD, DEPLOY, metric_names, metric_names_used
 
 REPO = DEPLOY.parent
 K8S = DEPLOY / "k8s"

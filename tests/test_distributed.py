@@ -1,6 +1,6 @@
 """Distributed behaviour with real processes: 2 ranks over gloo on loopback, CPU only.
 
-Each job is tests/worker.py (one process per rank) and dumps what a user would compare:
+Each job is tests/workers/worker.py (one process per rank) and dumps what a user would compare:
 full parameters, full optimizer state, scheduler state and draws from every RNG, per rank.
 """
 
@@ -18,8 +18,11 @@ import boto3
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from compare import assert_bitwise_equal
-from jobs import (
+
+import ckpt
+from ckpt.storage.store import step_dir_name
+from tests.support.compare import assert_bitwise_equal
+from tests.support.jobs import (
     RANKS,
     WORKER,
     assert_same_training_state,
@@ -29,10 +32,7 @@ from jobs import (
     rank_logs,
     train,
 )
-from launch import HERE, kill_all, run, start, wait
-
-import ckpt
-from ckpt.storage.store import step_dir_name
+from tests.support.launch import WORKERS, kill_all, run, start, wait
 
 pytestmark = pytest.mark.slow
 
@@ -66,7 +66,7 @@ def test_plain_dcp_load_reads_fsdp2_checkpoint_into_fresh_model(tmp_path, straig
     saved = straight_run("fsdp2")  # its newest checkpoint holds the state it ended with
     assert committed_steps(saved.root) == [5, 10, 15, 20]
 
-    job(tmp_path, HERE / "plain_dcp_load.py", "fsdp2", saved.root / "step-0000000020", tmp_path / "loaded")
+    job(tmp_path, WORKERS / "plain_dcp_load.py", "fsdp2", saved.root / "step-0000000020", tmp_path / "loaded")
     loaded = dumps(tmp_path / "loaded")
     for rank, want in enumerate(saved.dumps):
         assert not torch.equal(loaded[rank]["init"]["0.weight"], want["model"]["0.weight"])
@@ -266,7 +266,7 @@ def test_a_restore_that_fails_on_one_rank_with_a_users_error_fails_on_every_rank
     the restore's template or as what was read is applied: before, that rank left the restore
     while the others waited in a collective until its timeout and then raised something else."""
     out = tmp_path / "out"
-    codes = run(2, HERE / "broken_state_worker.py", str(tmp_path / "root"), str(out), phase, log_dir=tmp_path, timeout=240)
+    codes = run(2, WORKERS / "broken_state_worker.py", str(tmp_path / "root"), str(out), phase, log_dir=tmp_path, timeout=240)
     logs = "\n".join((tmp_path / f"rank{r}.log").read_text()[-3000:] for r in range(2))
     assert codes == [0, 0], logs
     for rank in range(2):

@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from launch import HERE, REPO, run
 
-WORKER = HERE / "elastic_worker.py"
+from tests.support.launch import REPO, WORKERS, run
+
+WORKER = WORKERS / "elastic_worker.py"
 
 
 def job(nprocs: int, root: Path, logs: Path, *extra: str) -> list[int]:

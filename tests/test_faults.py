@@ -4,7 +4,7 @@ A rank SIGKILLed in the middle of a background save (CKPT_FAULT, see ckpt/_fault
 leave the previous checkpoint as the one a restart resumes from, bit for bit; a checkpoint
 that is complete but corrupt must be detected before anything of it is used (nothing
 unverified is ever unpickled), passed over with a log line that says why, and never written
-into again. The multi-rank tests run tests/worker.py under FSDP2 on 2 gloo ranks and compare
+into again. The multi-rank tests run tests/workers/worker.py under FSDP2 on 2 gloo ranks and compare
 the final state with an uninterrupted run; the single-process tests run the Checkpointer in
 this process, where the detection and fallback logic is the same.
 """
@@ -24,17 +24,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from compare import assert_bitwise_equal as assert_same
 
 import ckpt
 from ckpt.save import commit
 from ckpt.storage import catalog
 from ckpt.storage.store import Store, step_dir_name
+from tests.support import launch
+from tests.support.compare import assert_bitwise_equal as assert_same
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import launch  # noqa: E402
-
-WORKER = launch.HERE / "worker.py"
+WORKER = launch.WORKERS / "worker.py"
 MODE = "fsdp2"
 STEPS, EVERY = 20, 5
 # The Checkpointer's collective timeout in the worker: a rank whose peer died must give up
@@ -596,7 +594,7 @@ def test_a_fallback_goes_to_the_newest_commit_before_though_its_manifest_was_wri
     its manifest was written (an agent's commit lands late, its `created` stays early)."""
     import json
 
-    from toy_model import build, optimizer
+    from tests.support.toy_model import build, optimizer
 
     def run(restore_to=None):
         model = build("plain", 1)

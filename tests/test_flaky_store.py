@@ -1,5 +1,5 @@
 """Training against a flaky object store: the moto S3 server behind a fault-injecting proxy
-(tests/s3proxy.py) that answers 500 and 503 SlowDown, delays, drops connections, truncates
+(tests/support/s3proxy.py) that answers 500 and 503 SlowDown, delays, drops connections, truncates
 bodies and hangs, at set rates. A save either commits correctly or fails cleanly and a later
 one commits; training goes on (unless told to stop after K failed saves in a row); a store
 that hangs fails a save within the configured timeout, never hangs the job."""
@@ -15,13 +15,13 @@ import time
 
 import pytest
 import torch
-from compare import assert_bitwise_equal
-from jobs import RANKS, WORKER, assert_same_training_state, dumps, rank_logs
-from launch import REPO, run
-from s3proxy import FaultyProxy
-from toy_model import build, optimizer
 
 import ckpt
+from tests.support.compare import assert_bitwise_equal
+from tests.support.jobs import RANKS, WORKER, assert_same_training_state, dumps, rank_logs
+from tests.support.launch import REPO, run
+from tests.support.s3proxy import FaultyProxy
+from tests.support.toy_model import build, optimizer
 
 FLAKY = {"500": 0.04, "503": 0.06, "reset": 0.03, "delay": 0.08, "truncate": 0.03}
 QUICK = {"attempts": 6, "backoff_s": 0.01, "max_backoff_s": 0.2, "timeout_s": 5.0}

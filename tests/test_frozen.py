@@ -15,14 +15,14 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from compare import assert_bitwise_equal, bits_equal
-from jobs import assert_same_training_state, dumps, rank_logs, train
-from launch import run_worker
-from toy_model import build
 
 import ckpt
 from ckpt.capture.state import TrainingState
 from ckpt.storage.store import step_dir_name
+from tests.support.compare import assert_bitwise_equal, bits_equal
+from tests.support.jobs import assert_same_training_state, dumps, rank_logs, train
+from tests.support.launch import run_worker
+from tests.support.toy_model import build
 
 FROZEN = ("0.weight", "0.bias")
 

@@ -21,11 +21,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from compare import assert_bitwise_equal
 
 import ckpt
 from ckpt.storage import catalog
 from ckpt.storage.store import Store, step_dir_name
+from tests.support.compare import assert_bitwise_equal
 
 MB = 1 << 20
 
@@ -163,9 +163,8 @@ def test_a_spool_that_runs_out_of_space_mid_write_gives_way_to_the_root_and_the_
     file to the root instead, saying why; the save commits there, nothing of it is left in
     the spool, the previous checkpoint stays intact. The next save goes to the root though
     the spool has room again, and the one after through the agent."""
-    from test_agent import agent, until
-
     from ckpt.node.spool import Spool
+    from tests.test_agent import agent, until
 
     monkeypatch.setenv("CKPT_FAULT", "writer_process:0:2:sleep=3")  # step 2's writer waits before it writes
     caplog.set_level(logging.INFO, logger="ckpt")
@@ -222,7 +221,7 @@ def test_a_spool_that_fills_under_a_runs_first_save_fails_it_and_the_next_goes_t
     """A run's first save is DCP's planned save, whose ranks fail together: the spool filling
     under it fails that save, cleanly. The next one goes to the root and commits (planned by
     DCP again, it would fail the same way in the spool, whose check still passes)."""
-    from test_agent import agent
+    from tests.test_agent import agent
 
     caplog.set_level(logging.INFO, logger="ckpt")
     root = tmp_path / "root"
@@ -311,7 +310,7 @@ def test_a_spool_that_fills_at_the_metadata_fails_that_save_and_the_next_goes_to
     step 2's data file) to leave room for that file but not for rank 0's `.metadata`: that
     save fails cleanly and its file leaves the spool; the next, though the spool has room
     again, goes to the root and commits."""
-    from test_agent import agent, until
+    from tests.test_agent import agent, until
 
     monkeypatch.setenv("CKPT_FAULT", "writer_process:0:2:sleep=3")
     caplog.set_level(logging.INFO, logger="ckpt")
@@ -359,9 +358,9 @@ def test_with_two_nodes_the_rank_whose_spool_fills_mid_write_goes_to_the_root_wh
     write. Rank 0 writes its file to the root and marks it durable there; rank 1 hands its
     file to its agent as usual; the checkpoint commits once, with both ranks' files, and
     restores to what the ranks held."""
-    from jobs import RANKS, WORKER, assert_same_training_state, dumps, rank_logs
-    from launch import REPO, start, wait
-    from test_agent import agent, until
+    from tests.support.jobs import RANKS, WORKER, assert_same_training_state, dumps, rank_logs
+    from tests.support.launch import REPO, start, wait
+    from tests.test_agent import agent, until
 
     root, out = tmp_path / "root", tmp_path / "out"
     (tmp_path / "node1").mkdir()

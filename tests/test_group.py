@@ -7,11 +7,10 @@ from __future__ import annotations
 import json
 import pickle
 
-from launch import HERE, run
-
 from ckpt.collectives import _SHORT
+from tests.support.launch import WORKERS, run
 
-WORKER = HERE / "group_worker.py"
+WORKER = WORKERS / "group_worker.py"
 
 
 def test_short_objects_take_one_collective_and_long_ones_arrive_whole(tmp_path):

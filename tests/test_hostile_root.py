@@ -29,14 +29,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from compare import assert_bitwise_equal
-from launch import REPO
-from test_full_disk import fill, tmpfs
 
 import ckpt
 from ckpt.cli.main import main as cli
 from ckpt.storage import catalog, lease
 from ckpt.storage.store import Store, step_dir_name
+from tests.support.compare import assert_bitwise_equal
+from tests.support.launch import REPO
+from tests.test_full_disk import fill, tmpfs
 
 MB = 1 << 20
 

@@ -1,6 +1,6 @@
 """The root lease: one job writes to a root at a time (ckpt.storage.lease).
 
-Real jobs (tests/lease_worker.py, one process each, or two gloo ranks) on a local root and on
+Real jobs (tests/workers/lease_worker.py, one process each, or two gloo ranks) on a local root and on
 a real S3-protocol server; what is checked is what a user would: the exit status, the error
 and its message, the files of the root before and after.
 """
@@ -19,15 +19,15 @@ import time
 from pathlib import Path
 
 import pytest
-from launch import HERE, REPO, start
-from launch import wait as wait_ranks
 
 import ckpt
 from ckpt.storage import lease
 from ckpt.storage.lease import Holder, Lease, LeaseKeeper, judge
 from ckpt.storage.store import Store, Tagged
+from tests.support.launch import REPO, WORKERS, start
+from tests.support.launch import wait as wait_ranks
 
-WORKER = HERE / "lease_worker.py"
+WORKER = WORKERS / "lease_worker.py"
 TTL = 30.0  # long enough never to expire by itself during a test that does not wait for it
 
 

@@ -15,13 +15,13 @@ from pathlib import Path
 import boto3
 import pytest
 import torch
-from compare import assert_bitwise_equal
-from jobs import rank_logs
-from launch import HERE, run
-from toy_model import build, optimizer
 
 import ckpt
 from ckpt.cli import main as cli
+from tests.support.compare import assert_bitwise_equal
+from tests.support.jobs import rank_logs
+from tests.support.launch import WORKERS, run
+from tests.support.toy_model import build, optimizer
 
 FIGURES: dict = {}
 
@@ -148,7 +148,7 @@ def test_a_state_of_10000_tensors_round_trips_bit_for_bit(tmp_path):
 def test_8_ranks_on_loopback_resume_bit_for_bit(tmp_path):
     """8 FSDP2 ranks on gloo: a run to step 10 and a run resumed from its step-5 checkpoint
     end in the same state."""
-    worker = HERE / "worker.py"
+    worker = WORKERS / "worker.py"
     common = ("--mode", "fsdp2", "--root", tmp_path / "root", "--every", 5, "--steps", 10)
     began = time.monotonic()
     codes = run(8, worker, *map(str, common), "--out", str(tmp_path / "a"), log_dir=tmp_path, timeout=300)

@@ -29,7 +29,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from launch import REPO
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
@@ -46,6 +45,7 @@ from ckpt.errors import InvalidCheckpoint, RestoreFailed
 from ckpt.format import tensor_blob
 from ckpt.format.checksum import Hasher, block_size
 from ckpt.format.dcp_metadata import load_metadata
+from tests.support.launch import REPO
 
 DCP = "torch.distributed.checkpoint.metadata"
 CLI = [sys.executable, "-m", "ckpt.cli.main"]

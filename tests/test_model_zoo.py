@@ -1,11 +1,11 @@
-"""Every kind of model state in the zoo (tests/zoo.py) is saved as it was when `step_done()`
+"""Every kind of model state in the zoo (tests/support/zoo.py) is saved as it was when `step_done()`
 returned, whatever forward, backward and the optimizer do to it next (issue 37), and a run
 SIGKILLed after step 7 resumes from its step-6 checkpoint to step 8 bit for bit as a run
 that never stopped: plain on one process and FSDP2 on 2 ranks, with default options, and
 for the kinds whose buffers forward changes, the other ways a save copies the state
 (overlap=False; streamed from the live state over the host memory budget).
 
-Each mode costs two rounds of tests/zoo_worker.py, which runs the whole zoo in one process
+Each mode costs two rounds of tests/workers/zoo_worker.py, which runs the whole zoo in one process
 per rank: the uninterrupted reference beside the run to kill, then the resumed run.
 
 Not covered here: the agent hand-off (tests/test_agent.py) and DeepSpeed
@@ -21,12 +21,12 @@ from typing import Any
 
 import pytest
 import torch
-from compare import assert_bitwise_equal
-from launch import HERE, kill_all, start, wait
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-from zoo import KINDS, cases
 
 from ckpt.storage.store import step_dir_name
+from tests.support.compare import assert_bitwise_equal
+from tests.support.launch import WORKERS, kill_all, start, wait
+from tests.support.zoo import KINDS, cases
 
 pytestmark = pytest.mark.slow
 
@@ -60,7 +60,7 @@ class Zoo:
 
     def start(self, mode: str, phase: str) -> list[subprocess.Popen]:
         (self.dir / phase).mkdir()
-        return start(self.ranks, HERE / "zoo_worker.py", "--mode", mode, "--phase", phase, "--dir", str(self.dir), log_dir=self.dir / phase)
+        return start(self.ranks, WORKERS / "zoo_worker.py", "--mode", mode, "--phase", phase, "--dir", str(self.dir), log_dir=self.dir / phase)
 
     def load(self, phase: str, rank: int) -> dict[str, Any]:
         # Written by the worker itself: a killed run writes it before its SIGKILL.

@@ -10,12 +10,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import launch
 import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from compare import assert_bitwise_equal
 
 from ckpt.collectives import Group
 from ckpt.save.commit import Save, Source, persist
@@ -24,8 +22,8 @@ from ckpt.save.stage import Stager
 from ckpt.save.upload import Direct
 from ckpt.save.writer_proc import ThreadSink
 from ckpt.storage.store import Store
-
-HERE = Path(__file__).resolve().parent
+from tests.support import launch
+from tests.support.compare import assert_bitwise_equal
 
 
 def _state(step: int, note: str) -> dict:
@@ -140,7 +138,7 @@ def test_two_ranks_resave_replan_when_one_rank_changes_and_fail_together(tmp_pat
     nothing; rank 1 alone gains a tensor at step 5: both ranks plan step 5 afresh; rank 0
     refuses step 7 (committed by another job): the save fails on both ranks."""
     root = tmp_path / "root"
-    codes = launch.run(2, HERE / "resave_worker.py", str(root), str(tmp_path), env={"CKPT_FAULT": "writer_process:1:3"},
+    codes = launch.run(2, launch.WORKERS / "resave_worker.py", str(root), str(tmp_path), env={"CKPT_FAULT": "writer_process:1:3"},
                        log_dir=tmp_path, timeout=240)
     logs = "".join((tmp_path / f"rank{r}.log").read_text() for r in range(2))
     assert codes == [0, 0], logs

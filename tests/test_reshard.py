@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from compare import bits_equal
-from launch import HERE, run
 
-WORKER = HERE / "reshard_worker.py"
+from tests.support.compare import bits_equal
+from tests.support.launch import WORKERS, run
+
+WORKER = WORKERS / "reshard_worker.py"
 
 
 def _job(nprocs: int, tmp_path, phase: str, mode: str, out: str, mesh: str = "") -> dict:

@@ -32,7 +32,7 @@ def test_a_restore_reads_each_manifest_once_and_asks_no_object_for_its_size(s3_r
     """Round trips are what a restore waits for on an object store: the step's manifest and
     `.metadata` are read once (the ones checked are the ones restored from), the bucket is
     checked once, and the files (sizes known from the manifest) read without a HEAD first."""
-    from s3proxy import FaultyProxy
+    from tests.support.s3proxy import FaultyProxy
 
     torch.manual_seed(0)
     m = torch.nn.Linear(64, 64)
@@ -60,7 +60,7 @@ def test_a_restore_of_a_named_step_lists_the_root_once_and_reads_no_other_metada
     root serves the step, the steps already taken and the newest commit time alike (it was
     three), and the only `.metadata` read is the restored step's (the newest one's was read
     and checksummed too, for its commit time alone)."""
-    from s3proxy import FaultyProxy
+    from tests.support.s3proxy import FaultyProxy
 
     m = torch.nn.Linear(16, 16)
     with ckpt.Checkpointer(s3_root, model=m, storage_options=s3_options, interval=None, save_on_exit=False) as cp:
@@ -119,10 +119,9 @@ def test_a_restart_reads_the_newest_run_records_not_the_whole_history(s3_root, s
     grows by two objects a restart: a few GETs of run records, whatever the history holds."""
     import time
 
-    from s3proxy import FaultyProxy
-
     from ckpt.events import RunRecord, write_run
     from ckpt.storage.store import Store
+    from tests.support.s3proxy import FaultyProxy
 
     m = torch.nn.Linear(8, 8)
     with ckpt.Checkpointer(s3_root, model=m, storage_options=s3_options, interval=None, save_on_exit=False) as cp:

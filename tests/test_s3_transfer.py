@@ -15,10 +15,10 @@ import time
 import boto3
 import pytest
 import s3fs
-from s3proxy import FaultyProxy
 
 from ckpt.errors import InvalidCheckpoint, NotFound, StorageError
 from ckpt.storage.store import MiB, Store, Transfer
+from tests.support.s3proxy import FaultyProxy
 
 PART = 5 * MiB  # S3's smallest part, so that a few MiB make several parts
 SMALL = Transfer(part_size=PART, concurrency=3, read_size=2 * MiB, readahead=3, backoff_s=0.01)

@@ -1,7 +1,7 @@
 """Security: signed manifests, nothing unpickled unguarded, no secret in any output of a run,
 no path out of the root, listeners on loopback.
 
-Real parts: Checkpointers saving with DCP, 2-rank jobs of tests/worker.py over gloo, a real
+Real parts: Checkpointers saving with DCP, 2-rank jobs of tests/workers/worker.py over gloo, a real
 `ckpt agent` process, the `ckpt` CLI as a subprocess, the moto S3 server on loopback.
 """
 
@@ -27,8 +27,6 @@ from pathlib import Path
 import boto3
 import pytest
 import torch
-from jobs import RANKS, rank_logs
-from launch import HERE, REPO, free_port, start, wait
 
 import ckpt
 from ckpt.agent.config import Config
@@ -39,9 +37,11 @@ from ckpt.format.signing import SigningKey
 from ckpt.metrics import Metrics
 from ckpt.node.spool import Request, Spool, check_request, read_json, status_of
 from ckpt.storage.store import Store
+from tests.support.jobs import RANKS, rank_logs
+from tests.support.launch import REPO, WORKERS, free_port, start, wait
 
 CLI = [sys.executable, "-m", "ckpt.cli.main"]
-WORKER = HERE / "worker.py"
+WORKER = WORKERS / "worker.py"
 KEY = "signing-key-0123456789-abcdef-Nr1"
 OTHER_KEY = "another-key-0123456789-abcdef-Nr2"
 
@@ -392,7 +392,7 @@ def test_ckpt_ls_and_show_say_whose_signature_a_checkpoint_carries_and_with_a_ke
 
 @pytest.mark.slow
 def test_a_manifest_the_agent_commits_is_signed_though_the_key_never_reaches_the_spool_or_the_agent(tmp_path):
-    from test_agent import agent, until
+    from tests.test_agent import agent, until
 
     spool, root = tmp_path / "spool", tmp_path / "root"
     key_file = tmp_path / "key"
@@ -536,7 +536,7 @@ def test_no_secret_appears_in_any_output_log_manifest_event_or_spool_file_of_a_r
     outputs["metrics scrape"] = scraped
 
     # Run 2: through a node agent logging JSON, with its own credentials (the same ones here).
-    from test_agent import agent
+    from tests.test_agent import agent
 
     with agent(spool, logs / "agent.log", "--log-format", "json", env=aws) as a:
         procs = start(RANKS, WORKER, *args, "--steps", "12", env={**ranks_env, "CKPT_SPOOL": str(spool), "CKPT_METRICS_PORT": str(free_port())}, log_dir=logs)

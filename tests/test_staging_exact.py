@@ -18,11 +18,11 @@ from dataclasses import dataclass
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from compare import assert_bitwise_equal
-from test_agent import agent
 
 import ckpt
 from ckpt.storage.store import step_dir_name
+from tests.support.compare import assert_bitwise_equal
+from tests.test_agent import agent
 
 
 class Counter(torch.nn.Module):

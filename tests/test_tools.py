@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from jobs import RANKS
-from launch import REPO, run
 
 import ckpt
 from ckpt.admin.export import read_export
+from tests.support.jobs import RANKS
+from tests.support.launch import REPO, run
 
 CLI = [sys.executable, "-m", "ckpt.cli.main"]
 
@@ -348,7 +348,7 @@ def test_load_test_reports_what_each_rank_reads_on_another_world_size(tmp_path):
     """An FSDP2 checkpoint of 2 ranks (files over 2 MiB: block checksums): restored on 1 rank,
     that rank reads every byte; on 4, each reads its rows' blocks, about a third, exactly
     what a real restore on 4 ranks reads."""
-    from jobs import job
+    from tests.support.jobs import job
 
     root = tmp_path / "root"
     script = tmp_path / "big_fsdp2.py"

@@ -10,8 +10,8 @@ import subprocess
 import sys
 import time
 
-from launch import REPO, free_port
-from test_elastic import WORKER, global_batches, job
+from tests.support.launch import REPO, free_port
+from tests.test_elastic import WORKER, global_batches, job
 
 sys.path.insert(0, str(REPO / "examples"))
 from demo import wait_listening  # noqa: E402  (the demo launches its nodes the same way)
@@ -26,7 +26,7 @@ def torchrun_node(port: int, root, logs, out) -> subprocess.Popen:
         str(WORKER), "--root", str(root), "--log-dir", str(logs), "--steps", "18", "--every", "3",
         "--step-sleep", "0.25",
     ]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": f"{REPO}:{REPO / 'tests'}", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     # Each node in its own session: killing one kills its agent and its worker, as losing it would.
     return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 

@@ -1,8 +1,8 @@
-"""The kill sweep (tests/torture.py) as a test: 32 seeded trials, every phase of the save
+"""The kill sweep (tests/support/torture.py) as a test: 32 seeded trials, every phase of the save
 pipeline killed at least once (a rank while staging, writing, between data and manifest,
 after the manifest, during retention, after handing off to the node agent; a rank's writer
 process; the agent mid-upload), and every restart restores the newest committed checkpoint,
-bit for bit what its step held when it was saved. `python tests/torture.py` runs longer
+bit for bit what its step held when it was saved. `python -m tests.support.torture` runs longer
 sweeps and prints the same figures."""
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ from __future__ import annotations
 import json
 
 import pytest
-import torture
+
+from tests.support import torture
 
 
 @pytest.mark.slow

@@ -124,7 +124,7 @@ def _prefix_pieces(seg: int = 0) -> list:
 
 @pytest.mark.parametrize("direct", [True, False], ids=["direct", "buffered"])
 def test_a_layout_written_again_from_its_gathered_prefix_is_the_file_written_piece_by_piece(tmp_path, direct):
-    from ckpt.save.filewrite import Prefixes
+    from ckpt.save.prefix import Prefixes
 
     seg = _segment(16 * MB)
     pieces = _prefix_pieces()
@@ -149,7 +149,7 @@ def test_a_layout_written_again_from_its_gathered_prefix_is_the_file_written_pie
 @pytest.mark.parametrize("where", FILESYSTEMS)
 def test_a_whole_file_image_writes_its_bytes_again_and_again_without_the_page_cache(tmp_path, where):
     from ckpt.format.checksum import checksum
-    from ckpt.save.filewrite import Image
+    from ckpt.save.prefix import Image
 
     root = tmp_path if where == "tmp_path" else Path(where)
     data = os.urandom(3 * MB + 1234)  # not a whole number of pages: the tail is written buffered

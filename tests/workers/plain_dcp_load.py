@@ -16,13 +16,14 @@ import sys
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from launch import exit_without_teardown
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_state_dict,
     set_state_dict,
 )
-from toy_model import build, optimizer
+
+from tests.support.launch import exit_without_teardown
+from tests.support.toy_model import build, optimizer
 
 
 def main() -> None:

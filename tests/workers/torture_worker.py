@@ -1,4 +1,4 @@
-"""One run of the kill sweep's job (tests/torture.py), as one process per rank (launch.py).
+"""One run of the kill sweep's job (tests/support/torture.py), as one process per rank (launch.py).
 
 It trains the small FSDP2 MLP on 2 ranks from whatever the root's newest checkpoint holds,
 saving every `--every` steps and keeping two, for `--steps` steps. Before each step can be
@@ -21,10 +21,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_state_dict
-from toy_model import build, optimizer
 
 import ckpt
 from ckpt.storage import catalog
+from tests.support.toy_model import build, optimizer
 
 
 def state_hash(model: torch.nn.Module, opt: torch.optim.Optimizer, sched: object, step: int) -> str:

@@ -1,4 +1,4 @@
-"""Runs every case of the model zoo (tests/zoo.py) in one process per rank, one after the
+"""Runs every case of the model zoo (tests/support/zoo.py) in one process per rank, one after the
 other, each with its own root and Checkpointer (ckpt.Every(steps=3), otherwise the case's
 options), so that a phase costs one start-up of torch, not one per model:
 
@@ -26,12 +26,12 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from launch import exit_without_teardown
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 from torch.distributed.tensor import DTensor
-from zoo import KINDS, Specimen, cases
 
 import ckpt
+from tests.support.launch import exit_without_teardown
+from tests.support.zoo import KINDS, Specimen, cases
 
 STEPS = {"reference": 8, "killed": 7, "resumed": 8}
 SNAPSHOTS = (3, 6, 8)

@@ -19,10 +19,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-from toy_model import build
 
 import ckpt
 import ckpt.capture.state
+from tests.support.toy_model import build
 
 
 def build_tp2d(dp: int, tp: int) -> torch.nn.Module:

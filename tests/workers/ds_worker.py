@@ -21,10 +21,10 @@ import deepspeed  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state  # noqa: E402
-from launch import exit_without_teardown
-from toy_model import Forwards  # noqa: E402
 
 import ckpt  # noqa: E402
+from tests.support.launch import exit_without_teardown
+from tests.support.toy_model import Forwards  # noqa: E402
 
 
 def full_state(engine, optimizer: bool) -> dict:

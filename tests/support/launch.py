@@ -11,8 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
+REPO = Path(__file__).resolve().parents[2]  # the root of the repository, where ranks import ckpt and tests from
+WORKERS = REPO / "tests" / "workers"  # the programs the jobs run, one process per rank
 
 
 def exit_without_teardown() -> None:
@@ -85,8 +85,8 @@ def run(nprocs: int, script: str | Path, *args: str, env: dict[str, str] | None 
 
 
 def run_worker(nprocs: int, *args: str, env: dict[str, str] | None = None, log_dir: Path | None = None, timeout: float = 180) -> None:
-    """Run tests/worker.py on N ranks; fail with the ranks' logs if any rank fails."""
-    codes = run(nprocs, HERE / "worker.py", *args, env=env, log_dir=log_dir, timeout=timeout)
+    """Run tests/workers/worker.py on N ranks; fail with the ranks' logs if any rank fails."""
+    codes = run(nprocs, WORKERS / "worker.py", *args, env=env, log_dir=log_dir, timeout=timeout)
     if any(codes):
         logs = ""
         if log_dir:

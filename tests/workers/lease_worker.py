@@ -17,7 +17,6 @@ import logging
 import os
 import sys
 import time
-from pathlib import Path
 
 
 def say(path: str, **event: object) -> None:
@@ -75,7 +74,7 @@ def main() -> None:
 
     import torch
 
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # started by tests/launch.py: one file per rank
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # started by tests/support/launch.py: one file per rank
         import torch.distributed as dist
 
         dist.init_process_group("gloo")
@@ -118,5 +117,4 @@ def leave(code: int) -> None:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     main()

@@ -21,9 +21,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-from toy_model import build, optimizer
 
 import ckpt
+from tests.support.toy_model import build, optimizer
 
 
 def main() -> None:

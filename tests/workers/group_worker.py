@@ -14,11 +14,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from launch import exit_without_teardown  # noqa: E402
-
-import ckpt  # noqa: E402
-from ckpt.collectives import _SHORT, Group, TooLong  # noqa: E402
+import ckpt
+from ckpt.collectives import _SHORT, Group, TooLong
+from tests.support.launch import exit_without_teardown
 
 calls: list[str] = []
 

@@ -19,9 +19,9 @@ import time
 
 import torch
 import torch.distributed as dist
-from launch import exit_without_teardown
 
 import ckpt
+from tests.support.launch import exit_without_teardown
 
 
 class Thing:

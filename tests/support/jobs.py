@@ -1,4 +1,4 @@
-"""Jobs of tests/worker.py on 2 ranks (gloo on loopback) and what they leave behind, shared by
+"""Jobs of tests/workers/worker.py on 2 ranks (gloo on loopback) and what they leave behind, shared by
 the distributed tests; `straight_run` (in conftest) is the uninterrupted reference job."""
 
 from __future__ import annotations
@@ -7,11 +7,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from compare import assert_bitwise_equal
-from launch import HERE, run
+
+from tests.support.compare import assert_bitwise_equal
+from tests.support.launch import WORKERS, run
 
 RANKS = 2
-WORKER = HERE / "worker.py"
+WORKER = WORKERS / "worker.py"
 
 
 def job(log_dir: Path, script: Path, *args: object, timeout: float = 180) -> None:

@@ -16,7 +16,7 @@ from typing import Any
 
 import yaml
 
-DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 DASHBOARD = DEPLOY / "grafana" / "ckpt-dashboard.json"
 ALERTS = DEPLOY / "prometheus" / "ckpt-alerts.yml"
 

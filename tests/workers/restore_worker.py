@@ -1,5 +1,5 @@
 """Restore each of several roots in turn in one job of real ranks (see launch.py), saving
-nothing, and write what each restore left to <out>.<case>.rank<R>.pt (tests/worker.py's dump).
+nothing, and write what each restore left to <out>.<case>.rank<R>.pt (tests/workers/worker.py's dump).
 
 One job for many roots: each rank imports torch and joins the gloo group once, not once per
 root. Every root starts from a model initialised with other weights and other RNG streams
@@ -20,11 +20,11 @@ import sys
 
 import numpy as np
 import torch.distributed as dist
-from launch import exit_without_teardown
-from toy_model import build, optimizer
-from worker import dump
 
 import ckpt
+from tests.support.launch import exit_without_teardown
+from tests.support.toy_model import build, optimizer
+from tests.workers.worker import dump
 
 log = logging.getLogger("restore_worker")
 

@@ -3,13 +3,13 @@ its writer process, or the node agent) with SIGKILL at a random point of the sav
 then checking that the next run restores the newest committed checkpoint, bit for bit what
 that step held, and never a partial one.
 
-    .venv/bin/python tests/torture.py --trials 40 --seed 1
+    .venv/bin/python -m tests.support.torture --trials 40 --seed 1
 
 prints the figures (trials, kills by phase, restores correct, data lost, time for the
 surviving rank to turn a dead peer into an error) and writes them as JSON (`--out`). The test
 suite runs a shorter sweep through `sweep()` (tests/test_torture.py).
 
-Each trial is one run of tests/torture_worker.py: it restores, reports what it restored, trains
+Each trial is one run of tests/workers/torture_worker.py: it restores, reports what it restored, trains
 six steps saving every two (keeping two, so retention deletes as it goes) and is killed at the
 chosen point of one of those saves (CKPT_FAULT, ckpt/_faults.py). The next trial's restore
 checks the one before; a last run without faults checks the last. In a third of the trials a
@@ -30,11 +30,10 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import launch  # noqa: E402
+from tests.support import launch
 
 REPO = launch.REPO
-WORKER = launch.HERE / "torture_worker.py"
+WORKER = launch.WORKERS / "torture_worker.py"
 RANKS, EVERY, STEPS = 2, 2, 6
 # A rank whose peer died must fail on its own within this; past it the trial is a hang.
 DIE_WITHIN_S = 60.0

@@ -21,9 +21,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.utils.data import DataLoader, TensorDataset
-from toy_model import build
 
 import ckpt
+from tests.support.toy_model import build
 
 
 def draws(prefix: str, when: str, rank: int) -> None:
