@@ -39,7 +39,8 @@ from torch.futures import Future
 from ckpt._faults import fault_point
 from ckpt.format.manifest import METADATA_NAME, FileEntry
 from ckpt.save.arena import PAGE, Arena
-from ckpt.save.filewrite import Fixed, Image, Piece, piece_len
+from ckpt.save.filewrite import Fixed, Piece, piece_len
+from ckpt.save.prefix import Image
 from ckpt.save.writer_proc import Segment
 from ckpt.storage.store import Store
 

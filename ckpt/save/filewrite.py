@@ -13,11 +13,8 @@ its CPU. Everything else (headers, small tensors, unaligned tails) is gathered i
 bounce buffer. Filesystems without O_DIRECT (tmpfs, some network filesystems) get buffered
 writes. Either way the file is fsync'd before `write_file` returns.
 
-A file saved again and again with the same layout (`ckpt.save.resave`) names its fixed first pieces
-once: a `Prefix` gathers them into an image of their bytes, headers filled in once, so each
-later write copies only the arena ranges into it (a state of 10,000 small tensors is 40,000
-pieces, which one by one cost the writer two copies of the state in Python) and writes the
-image and the page-aligned ranges in a few large writes.
+A file saved again and again with the same layout starts with a `Head` laid out once
+(`ckpt.save.prefix`); `write_file` writes it, then the rest of the pieces.
 
 A save whose staging copies are still being made hands the writer a `Gate`: the writer reads
 an arena range only once the copies have reached its place in the file, and writes what it
@@ -33,9 +30,10 @@ import mmap
 import os
 import struct
 from collections.abc import Iterable, Iterator, Mapping
+from typing import Protocol
 
 from ckpt.errors import SaveFailed
-from ckpt.format.checksum import Hasher, block_size, checksum
+from ckpt.format.checksum import Hasher, block_size
 from ckpt.format.manifest import FileEntry
 from ckpt.storage.store import Store, storage_errors
 
@@ -52,7 +50,6 @@ ALIGN = 4096  # O_DIRECT alignment of memory, file offsets and lengths (the page
 _BOUNCE = 8 << 20  # bytes gathered before a direct write
 _IOV_MAX = 512  # pieces per writev call
 _DIRECT_BATCH = 64 << 20  # bytes queued before an O_DIRECT writev
-_PREFIX_IMAGE_MAX = 256 << 20  # a prefix whose gathered bytes exceed this is written piece by piece
 _SLICE = 64 << 20  # bytes of one range per write call at most: progress shows between them
 
 
@@ -117,7 +114,7 @@ def write_file(
     *,
     rank: int = -1,
     direct: bool = True,
-    prefix: Prefix | None = None,
+    prefix: Head | None = None,
     gate: Gate | None = None,
 ) -> FileEntry:
     """Write `pieces` (literal bytes and arena ranges) as the file `rel` of `store`; with
@@ -162,7 +159,7 @@ def write_file(
 Views = Iterator["tuple[memoryview, bool] | None"]
 
 
-def _views(prefix: Prefix | None, pieces: list[Piece], segments: Mapping[int, memoryview], gate: Gate | None) -> Views:
+def _views(prefix: Head | None, pieces: list[Piece], segments: Mapping[int, memoryview], gate: Gate | None) -> Views:
     pos = 0
     if prefix is not None:
         yield from prefix.views(gate)
@@ -179,11 +176,19 @@ def _views(prefix: Prefix | None, pieces: list[Piece], segments: Mapping[int, me
             yield None
             gate.wait(pos)
         # Arena segments start on a page, so an offset on a page is an aligned address.
-        for view in _sliced(segments[seg][off : off + length]):
+        for view in sliced(segments[seg][off : off + length]):
             yield view, off % ALIGN == 0
 
 
-def _sliced(view: memoryview) -> Iterable[memoryview]:
+class Head(Protocol):
+    """A file's first `size` bytes, laid out beforehand (`ckpt.save.prefix.Prefix`)."""
+
+    size: int
+
+    def views(self, gate: Gate | None = None) -> Views: ...
+
+
+def sliced(view: memoryview) -> Iterable[memoryview]:
     """`view` in parts of at most `_SLICE` bytes (whole pages each, but for the last)."""
     for at in range(0, len(view), _SLICE):
         yield view[at : at + _SLICE]
@@ -281,7 +286,7 @@ class _DirectFile:
             # pages of the bounce buffer): queue them, then the aligned run without a copy.
             self._queue_bounce()
             n = len(view) - len(view) % ALIGN
-            for part in _sliced(view[:n]):
+            for part in sliced(view[:n]):
                 self._queue(part)
             self.zero_copy += n
             view = view[n:]
@@ -343,159 +348,3 @@ class _DirectFile:
                 raise _NoDirectIO from e  # the filesystem opened it, but refuses the write
             raise
         self.written += sum(map(len, views))
-
-
-class Prefix:
-    """The fixed first pieces of a file, gathered for writing it again and again: their bytes
-    in file order are runs, each a page-aligned range of an arena segment (written as it is)
-    or of an image made once, which holds the literal pieces and into which `views` copies
-    the other arena ranges of a run before it is written. Built where the file is written
-    (the writer process), from the segments mapped there; `close` before any of them is
-    unmapped."""
-
-    def __init__(self, runs: _Runs, segments: Mapping[int, memoryview]) -> None:
-        plan, fills, size = runs
-        self.nbytes = size  # the image's
-        self.size = sum(n for _, _, n in plan)  # the file's
-        self._image = mmap.mmap(-1, max(size, 1))
-        view = memoryview(self._image)
-        copies: list[tuple[int, memoryview, memoryview]] = []  # (image offset, into, from)
-        for at, piece in fills:
-            if isinstance(piece, bytes):
-                view[at : at + len(piece)] = piece
-            else:
-                seg, off, n = piece
-                copies.append((at, view[at : at + n], segments[seg][off : off + n]))
-        # Each run, the file position where it ends, whether it reads the arena, and the
-        # arena ranges copied into it (an image run's; both in the image's order).
-        self._runs: list[tuple[memoryview, int, bool, list[tuple[memoryview, memoryview]]]] = []
-        pos = i = 0
-        for seg, off, n in plan:
-            pos += n
-            if seg >= 0:
-                self._runs.append((segments[seg][off : off + n], pos, True, []))
-                continue
-            mine = []
-            while i < len(copies) and copies[i][0] < off + n:
-                mine.append(copies[i][1:])
-                i += 1
-            self._runs.append((view[off : off + n], pos, bool(mine), mine))
-
-    @classmethod
-    def build(cls, pieces: list[Piece], segments: Mapping[int, memoryview]) -> Prefix | None:
-        """The prefix of `pieces`; None if its image would exceed _PREFIX_IMAGE_MAX bytes."""
-        runs = _lay_out_runs(pieces)
-        return cls(runs, segments) if runs[2] <= _PREFIX_IMAGE_MAX else None
-
-    def views(self, gate: Gate | None = None) -> Views:
-        """The runs in file order (see `_views`), each image run with the arena's current
-        bytes copied into it, once `gate` says they are staged."""
-        for run, end, arena, copies in self._runs:
-            if arena and gate is not None and not gate.ready(end):
-                yield None
-                gate.wait(end)
-            for dst, src in copies:
-                dst[:] = src
-            for part in _sliced(run):
-                yield part, True
-
-    def close(self) -> None:
-        for run, _, _, copies in self._runs:
-            run.release()
-            for dst, src in copies:
-                dst.release()
-                src.release()
-        self._runs = []
-        self._image.close()
-
-
-_Runs = tuple[list[tuple[int, int, int]], list[tuple[int, Piece]], int]
-
-
-class Image:
-    """A whole file's bytes, written again and again (rank 0's `.metadata`, at the save DCP
-    planned and at every save of its layout after), kept in page-aligned memory: on a local filesystem each write goes to the
-    disk with O_DIRECT, without a copy and without taking pages of the page cache. (4 MB of
-    fresh page cache a save cost the trainer's background thread ~10 ms of kernel CPU; the
-    data files never go through it.) Its entry has the one checksum of the whole file."""
-
-    def __init__(self, data: bytes, algo: str) -> None:
-        self.entry = FileEntry(len(data), checksum(data, algo=algo), -1)
-        self._prefix = Prefix(_lay_out_runs([data]), {})
-
-    def write(self, store: Store, rel: str) -> FileEntry:
-        write_file(store, rel, [], {}, prefix=self._prefix)
-        return self.entry
-
-
-def _lay_out_runs(pieces: list[Piece]) -> _Runs:
-    """A prefix's runs, (segment or -1 for the image, offset, length) in file order; what goes
-    where in the image, (offset, piece); the image's size. An arena range on a page, at a page
-    of the file, is a run of its own (its whole pages; the rest of it goes to the image); all
-    else joins the image, where each run starts on a page."""
-    plan: list[tuple[int, int, int]] = []
-    fills: list[tuple[int, Piece]] = []
-    pos = image = start = 0  # file position; image bytes used; the open image run's start
-    for piece in pieces:
-        n = piece_len(piece)
-        if not isinstance(piece, bytes) and piece[1] % ALIGN == 0 and pos % ALIGN == 0 and n >= ALIGN:
-            if image > start:
-                plan.append((-1, start, image - start))
-            whole = n - n % ALIGN
-            plan.append((piece[0], piece[1], whole))
-            pos += whole
-            start = image = image + -image % ALIGN
-            piece, n = (piece[0], piece[1] + whole, n - whole), n - whole
-        if n:
-            fills.append((image, piece))
-            image += n
-            pos += n
-    if image > start:
-        plan.append((-1, start, image - start))
-    return plan, fills, image
-
-
-class Prefixes:
-    """A sink's prefix of the file it writes again and again: one at a time, by the key that
-    `ckpt.save.resave` gives a layout; a new key, or the segments changing, drops the last one."""
-
-    def __init__(self) -> None:
-        self.key: int | None = None
-        self.pieces: list[Piece] = []
-        self._built: Prefix | None = None
-        self._failed = False
-
-    def learn(self, key: int, pieces: list[Piece]) -> None:
-        if key != self.key:
-            self.drop()
-            self.key, self.pieces = key, pieces
-
-    def get(self, key: int, segments: Mapping[int, memoryview]) -> Prefix | None:
-        if key != self.key:
-            raise ValueError(f"a write names prefix {key}, but prefix {self.key} was sent")
-        if self._built is None and not self._failed:
-            self._built = Prefix.build(self.pieces, segments)
-            self._failed = self._built is None
-        return self._built
-
-    def write(
-        self, store: Store, rel: str, key: int | None, rest: list[Piece], segments: Mapping[int, memoryview], rank: int,
-        gate: Gate | None = None,
-    ) -> FileEntry:  # fmt: skip
-        """Write the file `rel`: the prefix `key` (learnt before), then `rest`; with no key,
-        `rest` is all of it, and the prefix is dropped (a save of a new layout)."""
-        if key is None:
-            self.drop()
-            return write_file(store, rel, rest, segments, rank=rank, gate=gate)
-        prefix = self.get(key, segments)
-        return write_file(store, rel, rest if prefix else self.pieces + rest, segments, rank=rank, prefix=prefix, gate=gate)
-
-    def release(self) -> None:
-        """Let go of the segments (and the image); the next write builds the prefix again."""
-        if self._built is not None:
-            self._built.close()
-        self._built, self._failed = None, False
-
-    def drop(self) -> None:
-        self.release()
-        self.key, self.pieces = None, []

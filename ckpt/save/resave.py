@@ -36,7 +36,8 @@ from ckpt._gc import gc_paused
 from ckpt.format.manifest import METADATA_NAME, FileEntry
 from ckpt.save.arena import Arena
 from ckpt.save.dcp_write import FileLayout, Sink, Writer, write_file
-from ckpt.save.filewrite import GATE_OPEN, Image, piece_len
+from ckpt.save.filewrite import GATE_OPEN, piece_len
+from ckpt.save.prefix import Image
 from ckpt.save.stage import _ATOMS, _MEMO_PATHS, Pair, tensor_bytes
 from ckpt.storage.store import Store
 

@@ -33,7 +33,8 @@ from ckpt._faults import fault_point
 from ckpt.errors import DiskFull, SaveFailed, StorageError
 from ckpt.format.manifest import FileEntry
 from ckpt.redact import redact
-from ckpt.save.filewrite import PROGRESS, Fixed, Gate, Piece, Prefixes, piece_len
+from ckpt.save.filewrite import PROGRESS, Fixed, Gate, Piece, piece_len
+from ckpt.save.prefix import Prefixes
 from ckpt.storage.store import Store
 
 log = logging.getLogger(__name__)
