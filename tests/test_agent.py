@@ -10,7 +10,6 @@ before exiting; serve its own and the ranks' metrics.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
@@ -19,8 +18,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 
 import boto3
@@ -33,62 +30,20 @@ from ckpt.agent.daemon import Agent
 from ckpt.node.handoff import Handoff
 from ckpt.node.spool import Request, Spool, job_key, read_json, status_of
 from ckpt.storage.store import Store
+from tests.support.agentd import agent, until
 from tests.support.jobs import RANKS, assert_same_training_state, dumps, rank_logs
-from tests.support.launch import REPO, WORKERS, free_port, kill_all, start, wait
+from tests.support.launch import REPO, WORKERS, kill_all, start, wait
 
 WORKER = WORKERS / "worker.py"
 
 
 # -- helpers ------------------------------------------------------------------------------------
-@contextlib.contextmanager
-def agent(spool: Path, log: Path, *flags: str, env: dict[str, str] | None = None) -> Iterator[Agentd]:
-    """A `ckpt agent` process on `spool`, serving metrics on a free loopback port."""
-    a = Agentd(spool, log, flags, env)
-    try:
-        yield a
-    finally:
-        a.kill()
-
-
-class Agentd:
-    def __init__(self, spool: Path, log: Path, flags: tuple[str, ...], env: dict[str, str] | None) -> None:
-        self.spool, self.log, self.port = spool, log, free_port()
-        (spool / "agent.json").unlink(missing_ok=True)
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "ckpt.cli.main", "agent", "--spool", str(spool), "--metrics-port", str(self.port), *flags],
-            env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})},
-            stdout=open(log, "ab"),
-            stderr=subprocess.STDOUT,
-        )
-        deadline = time.monotonic() + 30
-        while Spool(str(spool)).agent() is None:
-            assert self.proc.poll() is None, f"the agent exited: {self.text()}"
-            assert time.monotonic() < deadline, f"the agent did not start: {self.text()}"
-            time.sleep(0.05)
-
-    def text(self) -> str:
-        return self.log.read_text()[-4000:]
-
-    def scrape(self) -> str:
-        return urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=10).read().decode()
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
 
 
 def s3_keys(endpoint: str, root: str) -> set[str]:
     bucket, prefix = root.removeprefix("s3://").split("/", 1)
     listed = boto3.client("s3", endpoint_url=endpoint).list_objects_v2(Bucket=bucket, Prefix=prefix)
     return {o["Key"].removeprefix(prefix + "/") for o in listed.get("Contents", [])}
-
-
-def until(what: str, ok, timeout: float = 60, logs=lambda: "") -> None:
-    deadline = time.monotonic() + timeout
-    while not ok():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}\n{logs()}"
-        time.sleep(0.1)
 
 
 def job(log_dir: Path, *args: object, env: dict[str, str] | None = None, timeout: float = 180) -> list[int]:

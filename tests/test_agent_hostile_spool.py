@@ -29,8 +29,8 @@ import pytest
 
 from ckpt.agent.config import Config
 from ckpt.format.checksum import checksum
+from tests.support.agentd import agent, until
 from tests.support.launch import REPO, free_port
-from tests.test_agent import agent, until
 
 STEP = "step-0000000001"
 DATA = "__0_0.distcp"

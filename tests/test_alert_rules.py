@@ -27,7 +27,7 @@ import ckpt
 from ckpt.node.spool import Spool
 from tests.support.deploy_names import ALERTS
 from tests.support.launch import REPO, free_port
-from tests.test_metrics import job, train
+from tests.support.loop import job, train
 
 RULE_TESTS = ALERTS.with_name("ckpt-alerts.test.yml")
 STALE = "CkptCheckpointStale"

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 import ckpt
-from ckpt.cli.main import human_bytes
+from ckpt.cli.terminal import human_bytes
 from ckpt.storage.store import Store
 from tests.support.launch import free_port
 

@@ -26,7 +26,7 @@ from ckpt.save.stage import Stager
 from ckpt.storage.store import Store
 from tests.support import launch
 from tests.support.compare import assert_bitwise_equal
-from tests.test_faults import states, worker_args
+from tests.support.jobs import states
 
 MB = 1 << 20
 PAGE = 4096
@@ -266,7 +266,8 @@ def test_a_copy_that_fails_while_the_file_is_written_fails_the_save_on_every_ran
     root, log_dir = tmp_path / "root", tmp_path / "logs"
     log_dir.mkdir()
     started = time.monotonic()
-    launch.run_worker(2, *worker_args(root, "--timeout", "120", "--on-error", "log"), env={"CKPT_FAULT": "copying:1:10:raise"},
+    args = ("--mode", "fsdp2", "--root", str(root), "--steps", "20", "--every", "5", "--timeout", "120", "--on-error", "log")
+    launch.run_worker(2, *args, env={"CKPT_FAULT": "copying:1:10:raise"},
                       log_dir=log_dir, timeout=300)  # fmt: skip
     took = time.monotonic() - started
     assert states(root) == {5: "committed", 15: "committed", 20: "committed"}

@@ -26,7 +26,7 @@ from ckpt.cli import main as cli
 from ckpt.storage.store import step_dir_name
 from tests.support.jobs import RANKS, assert_same_training_state, dumps, rank_logs, train
 from tests.support.launch import WORKERS, run
-from tests.test_faults import malicious_pickle
+from tests.support.pickles import malicious_pickle
 
 PREVIOUS, NEWEST = 5, 10
 DATA = "__1_0.distcp"  # rank 1's data file of the newest step: rank 1 reads all of it to restore

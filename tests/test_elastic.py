@@ -6,29 +6,12 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from collections import defaultdict
-from pathlib import Path
 
 import pytest
 import torch
 
-from tests.support.launch import REPO, WORKERS, run
-
-WORKER = WORKERS / "elastic_worker.py"
-
-
-def job(nprocs: int, root: Path, logs: Path, *extra: str) -> list[int]:
-    logs.mkdir(parents=True, exist_ok=True)
-    return run(nprocs, WORKER, "--root", str(root), "--log-dir", str(logs), *extra, log_dir=logs, timeout=240)
-
-
-def global_batches(logs: Path) -> dict[int, set[int]]:
-    """step -> the union of every rank's samples for it, in one job's log."""
-    out: dict[int, set[int]] = defaultdict(set)
-    for line in (logs / "samples.jsonl").read_text().splitlines():
-        row = json.loads(line)
-        out[row["step"]] |= set(row["idx"])
-    return dict(out)
+from tests.support.elastic import global_batches, job
+from tests.support.launch import REPO
 
 
 def ckpt_cli(*args: str) -> subprocess.CompletedProcess:

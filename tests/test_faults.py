@@ -31,6 +31,8 @@ from ckpt.storage import catalog
 from ckpt.storage.store import Store, step_dir_name
 from tests.support import launch
 from tests.support.compare import assert_bitwise_equal as assert_same
+from tests.support.jobs import states
+from tests.support.pickles import malicious_pickle
 
 WORKER = launch.WORKERS / "worker.py"
 MODE = "fsdp2"
@@ -105,10 +107,6 @@ def resume_job(root: Path, out: Path, log_dir: Path, *extra: str) -> str:
     before = log0.read_text() if log0.exists() else ""
     launch.run_worker(2, *worker_args(root, "--out", str(out), *extra), log_dir=log_dir, timeout=120)
     return log0.read_text()[len(before):]
-
-
-def states(root: Path, *, deep: bool = False) -> dict[int, str]:
-    return {e.step: e.state for e in catalog.scan(Store(str(root)), deep=deep)}
 
 
 @pytest.fixture(autouse=True)
@@ -353,19 +351,6 @@ def test_corrupt_newest_checkpoint_falls_back_to_previous_and_says_why(root_5_10
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert any(sd(10) in m and why in m for m in warnings), warnings
     assert tree(root) == before  # a restore reads; it never repairs or deletes
-
-
-def malicious_pickle(marker: Path, size: int) -> bytes:
-    """A pickle that creates `marker` when unpickled, padded to exactly `size` bytes
-    (pickle stops at its STOP opcode and ignores what follows)."""
-
-    class Evil:
-        def __reduce__(self):
-            return (open, (str(marker), "w"))
-
-    blob = pickle.dumps(Evil())
-    assert len(blob) < size
-    return blob + b" " * (size - len(blob))
 
 
 def test_tampered_metadata_is_never_unpickled(root_5_10, tmp_path, caplog):

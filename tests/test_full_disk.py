@@ -16,7 +16,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -26,31 +26,9 @@ import ckpt
 from ckpt.storage import catalog
 from ckpt.storage.store import Store, step_dir_name
 from tests.support.compare import assert_bitwise_equal
+from tests.support.disk import fill, tmpfs
 
 MB = 1 << 20
-
-
-@contextlib.contextmanager
-def tmpfs(path: Path, size_mb: int) -> Iterator[Path]:
-    """A tmpfs of `size_mb` MiB mounted at `path` until the block exits; skips the test where
-    mounting is not permitted."""
-    path.mkdir(parents=True)
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_mb}m", "tmpfs", str(path)], capture_output=True, text=True)
-    if done.returncode:
-        pytest.skip(f"cannot mount a tmpfs (needs root; CI runs as root): {done.stderr.strip()}")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=True)
-
-
-def fill(disk: Path, leave: int) -> Path:
-    """A filler file that leaves `leave` bytes free on `disk`."""
-    st = os.statvfs(disk)
-    filler = disk / "filler"
-    with open(filler, "wb") as f:
-        f.write(b"\0" * max(0, st.f_bavail * st.f_frsize - leave))
-    return filler
 
 
 def keep_full(disk: Path, stop: threading.Event) -> None:
@@ -164,7 +142,7 @@ def test_a_spool_that_runs_out_of_space_mid_write_gives_way_to_the_root_and_the_
     the spool, the previous checkpoint stays intact. The next save goes to the root though
     the spool has room again, and the one after through the agent."""
     from ckpt.node.spool import Spool
-    from tests.test_agent import agent, until
+    from tests.support.agentd import agent, until
 
     monkeypatch.setenv("CKPT_FAULT", "writer_process:0:2:sleep=3")  # step 2's writer waits before it writes
     caplog.set_level(logging.INFO, logger="ckpt")
@@ -221,7 +199,7 @@ def test_a_spool_that_fills_under_a_runs_first_save_fails_it_and_the_next_goes_t
     """A run's first save is DCP's planned save, whose ranks fail together: the spool filling
     under it fails that save, cleanly. The next one goes to the root and commits (planned by
     DCP again, it would fail the same way in the spool, whose check still passes)."""
-    from tests.test_agent import agent
+    from tests.support.agentd import agent
 
     caplog.set_level(logging.INFO, logger="ckpt")
     root = tmp_path / "root"
@@ -310,7 +288,7 @@ def test_a_spool_that_fills_at_the_metadata_fails_that_save_and_the_next_goes_to
     step 2's data file) to leave room for that file but not for rank 0's `.metadata`: that
     save fails cleanly and its file leaves the spool; the next, though the spool has room
     again, goes to the root and commits."""
-    from tests.test_agent import agent, until
+    from tests.support.agentd import agent, until
 
     monkeypatch.setenv("CKPT_FAULT", "writer_process:0:2:sleep=3")
     caplog.set_level(logging.INFO, logger="ckpt")
@@ -358,9 +336,9 @@ def test_with_two_nodes_the_rank_whose_spool_fills_mid_write_goes_to_the_root_wh
     write. Rank 0 writes its file to the root and marks it durable there; rank 1 hands its
     file to its agent as usual; the checkpoint commits once, with both ranks' files, and
     restores to what the ranks held."""
+    from tests.support.agentd import agent, until
     from tests.support.jobs import RANKS, WORKER, assert_same_training_state, dumps, rank_logs
     from tests.support.launch import REPO, start, wait
-    from tests.test_agent import agent, until
 
     root, out = tmp_path / "root", tmp_path / "out"
     (tmp_path / "node1").mkdir()

@@ -35,8 +35,8 @@ from ckpt.cli.main import main as cli
 from ckpt.storage import catalog, lease
 from ckpt.storage.store import Store, step_dir_name
 from tests.support.compare import assert_bitwise_equal
+from tests.support.disk import fill, tmpfs
 from tests.support.launch import REPO
-from tests.test_full_disk import fill, tmpfs
 
 MB = 1 << 20
 

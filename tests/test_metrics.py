@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import logging
 import re
-import time
 import urllib.request
 from pathlib import Path
 
 import pytest
-import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 import ckpt
 from ckpt.metrics import port_from_env
+from tests.support.loop import job, train
 
 
 def scrape(cp: ckpt.Checkpointer) -> dict[tuple[str, tuple], float]:
@@ -26,21 +25,6 @@ def scrape(cp: ckpt.Checkpointer) -> dict[tuple[str, tuple], float]:
         for family in text_string_to_metric_families(text)
         for s in family.samples
     }
-
-
-def train(cp: ckpt.Checkpointer, model: torch.nn.Module, opt: torch.optim.Optimizer, until: int, sleep_s: float = 0.0) -> None:
-    while cp.step < until:
-        time.sleep(sleep_s)
-        model(torch.randn(2, 4)).pow(2).sum().backward()
-        opt.step()
-        opt.zero_grad()
-        cp.step_done()
-
-
-def job() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 4)
-    return model, torch.optim.SGD(model.parameters(), lr=0.1)
 
 
 def test_saves_restores_and_failures_show_in_a_live_scrape(tmp_path: Path):

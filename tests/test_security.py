@@ -392,7 +392,7 @@ def test_ckpt_ls_and_show_say_whose_signature_a_checkpoint_carries_and_with_a_ke
 
 @pytest.mark.slow
 def test_a_manifest_the_agent_commits_is_signed_though_the_key_never_reaches_the_spool_or_the_agent(tmp_path):
-    from tests.test_agent import agent, until
+    from tests.support.agentd import agent, until
 
     spool, root = tmp_path / "spool", tmp_path / "root"
     key_file = tmp_path / "key"
@@ -536,7 +536,7 @@ def test_no_secret_appears_in_any_output_log_manifest_event_or_spool_file_of_a_r
     outputs["metrics scrape"] = scraped
 
     # Run 2: through a node agent logging JSON, with its own credentials (the same ones here).
-    from tests.test_agent import agent
+    from tests.support.agentd import agent
 
     with agent(spool, logs / "agent.log", "--log-format", "json", env=aws) as a:
         procs = start(RANKS, WORKER, *args, "--steps", "12", env={**ranks_env, "CKPT_SPOOL": str(spool), "CKPT_METRICS_PORT": str(free_port())}, log_dir=logs)

@@ -21,8 +21,8 @@ import torch.distributed.checkpoint as dcp
 
 import ckpt
 from ckpt.storage.store import step_dir_name
+from tests.support.agentd import agent
 from tests.support.compare import assert_bitwise_equal
-from tests.test_agent import agent
 
 
 class Counter(torch.nn.Module):

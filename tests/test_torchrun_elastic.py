@@ -10,8 +10,8 @@ import subprocess
 import sys
 import time
 
+from tests.support.elastic import WORKER, global_batches, job
 from tests.support.launch import REPO, free_port
-from tests.test_elastic import WORKER, global_batches, job
 
 sys.path.insert(0, str(REPO / "examples"))
 from demo import wait_listening  # noqa: E402  (the demo launches its nodes the same way)

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import torch
 
+from ckpt.storage import catalog
+from ckpt.storage.store import Store
 from tests.support.compare import assert_bitwise_equal
 from tests.support.launch import WORKERS, run
 
@@ -36,6 +38,10 @@ def rank_logs(log_dir: Path) -> str:
 def dumps(out: Path) -> list[dict]:
     """What each rank wrote to <out>.rank<R>.pt, by rank."""
     return [torch.load(f"{out}.rank{r}.pt", weights_only=True) for r in range(RANKS)]
+
+
+def states(root: Path, *, deep: bool = False) -> dict[int, str]:
+    return {e.step: e.state for e in catalog.scan(Store(str(root)), deep=deep)}
 
 
 TRAINING_STATE = ("step", "model", "optim", "sched", "rng")
