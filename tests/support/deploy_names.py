@@ -2,7 +2,7 @@
 
 `metric_names_used()` is what the dashboard and the alert rules reference, as the names a
 scrape exposes: a histogram's `_bucket`, `_sum` and `_count` series count as the histogram,
-a counter keeps its `_total`. tests/test_deploy.py checks these against the documented list;
+a counter keeps its `_total`. tests/system/test_deploy.py checks these against the documented list;
 a live-scrape test checks that the running code exports them.
 """
 

@@ -7,7 +7,7 @@ that step held, and never a partial one.
 
 prints the figures (trials, kills by phase, restores correct, data lost, time for the
 surviving rank to turn a dead peer into an error) and writes them as JSON (`--out`). The test
-suite runs a shorter sweep through `sweep()` (tests/test_torture.py).
+suite runs a shorter sweep through `sweep()` (tests/system/test_torture.py).
 
 Each trial is one run of tests/workers/torture_worker.py: it restores, reports what it restored, trains
 six steps saving every two (keeping two, so retention deletes as it goes) and is killed at the

@@ -1,5 +1,5 @@
 """The model zoo: each kind of state a checkpoint must hold exactly as it was when
-`step_done()` returned, one entry of `KINDS` each (tests/test_model_zoo.py runs them all,
+`step_done()` returned, one entry of `KINDS` each (tests/system/test_model_zoo.py runs them all,
 plain and under FSDP2; a new kind is one entry here).
 
 A kind builds a tiny model (it trains in milliseconds), draws its batches from the global

@@ -1,4 +1,4 @@
-"""A job for tests/test_lease.py: one process, whose job id is CKPT_JOB_ID.
+"""A job for tests/storage/test_lease.py: one process, whose job id is CKPT_JOB_ID.
 
 It says what happens, one JSON object a line, in the file --events: "entered" (with the step
 it restored), "committed" after each save, "paused", and last "done" or "error" (with the

@@ -3,9 +3,8 @@
 import re
 import subprocess
 import sys
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from tests.support.launch import REPO
 
 
 def test_demo_loses_a_node_resumes_on_one_rank_and_matches_the_reference(tmp_path):

@@ -8,8 +8,8 @@ for the kinds whose buffers forward changes, the other ways a save copies the st
 Each mode costs two rounds of tests/workers/zoo_worker.py, which runs the whole zoo in one process
 per rank: the uninterrupted reference beside the run to kill, then the resumed run.
 
-Not covered here: the agent hand-off (tests/test_agent.py) and DeepSpeed
-(tests/test_deepspeed.py).
+Not covered here: the agent hand-off (tests/agent/test_agent.py) and DeepSpeed
+(tests/system/test_deepspeed.py).
 """
 
 from __future__ import annotations

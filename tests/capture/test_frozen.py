@@ -3,7 +3,7 @@ checkpoint, the job loads it itself, and everything else resumes exactly: under 
 FSDP1 on 2 ranks (bitwise against an uninterrupted run, and 2 -> 1 into a plain module), a
 plain module switching between "save" and "skip" across a restart, and a parameter frozen or
 unfrozen between saves (a value a checkpoint holds is always restored, frozen or not).
-DeepSpeed's frozen parameters: tests/test_deepspeed.py.
+DeepSpeed's frozen parameters: tests/system/test_deepspeed.py.
 """
 
 from __future__ import annotations

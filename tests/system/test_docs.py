@@ -11,7 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from tests.support.launch import REPO
+
 README = REPO / "README.md"
 DOCS = REPO / "docs"
 README_MAX_LINES = 160

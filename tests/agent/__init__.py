@@ -1,0 +1,1 @@
+"""Tests of the node agent (ckpt.agent) and the spool it shares with the ranks (ckpt.node)."""

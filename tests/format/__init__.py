@@ -1,0 +1,1 @@
+"""Tests of ckpt.format: the manifest and what reads `.metadata`."""

@@ -1,0 +1,1 @@
+"""Tests of ckpt.restore: streaming files into their tensors, prefetching, resharding."""
