@@ -5,16 +5,15 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
-import sys
 from typing import Any
 
 from ckpt.admin import tools
-from ckpt.format.signing import SigningKey
+from ckpt.cli.arguments import key_option, signing_key, split_step, step_arg, store_options
+from ckpt.cli.terminal import EXIT_OK, emit_json, say
 from ckpt.storage import catalog
-from ckpt.storage.store import Store
+from ckpt.storage.store import Store, step_dir_name
 
-EXIT_OK, EXIT_DIFFERENT = 0, 1
+EXIT_DIFFERENT = 1  # diff(1)'s: the two differ
 
 
 def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
@@ -58,38 +57,6 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
     lt.set_defaults(func=cmd_load_test)
 
 
-def printable(text: str) -> str:
-    """`text` with every character a terminal would act on (escape sequences, carriage
-    returns, newlines, bidirectional overrides) written as a Python escape (`\\x1b`): what
-    the CLI shows comes from the root, and whoever can write the root writes it."""
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
-
-
-def say(text: str = "", *, err: bool = False) -> None:
-    """One line to the terminal (stdout, or stderr with `err`): the one way the CLI's text
-    reaches it, escaped by `printable`."""
-    print(printable(text), file=sys.stderr if err else sys.stdout)
-
-
-def key_option(parser: argparse.ArgumentParser, what: str = "only a checkpoint signed with it is used (by default the newest such)") -> None:
-    parser.add_argument(
-        "--signing-key-file",
-        help=f"check signatures with the key in this file (default: CKPT_SIGNING_KEY_FILE, else CKPT_SIGNING_KEY): {what}",
-    )
-
-
-def signing_key(args: argparse.Namespace) -> SigningKey | None:
-    """--signing-key-file's key, else the environment's (CKPT_SIGNING_KEY_FILE, CKPT_SIGNING_KEY)."""
-    return SigningKey.from_file(args.signing_key_file) if args.signing_key_file else SigningKey.resolve()
-
-
-def step_arg(text: str) -> int:
-    """A --step value: a step number, never a name or a path."""
-    if not (text.isascii() and text.isdigit()):
-        raise argparse.ArgumentTypeError(f"a step is a non-negative integer, not {text!r}")
-    return int(text)
-
-
 def cmd_cp(store: Store, args: argparse.Namespace) -> int:
     dst = Store(args.dst, store_options(args))
     return _report_copy(tools.copy(store, dst, args.step, args.progress, signing_key(args)), store, dst)
@@ -103,8 +70,6 @@ def cmd_restore(store: Store, args: argparse.Namespace) -> int:
 
 
 def _report_copy(done: tools.Copied, src: Store, dst: Store) -> int:
-    from ckpt.storage.store import step_dir_name
-
     where = f"{dst.display}/{step_dir_name(done.step)}"
     if done.already:
         say(f"{where} is already there (the same checkpoint, every file of its size; `ckpt verify --deep` reads them); nothing copied")
@@ -151,9 +116,7 @@ def cmd_diff(store: Store, args: argparse.Namespace) -> int:
                 report["equal"] += 1
     same = not (report["only_a"] or report["only_b"] or report["differ"])
     if args.json:
-        from ckpt.cli.main import _emit_json
-
-        _emit_json(report)
+        emit_json(report)
         return EXIT_OK if same else EXIT_DIFFERENT
     say(f"a: {report['a']}")
     say(f"b: {report['b']}")
@@ -187,9 +150,7 @@ def cmd_load_test(store: Store, args: argparse.Namespace) -> int:
     plans = tools.plan_reads(store, entry, args.world_size)
     total = entry.manifest.total_bytes if entry.manifest else 0
     if args.json:
-        from ckpt.cli.main import _emit_json
-
-        _emit_json({"dir": entry.dir, "world_size": args.world_size, "saved_on": entry.manifest.world_size if entry.manifest else None, "checkpoint_bytes": total, "ranks": plans})
+        emit_json({"dir": entry.dir, "world_size": args.world_size, "saved_on": entry.manifest.world_size if entry.manifest else None, "checkpoint_bytes": total, "ranks": plans})
         return EXIT_OK
     say(f"{store.display}/{entry.dir}: saved on {entry.manifest.world_size if entry.manifest else '?'} ranks, {total / 1e6:.1f} MB; restored on {args.world_size}:")
     for p in plans:
@@ -205,23 +166,6 @@ def _same_bits(x: Any, y: Any) -> bool:
 
     raw = lambda t: t.detach().contiguous().reshape(-1).view(torch.uint8)  # noqa: E731
     return torch.equal(raw(x), raw(y))
-
-
-def split_step(spec: str) -> tuple[str, int | None]:
-    """'ROOT:STEP' -> (ROOT, STEP); 'ROOT' -> (ROOT, None) (s3://b/x stays whole, and so does
-    a local directory whose name ends in ':7')."""
-    head, sep, tail = spec.rpartition(":")
-    if os.path.isdir(spec):
-        return spec, None
-    if sep and tail.isascii() and tail.isdigit() and head and not head.endswith(":/") and "//" not in tail:
-        return head, int(tail)
-    return spec, None
-
-
-def store_options(args: argparse.Namespace) -> dict[str, Any]:
-    from ckpt.cli.main import _options
-
-    return _options(args.storage_option)
 
 
 def _short(v: Any) -> str:
