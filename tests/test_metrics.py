@@ -147,20 +147,3 @@ def test_every_steps_exports_its_interval_in_seconds_and_a_healthy_job_is_not_st
     assert m[("ckpt_coordinator_interval_steps", ())] == 10
     assert m[("ckpt_coordinator_step_seconds", ())] * 10 == pytest.approx(m[("ckpt_coordinator_interval_seconds", ())])
     assert not any(name.endswith(("mtbf_seconds", "estimate_seconds")) for name, _ in m)  # Auto's alone
-
-
-@pytest.mark.parametrize(
-    ("every", "seconds", "steps"),
-    [(ckpt.Every(steps=50), 50 / 3, 50), (ckpt.Every(seconds=7.0), 7.0, 21), (ckpt.Every(steps=50, seconds=7.0), 7.0, 50), (ckpt.Every(steps=15, seconds=7.0), 5.0, 15)],
-)
-def test_the_interval_in_seconds_is_the_sooner_of_the_steps_at_the_step_time_and_the_clock(monkeypatch, every, seconds, steps):
-    from ckpt.schedule.cadence import Cadence
-
-    now = [100.0]
-    monkeypatch.setattr("ckpt.schedule.cadence.time.monotonic", lambda: now[0])
-    cadence = Cadence(every, agree_every_s=5.0)
-    cadence.restart(0)  # the run starts: of the interval, only the clock's is known
-    assert cadence.estimate()["seconds"] == every.seconds
-    now[0] += 30 * 0.2 + 4.0  # 30 steps of 0.2 s and a 4 s evaluation: it counts, as it recurs
-    cadence.restart(30)
-    assert cadence.estimate() == {"policy": "every", "seconds": pytest.approx(seconds), "steps": steps, "step_s": pytest.approx(1 / 3)}

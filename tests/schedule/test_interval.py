@@ -126,25 +126,5 @@ def test_auto_with_clustered_failures_lengthens_its_interval_as_the_run_survives
     assert Auto(weibull_shape=None).seconds(1.0, 10.0, 3 * HOUR, 60.0) == pytest.approx(math.sqrt(2 * 3 * HOUR))
 
 
-def test_user_exits_are_not_failures_but_kills_and_crashes_are():
-    from ckpt.schedule.coordinator import failed
-
-    assert failed(None) and failed("error: RuntimeError: CUDA error: an illegal memory access")
-    assert not failed("completed") and not failed("preempted (SIGTERM)")
-    assert not failed("error: KeyboardInterrupt: ") and not failed("error: SystemExit: 0")
-
-
-def test_the_node_count_comes_from_the_launchers_local_size(monkeypatch):
-    from ckpt.schedule.coordinator import ranks_per_node
-
-    for name in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"):
-        monkeypatch.delenv(name, raising=False)
-    assert ranks_per_node() == 1
-    monkeypatch.setenv("SLURM_NTASKS_PER_NODE", "8(x4)")
-    assert ranks_per_node() == 8
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
-    assert ranks_per_node() == 4
-
-
 def test_daly_exact_stays_accurate_for_tiny_costs():
     assert daly_exact(1e-6, 1e9) == pytest.approx(young(1e-6, 1e9), rel=1e-3)
