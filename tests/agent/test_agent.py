@@ -253,7 +253,7 @@ def test_a_trainer_does_not_wait_for_a_dead_agent_and_a_bad_spool_copy_is_never_
     (spool / "agent.json").unlink()
     local = Agent(Config(spool=str(spool), metrics_port=-1, retries=1))
     path = str(request)
-    local._upload(path, Request.from_doc(read_json(path)))
+    local.uploads.upload(path, Request.from_doc(read_json(path)))
     status = read_json(status_of(path))
     assert status["state"] == "failed" and "does not match the manifest" in status["why"]
     assert not (root / "step-0000000001" / "manifest.json").exists()
@@ -268,10 +268,10 @@ def test_a_trainer_does_not_wait_for_a_dead_agent_and_a_bad_spool_copy_is_never_
     (root / "step-0000000001").write_text("in the way")
     threading.Timer(1.5, (root / "step-0000000001").unlink).start()
     retrying = Agent(Config(spool=str(spool), metrics_port=-1, retries=5))
-    retrying._upload(path, Request.from_doc(read_json(path)))
+    retrying.uploads.upload(path, Request.from_doc(read_json(path)))
     assert read_json(status_of(path))["state"] == "committed"
     assert (root / "step-0000000001" / "manifest.json").exists()
-    assert retrying.failures.labels("StorageError")._value.get() >= 1
+    assert retrying.metrics.failures.labels("StorageError")._value.get() >= 1
     assert "try 2 in" in caplog.text
 
 
@@ -322,7 +322,7 @@ def test_a_notice_file_given_to_the_agent_asks_the_ranks_of_the_node_to_stop(tmp
     notice.touch()
     local._relay_notice()
     assert rank.asked() and "spool/preempt" in rank.why
-    assert local.preemptions._value.get() == 1
+    assert local.metrics.preemptions._value.get() == 1
 
 
 def test_json_logs_carry_the_record_and_no_credentials():
@@ -406,7 +406,7 @@ def test_the_spool_keeps_a_failed_hand_offs_step_directory_while_a_later_save_of
     handoff.writing(local, rel)  # the new save, as persist starts writing into the spool
     Path(local.path(rel, "__0_0.distcp")).write_bytes(b"the new save's bytes")
     agent = Agent(Config(spool=spool.path, metrics_port=-1))
-    agent._prune()
+    agent.retention.prune()
     assert Path(local.path(rel, "__0_0.distcp")).read_bytes() == b"the new save's bytes"
     # Its ranks elsewhere are slow: ten minutes later the files are old, the save still on.
     old = time.time() - 700
@@ -414,12 +414,12 @@ def test_the_spool_keeps_a_failed_hand_offs_step_directory_while_a_later_save_of
         os.utime(f, (old, old))
     marker = Path(spool.writing_path(job, rel, 0))
     os.utime(marker)
-    agent._prune()
+    agent.retention.prune()
     assert Path(local.path(rel, "__0_0.distcp")).read_bytes() == b"the new save's bytes"
     # A marker older than commit_wait is a crashed writer's: the directory goes.
     ancient = time.time() - agent.config.commit_wait - 1
     os.utime(marker, (ancient, ancient))
-    agent._prune()
+    agent.retention.prune()
     assert not os.path.exists(os.path.join(spool.job_dir(job), rel))
     # A save that fails takes its marker away with its files.
     handoff.writing(local, rel)
@@ -469,16 +469,16 @@ def test_the_agent_refuses_requests_that_name_paths_outside_the_spool(tmp_path):
     request = step_dir / ".requests" / "rank-00000.json"
     request.parent.mkdir(parents=True)
     request.write_text(json.dumps(doc))
-    Agent(Config(spool=str(spool), metrics_port=-1))._upload(str(request), Request.from_doc(doc))
+    Agent(Config(spool=str(spool), metrics_port=-1)).uploads.upload(str(request), Request.from_doc(doc))
     status = read_json(status_of(str(request)))
     assert status["state"] == "failed" and "not plain file names" in status["why"]
     assert not root.exists()
-    Agent(Config(spool=str(spool), metrics_port=-1, allowed_roots=["s3://ours/"]))._upload(str(request), Request.from_doc({**doc, "files": ["__0_0.distcp"], "manifest": {**manifest, "files": {"__0_0.distcp": manifest["files"][str(secret)]}}}))
+    Agent(Config(spool=str(spool), metrics_port=-1, allowed_roots=["s3://ours/"])).uploads.upload(str(request), Request.from_doc({**doc, "files": ["__0_0.distcp"], "manifest": {**manifest, "files": {"__0_0.distcp": manifest["files"][str(secret)]}}}))
     assert "allowed_roots" in read_json(status_of(str(request)))["why"]
 
 
 def test_allowed_roots_compare_whole_path_components_after_resolving_local_paths(tmp_path):
-    from ckpt.agent.daemon import within
+    from ckpt.agent.config import within
 
     allowed = tmp_path / "allowed"
     (tmp_path / "elsewhere").mkdir()
@@ -498,7 +498,7 @@ def test_allowed_roots_compare_whole_path_components_after_resolving_local_paths
     request.parent.mkdir(parents=True)
     request.write_text(json.dumps(doc))
     (request.parent.parent / "__0_0.distcp").write_bytes(b"x")
-    Agent(Config(spool=str(spool), metrics_port=-1, allowed_roots=[str(allowed)]))._upload(str(request), Request.from_doc(doc))
+    Agent(Config(spool=str(spool), metrics_port=-1, allowed_roots=[str(allowed)])).uploads.upload(str(request), Request.from_doc(doc))
     assert "allowed_roots" in read_json(status_of(str(request)))["why"]
     assert not (tmp_path / "elsewhere" / "root").exists()
 

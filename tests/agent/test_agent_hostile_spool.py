@@ -322,9 +322,9 @@ def test_a_request_sets_where_the_store_is_never_the_agents_credentials_or_anoth
     agent = Agent(config)
     # A trainer's options that are not about where the store is (credentials, a profile, a
     # config file to read) are dropped; the agent's own come last.
-    agent._store(request({"key": "AKIA-theirs", "secret": "theirs", "profile": "other", "region_name": "eu-west-1"}))
-    [(_, options)] = [json.loads(k) for k in agent._stores]  # what the store was opened with
+    agent.roots.store(request({"key": "AKIA-theirs", "secret": "theirs", "profile": "other", "region_name": "eu-west-1"}))
+    [(_, options)] = [json.loads(k) for k in agent.roots._stores]  # what the store was opened with
     assert options == {"region_name": "eu-west-1", "endpoint_url": "http://127.0.0.1:9000"}
     for elsewhere in ({"endpoint_url": "http://203.0.113.9"}, {"client_kwargs": {"endpoint_url": "http://203.0.113.9"}}):
         with pytest.raises(InvalidCheckpoint, match="names another endpoint"):
-            agent._store(request(elsewhere))
+            agent.roots.store(request(elsewhere))

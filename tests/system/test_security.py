@@ -822,7 +822,7 @@ def test_the_agent_refuses_requests_for_step_directories_that_are_not_one(tmp_pa
     request.parent.mkdir(parents=True)
     doc = {**good, "rel": "../../../../outside"}
     request.write_text(json.dumps(doc))
-    Agent(Config(spool=str(spool), metrics_port=-1))._upload(str(request), Request.from_doc(doc))
+    Agent(Config(spool=str(spool), metrics_port=-1)).uploads.upload(str(request), Request.from_doc(doc))
     assert read_json(status_of(str(request)))["state"] == "failed"
     assert not root.exists() and not (tmp_path / "outside").exists()
 
