@@ -7,42 +7,41 @@ plans and commits in a background thread while a writer process of this rank wri
 bytes, one save in flight at a time (`CKPT_WRITER=thread` writes in the thread instead).
 SIGTERM (a preemption) takes a checkpoint at the next step boundary, waits for its commit
 and exits.
+
+This module holds the options and the loop's touch points; entering and leaving the block
+are `ckpt.lifecycle`'s, the background save and what follows a commit `ckpt.background`'s.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
-import os
 import time
-from collections.abc import Callable
 from typing import Any, Literal
 
-from ckpt import console
 from ckpt._faults import fault_point
 from ckpt._gc import gc_paused
-from ckpt.capture.deepspeed_state import MidAccumulation
+from ckpt.background import BackgroundSaves
 from ckpt.capture.state import TrainingState
 from ckpt.collectives import Group
 from ckpt.data import data_position, own_generator
-from ckpt.errors import CheckpointError, SaveFailed
-from ckpt.events import Event, History, error_gist
+from ckpt.errors import SaveFailed
+from ckpt.events import Event, History
 from ckpt.format.checksum import BLAKE3
 from ckpt.format.manifest import Manifest
 from ckpt.format.signing import SigningKey
+from ckpt.lifecycle import Lifecycle
 from ckpt.metrics import Metrics, port_from_env
 from ckpt.node.handoff import Handoff
 from ckpt.options import Counters, OnError, Restore, check_counters, check_options, checked_interval
-from ckpt.preempt import EXIT_SIGINT, Preemption
-from ckpt.restore.load import restore, start_fresh
-from ckpt.save.commit import Save, forget_plans
+from ckpt.preempt import Preemption
+from ckpt.save.commit import Save
 from ckpt.save.slot import SaveSlot, Staged
 from ckpt.save.stage import default_host_budget
 from ckpt.save.upload import Direct, ViaAgent
 from ckpt.schedule.cadence import Cadence
 from ckpt.schedule.policy import Auto, Every, Keep
 from ckpt.storage import catalog
-from ckpt.storage.lease import Lease, LeaseKeeper, take_for_job
+from ckpt.storage.lease import Lease, LeaseKeeper
 from ckpt.storage.store import Store, Transfer, step_dir_name
 
 log = logging.getLogger(__name__)
@@ -53,22 +52,7 @@ _OUTSIDE = (
 )
 
 
-def _first_step_pre_hook(opt: Any, hook: Callable[..., None]) -> Any:
-    """`opt.register_step_pre_hook(hook)`, run before the hooks registered already: a hook of
-    the program's that changes the parameters (a decay, a clamp) is part of the step, and
-    must find the staging copies made."""
-    handle = opt.register_step_pre_hook(hook)
-    hooks = getattr(opt, "_optimizer_step_pre_hooks", None)
-    if hasattr(hooks, "move_to_end") and handle.id in hooks:
-        hooks.move_to_end(handle.id, last=False)
-    return handle
-
-
-# Rank 0 says a commit at INFO at most this often (the rest at DEBUG).
-_SAY_COMMITS_EVERY_S = 600
-
-
-class Checkpointer:
+class Checkpointer(Lifecycle, BackgroundSaves):
     """Saves and restores the whole training state of this rank, in step with the others.
 
     Args:
@@ -285,80 +269,6 @@ class Checkpointer:
         """Completed optimizer steps: where the loop resumes."""
         return self._step
 
-    def __enter__(self) -> Checkpointer:
-        if self._entered:
-            raise RuntimeError("this Checkpointer is already entered: one `with` block at a time (another Checkpointer of the root may be opened inside it)")
-        self._entered = True
-        try:
-            return self._enter()
-        except BaseException:
-            self._entered = False
-            raise
-
-    def _enter(self) -> Checkpointer:
-        # The loop's group. The background writers get a group of their own (their collectives
-        # and the loop's must never interleave), made at the first save: a restarted job's
-        # restore does not wait for it.
-        self._ctrl = Group.new(self.timeout_s)
-        console.show(self._ctrl.rank)
-        # The node agent, if one serves this rank's spool (the spool is the node's, not the
-        # root's): whether any rank has one goes round with the lease's outcome.
-        agent = Handoff.find(self._spool, self.store, self._ctrl.rank, self._storage_options)
-        # IMPORTANT: the root's lease first, before anything there is read or written.
-        self._lease, any_agent = take_for_job(self.store, self.lease, self._ctrl, flag=agent is not None)
-        try:
-            return self._start(agent, any_agent)
-        except BaseException as e:
-            # Said in the job's history (`ckpt events`), and to the next run as how this one
-            # ended; not a failure of the machine for the MTBF (a bad checkpoint would count
-            # once per restart).
-            try:
-                # Not waited for: the error is not held up by a store that may be what failed.
-                self.history.end(self._step, f"failed to start: {type(e).__name__}: {error_gist(e)}", failure=True, phase="start", wait=False)
-            finally:
-                if self._lease is not None:
-                    self._lease.close(release=False)
-            raise
-
-    def _start(self, agent: Handoff | None, any_agent: bool) -> Checkpointer:
-        """The rest of entering, once the root is this job's."""
-        self._leaving = False
-        self._slot.open()
-        self.history = History(self.store, self._ctrl.world, enabled=self._ctrl.rank == 0)
-        self._cadence.start(self.store, self._ctrl.rank, self._ctrl.world)
-        self.metrics.identify(self._ctrl.rank, self._ctrl.world)
-        if self._ctrl.rank == 0:
-            self.metrics.schedule_from(self._cadence.estimate)
-        self._handoff = self._link_agent(agent, any_agent)
-        if self.restore_mode != "none":
-            began = time.perf_counter()
-            restored, self._taken, self._newest = restore(self.store, self._ctrl, self.state, self.restore_mode, self._handoff, self._signing_key)
-            if restored is not None:
-                self._step = self.restored_step = restored.step
-                took = time.perf_counter() - began
-                self.metrics.restored(took, restored.read_bytes, restored.manifest, restored.source)
-                log.info("restored step %d in %.2f s, %.1f MB read, mostly from the %s", restored.step, took, restored.read_bytes / 1e6, "node spool" if restored.source == "spool" else "store")
-                self.counters, self.last_commit = Counters(restored.counters), restored.manifest
-            elif self._ctrl.rank == 0:
-                log.info("no checkpoint in %s: starting at step 0", self.store.display)
-        else:
-            self._taken, self._newest = start_fresh(self.store, self._ctrl, self._signing_key)
-            if self._ctrl.rank == 0:
-                log.info("restore='none': starting at step 0 (the checkpoints in %s are left as they are)", self.store.display)
-        self.history.start(self._step, self.last_commit if self.restored_step is not None else None)
-        self._saved_step = self._step
-        self._restart_interval()
-        if self._ctrl.rank == 0:
-            log.info("%s", self._cadence.describe())
-        self._preempt.start(sigterm=self.handle_sigterm, rank=self._ctrl.rank)
-        self._hooks = [_first_step_pre_hook(o, lambda *_: self.wait_for_staging()) for o in self.state.optimizers]
-        if self._metrics_port is not None:
-            try:
-                self.metrics.serve(self._metrics_port, os.environ.get("CKPT_METRICS_ADDR", "127.0.0.1"))
-            except OSError as e:  # a port taken must not stop training (nor this rank alone)
-                log.warning("metrics not served on port %d: %s", self._metrics_port, e)
-        return self
-
     def step_done(self) -> None:
         """Count one optimizer step; save if due; exit after a checkpoint if preempted."""
         if not self._entered:
@@ -393,44 +303,9 @@ class Checkpointer:
         """How many times the ranks met at a step boundary to agree (``agree_every_s``)."""
         return self._cadence.agreement.meetings
 
-    def _link_agent(self, handoff: Handoff | None, any_agent: bool) -> Handoff | None:
-        """This rank's node agent (`handoff`, if one serves its spool). If any rank has one
-        (`any_agent`), all ranks commit its way (the last rank durable commits); ranks
-        without write to the root."""
-        if any_agent and handoff is None:
-            handoff = Handoff(self.store, None, self._ctrl.rank)
-        if handoff is not None and handoff.spool is not None:
-            self._preempt.watch(handoff.spool.notice_file)
-            self.metrics.publish(handoff.spool.metrics_path(handoff.job, self._ctrl.rank), before=self._learn_commits)
-            handoff.wait_idle(self.timeout_s / 2)  # a save of this job still uploading: let it commit first
-        if handoff is not None:
-            self._ctrl.max([0])  # every node's agent is done before rank 0 picks the checkpoint
-        return handoff
-
-    def _learn_commits(self, timeout_s: float = 0.0) -> None:
-        """The saves handed off to the node agent that are committed now."""
-        if self._handoff is not None:
-            for manifest in self._handoff.committed(timeout_s):
-                self.metrics.agent_committed(manifest, time.time() - manifest.created + manifest.costs.persist_s)
-
     def _restart_interval(self) -> None:
         """A save was taken (or skipped) at this step, on every rank alike."""
         self._cadence.restart(self._step)
-
-    def _renew_io_group(self) -> None:
-        """After a failed save, on every rank at the same step: a failed collective can leave
-        the writers' group unusable (gloo closes its pairs on a timeout), so replace it together."""
-        if self._io is not None and self._io.pg is not None:
-            # A fresh plan key too: a failed save may have left DCP's plan cache half updated
-            # (rank 0 caches the global plan before the other ranks cache theirs). The old
-            # key's plans go, or a job whose saves fail now and then keeps every one's.
-            forget_plans(self._io.plan_key)
-            self._io = Group.new(self.timeout_s)
-
-    def _busy_somewhere(self) -> bool:
-        """Is the previous save still writing on any rank? Asked of all ranks together, since
-        each rank's background thread finishes at its own time."""
-        return self._ctrl.any(self._slot.busy())
 
     def save(self, blocking: bool = False) -> None:
         """Checkpoint the current step now. Returns once the state is staged in host memory
@@ -473,10 +348,12 @@ class Checkpointer:
         waited_before = self.staging_wait_s - (started - waiting)
         try:
             self.metrics.staged(blocking_s)  # before the save can end (in flight: 1, then 0)
-            self._slot.submit(
-                self._counted,
-                functools.partial(self._save_in_background, self._step, staged, counters, blocking_s, started, waited_before),
-            )
+            save = Save(
+                self._step, self.store, self._io, counters, user=self.metadata, schedule=self.schedule, blocking_s=blocking_s,
+                started=started, key=self._signing_key, guard=self._lease.check if self._lease is not None else None, after=self._newest,
+            )  # fmt: skip
+            upload = Direct() if self._handoff is None else ViaAgent(self._handoff)
+            self._slot.submit(self._save_in_background, save, staged, upload, waited_before)
         except BaseException:
             self._slot.staging_done()  # IMPORTANT: no save will release the pre-hook's wait
             raise
@@ -533,193 +410,9 @@ class Checkpointer:
         finally:
             self.history.flush()
 
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        if exc_type is None or (exc_type is SystemExit and self._preempt.why):
-            how, failure = (f"preempted ({self._preempt.why})" if self._preempt.why else "exited"), False
-        else:
-            how, failure = f"error: {exc_type.__name__}: {error_gist(exc)}", True
-        clean = False  # left without an error, the last save included: the root is free
-        self._leaving = True
-        try:
-            if exc_type is None and self.save_on_exit:
-                self._final_save()
-            elif exc_type is None:
-                self.wait()
-            else:
-                try:
-                    self.wait()
-                except CheckpointError as e:  # keep the loop's own exception the one raised
-                    log.error("while leaving after %s: %s", exc_type.__name__, e)
-            if exc_type in (None, SystemExit) and self._ctrl.rank == 0 and self._handoff is None:
-                self._retire_restored()
-            if self._handoff is not None and exc_type in (None, SystemExit):
-                self._learn_commits(self.timeout_s)  # the last save committed by the agent, if it can be
-                if self._handoff.pending:
-                    log.error("steps %s were handed off to the node agent but are not committed yet", self._handoff.pending)
-            clean = exc_type is None
-        finally:
-            self._entered = False
-            for hook in self._hooks:
-                hook.remove()
-            self.history.end(self._step, how, failure)
-            if self._ctrl.rank == 0:
-                last = self.last_commit.step if self.last_commit is not None else None
-                log.info(
-                    "%s at step %d; %s", how, self._step,
-                    f"the last checkpoint is step {last} in {self.store.display}" if last is not None else f"no checkpoint in {self.store.display}",
-                )  # fmt: skip
-            self._preempt.stop()
-            self._slot.close()
-            # The groups are not destroyed here: a peer may still be reading the last message
-            # of a collective, and gloo aborts that peer if the socket closes under it.
-            # `dist.destroy_process_group()` frees them with the rest, as long as nothing else
-            # holds them: a reference kept alive to interpreter exit (a traceback that holds
-            # this object does) tears gloo down in arbitrary order and aborts the process.
-            self._ctrl = Group(None, self._ctrl.rank, self._ctrl.world)
-            self._io = None
-            self.metrics.close()
-            if self._lease is not None:
-                # A clean exit frees the root; after a failure the lease is left to the same
-                # job's restart (or to expire), and its renewal stops with this block.
-                self._lease.close(release=clean)
-                self._lease = None
-
-    def _final_save(self) -> None:
-        """Leaving normally: the last step ends committed if it can be. A save of it that
-        failed (on any rank: all must agree) is tried once more."""
-        if self._saved_step == self._step:
-            error: Exception | None = None
-            try:
-                self.wait()
-            except Exception as e:  # IMPORTANT: every rank reaches the max below, whatever failed
-                error = e
-            if not self._ctrl.any(self._failed_step == self._step):
-                if error is not None:
-                    raise error
-                return
-            log.warning("the save of step %d failed; trying it once more before leaving", self._step)
-            self._saved_step = -1
-            self._renew_io_group()
-        try:
-            self.save(blocking=True)
-        except MidAccumulation as e:  # equal on every rank: the engines step together
-            # A data set whose micro-batches do not fill the last optimizer step: DeepSpeed
-            # drops that partial step too, and the last checkpoint stands.
-            last = f"step {self.last_commit.step}" if self.last_commit is not None else "none"
-            log.warning(
-                "step %d is not saved on leaving: the loop ended in the middle of gradient accumulation (micro-batch "
-                "%d of %d), which no checkpoint can hold; the last checkpoint is %s", self._step, e.micro, e.accumulation, last,
-            )  # fmt: skip
-
-    # -- background ---------------------------------------------------------------------------
-    def _counted(self, save: Callable[[], Manifest]) -> Manifest:
-        """Run one background save, into the metrics."""
-        try:
-            manifest = save()
-        except BaseException as e:
-            self.metrics.failed(e)
-            raise
-        if self._handoff is None:
-            self.metrics.committed(manifest, self._ctrl.rank)
-        else:
-            self.metrics.handed_off(manifest, self._ctrl.rank)
-            try:
-                self._learn_commits()
-            except CheckpointError as e:  # the save is handed off: a store that flakes now fails nothing
-                log.warning("could not learn which hand-offs are committed: %s", e)
-        return manifest
-
-    def _save_in_background(
-        self,
-        step: int,
-        staged: Staged,
-        counters: dict[str, Any],
-        blocking_s: float,
-        started: float,
-        waited_before: float,
-    ) -> Manifest:
-        try:
-            assert self._io is not None, "made by save()"
-            save = Save(
-                step, self.store, self._io, counters, user=self.metadata, schedule=self.schedule, blocking_s=blocking_s, started=started,
-                key=self._signing_key, guard=self._lease.check if self._lease is not None else None, after=self._newest,
-            )  # fmt: skip
-            upload = Direct() if self._handoff is None else ViaAgent(self._handoff)
-            manifest = self._slot.write_and_commit(save, staged, upload, self.timeout_s)
-        finally:
-            self._slot.staging_done()  # IMPORTANT: whatever failed, the optimizer's pre-hook never waits forever
-        self._newest = max(self._newest, manifest.created)
-        if self._ctrl.rank == 0:
-            self._apply_retention(step)
-            self.history.beat()
-            if self._cadence.coordinator is not None and not self._leaving:  # a last save prices nothing
-                # The loop also waited for the copy in the optimizer's pre-hook (overlap mode;
-                # done by now) and, before this save, for the previous one's slot; the slot
-                # stays busy until retention and history are done too, not just the commit.
-                blocked = manifest.costs.blocking_s + self.staging_wait_s - waited_before
-                busy = time.perf_counter() - started
-                self._cadence.coordinator.retune(blocked, busy, self.history.record.started, self._cadence.agreement.step_s)
-            self._say_commit(step, manifest)
-        return manifest
-
-    def _say_commit(self, step: int, manifest: Manifest) -> None:
-        """Rank 0's line on a commit: at INFO now and then, which a plain script shows
-        (`ckpt.console`), at DEBUG the rest of the time."""
-        now = time.monotonic()
-        said = self._said_commit_at is None or now - self._said_commit_at >= _SAY_COMMITS_EVERY_S
-        self._said_commit_at = now if said else self._said_commit_at
-        log.log(
-            logging.INFO if said else logging.DEBUG,
-            "saved step %d: %s %s/%s (%.1f MB, blocked %.0f ms, persisted in %.2f s)%s",
-            step,
-            "committed" if self._handoff is None else "handed off to the node agent",
-            self.store.display,
-            step_dir_name(step),
-            manifest.costs.bytes / 1e6,
-            manifest.costs.blocking_s * 1e3,
-            manifest.costs.persist_s,
-            f"; {self._cadence.next_due(step)} (saves are shown every {_SAY_COMMITS_EVERY_S // 60} min at most)" if said else "",
-        )
-
     @property
     def schedule(self) -> dict[str, Any]:
         """What the interval policy decided last: seconds, and for "auto" what it was chosen
         from (measured blocking and busy times, the MTBF, the nodes, failures seen). Rank 0
         decides, from its own costs; on other ranks this stays the initial choice."""
         return self._cadence.schedule
-
-    def _retire_restored(self) -> None:
-        """Leaving with a newer commit than the step this run restored: retention need keep
-        that step no longer (`_apply_retention`)."""
-        last = self.last_commit.step if self.last_commit is not None else None
-        if self.restored_step is not None and last is not None and last != self.restored_step:
-            try:
-                self._apply_retention(last)
-            except CheckpointError as e:  # the checkpoints are safe; an extra one stays
-                log.warning("retention on leaving: %s", e)
-
-    def _apply_retention(self, just_committed: int) -> None:
-        if self._lease is not None and self._lease.lost is not None:
-            log.warning("retention skipped: the root is not this job's any more")  # nor its checkpoints
-            return
-        # The step this run restored is known to restore: kept while the run goes on.
-        kept = self.restored_step if self.restored_step is not None and not self._leaving else None
-        protect = {just_committed} | ({kept} if kept is not None else set())
-        # Handed off to the node agent, not committed yet: never debris to delete.
-        in_flight = self._handoff.pending if self._handoff is not None else ()
-        catalog.retire(self.store, self._scans, self.keep, self._signing_key, in_flight=in_flight, protect=protect)
-
-    # -- preemption ---------------------------------------------------------------------------
-    def _exit_for_preemption(self) -> None:
-        self._preempt.ask("asked on another rank")  # the meeting told this rank
-        self._leaving = True
-        level = logging.WARNING if self._ctrl.rank == 0 else logging.DEBUG  # every rank does it: one says so
-        log.log(level, "preempted (%s): checkpointing step %d before exiting", self._preempt.why, self._step)
-        self.save(blocking=True)
-        if self.last_commit is None or self.last_commit.step != self._step:
-            # The save could not happen here (the step's directory holds an older checkpoint):
-            # say so by the exit status rather than claim a clean stop.
-            log.error("preempted at step %d without a checkpoint of it; exiting with status 1", self._step)
-            raise SystemExit(1)
-        raise SystemExit(EXIT_SIGINT if self._preempt.why == "SIGINT" else self.preempt_exit_code)
-

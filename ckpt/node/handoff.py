@@ -6,7 +6,8 @@ them at its own speed, and hands them off (`ckpt.node.spool`); the agent uploads
 party to make its rank durable commits. When the spool is full, or its agent is gone, the
 rank writes to the root itself and takes part in the commit the same way
 (`Handoff(spool=None)`: also what ranks without an agent do when another node has one); a
-spool that fills during the write gives way to the root the same way (`ckpt.save.commit`).
+spool that fills during the write gives way to the root the same way. A save's side of all
+this is `ckpt.save.upload.ViaAgent`.
 """
 
 from __future__ import annotations
