@@ -27,12 +27,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
-sys.path.insert(0, str(HERE.parent / "tests"))
-
-from launch import free_port  # noqa: E402
+sys.path.insert(0, str(HERE.parent))  # the repository root: ckpt and tests.support
 
 from ckpt.storage.store import Store, Transfer  # noqa: E402
+from tests.support.launch import free_port  # noqa: E402
 
 
 @contextlib.contextmanager
