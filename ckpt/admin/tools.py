@@ -150,7 +150,8 @@ def read_whole(store: Store, entry: catalog.Entry, keys: list[str], metadata: An
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from ckpt.restore.dcp_read import SafeLoadPlanner, make_reader
+    from ckpt.restore.dcp_read import make_reader
+    from ckpt.restore.planner import SafeLoadPlanner
 
     assert entry.manifest is not None
     sd: dict[str, Any] = {}

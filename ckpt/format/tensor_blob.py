@@ -3,9 +3,9 @@
 DCP stores each tensor item as a standard torch.save zip: `<archive>/data.pkl` (a pickle that
 rebuilds the tensor around its storage), a few small text records, then
 `<archive>/data/<key>`, the storage's raw bytes (64-byte aligned), and a central directory
-at the end. `locate` walks the zip local headers with struct and the pickle's opcodes with
-`pickletools.genops`, which decodes them and never imports or calls anything, so the restore
-can stream a tensor's bytes straight into its target while they are being checksummed.
+at the end. `locate` walks the zip local headers with struct and the pickle's opcodes
+(`ckpt.format.tensor_pickle`, which never imports or calls anything), so the restore can
+stream a tensor's bytes straight into its target while they are being checksummed.
 
 Anything not in exactly this layout gives None and the caller verifies the whole item first,
 then uses torch.load. Zip CRC fields are never read: a writer may emit the blob with
@@ -15,17 +15,15 @@ then uses torch.load. Zip CRC fields are never read: a writer may emit the blob 
 from __future__ import annotations
 
 import functools
-import io
 import math
-import pickle
-import pickletools
 import struct
 import sys
-import zipfile
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from ckpt.format import tensor_pickle
 
 # signature, version, flags, method, time, date, crc, 2 sizes, name and extra lengths
 _LOCAL = struct.Struct("<IHHHHHIIIHH")
@@ -37,35 +35,6 @@ _STORED = 0
 # Records torch.save writes between data.pkl and the storage; any other means another layout.
 _SMALL_RECORDS = (".format_version", ".storage_alignment", "byteorder")
 _SMALL_RECORD_MAX = 4096  # bytes; they hold a few characters
-
-# The storage classes of `_rebuild_tensor_v2` pickles. Quantized ones are left out on purpose:
-# their tensors rebuild through other functions.
-_LEGACY_STORAGE = {
-    "DoubleStorage": torch.float64,
-    "FloatStorage": torch.float32,
-    "HalfStorage": torch.float16,
-    "BFloat16Storage": torch.bfloat16,
-    "LongStorage": torch.int64,
-    "IntStorage": torch.int32,
-    "ShortStorage": torch.int16,
-    "CharStorage": torch.int8,
-    "ByteStorage": torch.uint8,
-    "BoolStorage": torch.bool,
-    "ComplexDoubleStorage": torch.complex128,
-    "ComplexFloatStorage": torch.complex64,
-}
-
-# The dtypes of `_rebuild_tensor_v3` pickles (an untyped storage and a dtype) whose elements
-# are whole bytes; sub-byte and quantized ones go through torch.load.
-_V3_DTYPES = {
-    name
-    for name in (
-        *(str(d).removeprefix("torch.") for d in _LEGACY_STORAGE.values()),
-        "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu",
-        "uint16", "uint32", "uint64", "complex32",
-    )
-    if isinstance(getattr(torch, name, None), torch.dtype)
-}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -172,7 +141,7 @@ def _parse(head: memoryview) -> TensorLayout | None:
     if rec is None or not rec.name.endswith("/data.pkl"):
         return None
     prefix = rec.name[: -len("data.pkl")]
-    parsed = _parse_pickle(head, rec.data_start)
+    parsed = tensor_pickle.parse(head, rec.data_start)
     if parsed is None:
         return None
     (dtype, storage_key, storage_bytes, offset, size, stride), pkl_len = parsed
@@ -205,6 +174,17 @@ def _parse(head: memoryview) -> TensorLayout | None:
         return None
     descriptor = _descriptor_length(rec) if rec.size is None else 0
     return TensorLayout(dtype, size, rec.data_start, storage_bytes, rec.data_start + start, descriptor)
+
+
+def _is_contiguous(size: tuple[int, ...], stride: tuple[int, ...]) -> bool:
+    if math.prod(size) == 0:
+        return True
+    expected = 1
+    for s, st in zip(reversed(size), reversed(stride), strict=True):
+        if s != 1 and st != expected:
+            return False
+        expected *= s
+    return True
 
 
 # -- zip local headers -------------------------------------------------------------------------
@@ -292,207 +272,3 @@ def _skip_record(head: memoryview, rec: _Record, length: int) -> int | None:
         return end
     desc = _descriptor_length(rec)
     return end + desc if _descriptor_size(head, end, desc) == length else None
-
-
-# -- data.pkl ----------------------------------------------------------------------------------
-class _Global:
-    __slots__ = ("module", "name")
-
-    def __init__(self, module: str, name: str) -> None:
-        self.module, self.name = module, name
-
-    def is_(self, module: str, name: str) -> bool:
-        return (self.module, self.name) == (module, name)
-
-
-class _Call:
-    __slots__ = ("func", "args")
-
-    def __init__(self, func: Any, args: tuple) -> None:
-        self.func, self.args = func, args
-
-
-class _PersistentId:
-    __slots__ = ("value",)
-
-    def __init__(self, value: Any) -> None:
-        self.value = value
-
-
-_MARK = object()
-_PICKLE_MAX = 65536  # bytes; a tensor's pickle is a few hundred
-_PUSH_ARG = {
-    "BININT", "BININT1", "BININT2", "INT", "LONG", "LONG1", "LONG4",
-    "BINUNICODE", "SHORT_BINUNICODE", "UNICODE", "BINUNICODE8",
-}  # fmt: skip
-_CONST = {"NEWTRUE": True, "NEWFALSE": False, "NONE": None}
-
-
-def _parse_pickle(head: memoryview, start: int) -> tuple[tuple, int] | None:
-    """((dtype, storage key, storage bytes, storage offset, size, stride), pickle length) of a
-    torch.save tensor pickle, from its opcodes alone."""
-    stack: list[Any] = []
-    memo: dict[int, Any] = {}
-    try:
-        for op, arg, pos in pickletools.genops(bytes(head[start : start + _PICKLE_MAX])):
-            name = op.name
-            if name in ("PROTO", "FRAME"):
-                continue
-            if name in _PUSH_ARG:
-                stack.append(arg)
-            elif name in _CONST:
-                stack.append(_CONST[name])
-            elif name == "GLOBAL":
-                stack.append(_Global(*arg.split(" ", 1)))
-            elif name == "STACK_GLOBAL":
-                attr, module = stack.pop(), stack.pop()
-                if not (isinstance(module, str) and isinstance(attr, str)):
-                    return None
-                stack.append(_Global(module, attr))
-            elif name in ("BINPUT", "LONG_BINPUT", "PUT"):
-                memo[arg] = stack[-1]
-            elif name == "MEMOIZE":
-                memo[len(memo)] = stack[-1]
-            elif name in ("BINGET", "LONG_BINGET", "GET"):
-                stack.append(memo[arg])
-            elif name == "MARK":
-                stack.append(_MARK)
-            elif name == "TUPLE":
-                at = max(i for i, x in enumerate(stack) if x is _MARK)
-                items = tuple(stack[at + 1 :])
-                del stack[at:]
-                stack.append(items)
-            elif name in ("EMPTY_TUPLE", "TUPLE1", "TUPLE2", "TUPLE3"):
-                n = ("EMPTY_TUPLE", "TUPLE1", "TUPLE2", "TUPLE3").index(name)
-                items = tuple(stack[len(stack) - n :]) if n else ()
-                del stack[len(stack) - n :]
-                stack.append(items)
-            elif name == "EMPTY_DICT":
-                stack.append({})  # only an empty one is accepted below: no SETITEM(S) here
-            elif name == "BINPERSID":
-                stack.append(_PersistentId(stack.pop()))
-            elif name == "REDUCE":
-                args, func = stack.pop(), stack.pop()
-                if not isinstance(args, tuple):
-                    return None
-                stack.append(_Call(func, args))
-            elif name == "STOP":
-                spec = _tensor_spec(stack.pop()) if len(stack) == 1 else None
-                return (spec, pos + 1) if spec is not None else None
-            else:
-                return None
-    except (ValueError, IndexError, KeyError, TypeError):  # truncated or malformed: not ours
-        return None
-    return None
-
-
-def _tensor_spec(top: Any) -> tuple | None:
-    """What a `_rebuild_tensor_v2/v3(storage, offset, size, stride, requires_grad, hooks,
-    [dtype], [metadata])` call describes, if it is exactly that."""
-    if not isinstance(top, _Call) or not isinstance(top.func, _Global) or top.func.module != "torch._utils":
-        return None
-    args = top.args
-    if top.func.name == "_rebuild_tensor_v2" and len(args) in (6, 7):
-        dtype, extra = None, args[6:]
-    elif top.func.name == "_rebuild_tensor_v3" and len(args) in (7, 8):
-        dtype, extra = _dtype(args[6]), args[7:]
-        if dtype is None:
-            return None
-    else:
-        return None
-    pid, offset, size, stride, requires_grad, hooks = args[:6]
-    if extra and extra[0] not in ({}, None):
-        return None  # tensor metadata (conj, neg bits...): let torch.load apply it
-    if not (isinstance(hooks, _Call) and isinstance(hooks.func, _Global) and hooks.func.is_("collections", "OrderedDict") and hooks.args == ()):
-        return None
-    if not (isinstance(pid, _PersistentId) and isinstance(pid.value, tuple) and len(pid.value) == 5):
-        return None
-    kind, storage_type, key, location, numel = pid.value
-    if kind != "storage" or not isinstance(key, str) or not isinstance(location, str) or not isinstance(storage_type, _Global):
-        return None
-    if storage_type.module in ("torch", "torch.storage") and storage_type.name == "UntypedStorage":
-        storage_bytes = numel if dtype is not None else None  # v3: numel counts bytes
-    elif storage_type.module == "torch" and dtype is None and storage_type.name in _LEGACY_STORAGE:
-        dtype = _LEGACY_STORAGE[storage_type.name]
-        storage_bytes = numel * dtype.itemsize if _is_count(numel) else None
-    else:
-        return None
-    ints = (numel, offset, *size, *stride) if isinstance(size, tuple) and isinstance(stride, tuple) else ()
-    if storage_bytes is None or not ints or not all(_is_count(x) for x in ints) or len(size) != len(stride):
-        return None
-    if not isinstance(requires_grad, bool):
-        return None
-    return dtype, key, storage_bytes, offset, size, stride
-
-
-def _dtype(g: Any) -> torch.dtype | None:
-    if isinstance(g, _Global) and g.module == "torch" and g.name in _V3_DTYPES:
-        return getattr(torch, g.name)
-    return None
-
-
-def _is_count(x: Any) -> bool:
-    return type(x) is int and x >= 0
-
-
-def _is_contiguous(size: tuple[int, ...], stride: tuple[int, ...]) -> bool:
-    if math.prod(size) == 0:
-        return True
-    expected = 1
-    for s, st in zip(reversed(size), reversed(stride), strict=True):
-        if s != 1 and st != expected:
-            return False
-        expected *= s
-    return True
-
-
-# -- plain values --------------------------------------------------------------------------------
-# DCP stores every value that is not a tensor (an optimizer's hyperparameters, ckpt's counters,
-# the RNG states) as a torch.save blob of its own, and torch.load(weights_only=True) costs 58-69 us
-# for each here: with many param groups, thousands of them per restore.
-_PLAIN_RECORDS = frozenset(("data.pkl", ".format_version", ".storage_alignment", "byteorder", "version", "serialization_id"))
-_NOT_PLAIN: Any = object()
-
-
-class _PlainUnpickler(pickle._Unpickler):
-    """Builds plain values only: a global (any class or function), an extension code (which
-    stands for one) or a persistent id (a tensor's storage) is refused, so nothing is
-    imported, called or rebuilt. What is left are the pickle opcodes of numbers, strings,
-    None, booleans, and tuples, lists and dicts of them. The pure-Python unpickler, not the
-    C one: its memo is a dict, so a forged memo index cannot make it allocate gigabytes, and
-    its extension lookup can be refused (the C one answers from copyreg's cache)."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        raise pickle.UnpicklingError(f"not a plain value: {module}.{name}")
-
-    def get_extension(self, code: int) -> Any:
-        raise pickle.UnpicklingError(f"not a plain value: extension code {code}")
-
-    def persistent_load(self, pid: Any) -> Any:
-        raise pickle.UnpicklingError("not a plain value: a persistent id")
-
-
-def load_value(blob: bytes | io.BytesIO) -> Any:
-    """A value torch.save wrote (a DCP bytes item), as `torch.load(weights_only=True)` loads
-    it. Plain values are unpickled without any global, about twice as fast (26 us against 58
-    here); anything else (a tensor, an OrderedDict, a set, a class) goes to torch.load, whose
-    allowlist decides. (The plain path also takes a few plain values torch's refuses, such as
-    an int of thousands of digits; never anything that can import or call.)"""
-    data = blob.getvalue() if isinstance(blob, io.BytesIO) else blob
-    value = _plain(data)
-    if value is _NOT_PLAIN:
-        value = torch.load(io.BytesIO(data), weights_only=True)
-    return value
-
-
-def _plain(blob: bytes) -> Any:
-    """The plain value in a torch.save zip holding no storage, or _NOT_PLAIN."""
-    try:
-        with zipfile.ZipFile(io.BytesIO(blob)) as z:
-            records = z.infolist()
-            pkl = [r for r in records if r.filename.endswith("/data.pkl")]
-            if len(pkl) != 1 or any(r.compress_type != zipfile.ZIP_STORED or r.filename.rsplit("/", 1)[-1] not in _PLAIN_RECORDS for r in records):
-                return _NOT_PLAIN
-            return _PlainUnpickler(io.BytesIO(z.read(pkl[0])), encoding="ASCII").load()
-    except Exception:  # not a zip, a refused global, a broken pickle: torch.load says which
-        return _NOT_PLAIN

@@ -31,7 +31,8 @@ from ckpt.errors import (
 )
 from ckpt.format.checksum import BLAKE3
 from ckpt.format.manifest import MANIFEST_NAME, METADATA_NAME, Manifest
-from ckpt.restore.dcp_read import SafeLoadPlanner, make_reader
+from ckpt.restore.dcp_read import make_reader
+from ckpt.restore.planner import SafeLoadPlanner
 from ckpt.restore.prefetch import Prefetch
 from ckpt.storage import catalog
 from ckpt.storage.store import StepListing, Store, Stray, step_dir_name

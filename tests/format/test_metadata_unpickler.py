@@ -42,7 +42,7 @@ from torch.distributed.checkpoint.metadata import (
 
 import ckpt
 from ckpt.errors import InvalidCheckpoint, RestoreFailed
-from ckpt.format import tensor_blob
+from ckpt.format import bytes_item
 from ckpt.format.checksum import Hasher, block_size
 from ckpt.format.dcp_metadata import load_metadata
 from tests.support.launch import REPO
@@ -148,7 +148,7 @@ def test_no_opcode_resolves_or_calls_anything_outside_dcp_metadata(form, attack,
         load_metadata(blob)
     # The unpickler of plain values (DCP's bytes items) refuses each as well.
     with pytest.raises(pickle.UnpicklingError):
-        tensor_blob._PlainUnpickler(io.BytesIO(blob)).load()
+        bytes_item._PlainUnpickler(io.BytesIO(blob)).load()
 
 
 @pytest.mark.parametrize("persistent", [pickle.PERSID + b"0\n", const("0") + pickle.BINPERSID], ids=["PERSID", "BINPERSID"])
@@ -367,7 +367,7 @@ def test_the_plain_value_unpickler_calls_and_builds_nothing_without_a_global(opc
     callee = (pickle.MARK if opcode == pickle.OBJ else b"") + const("touch x")
     state = pickle.EMPTY_DICT + const("__setstate__") + const("x") + pickle.SETITEM
     with pytest.raises((TypeError, AttributeError)):
-        tensor_blob._PlainUnpickler(io.BytesIO(protocol4(callee + state + opcode))).load()
+        bytes_item._PlainUnpickler(io.BytesIO(protocol4(callee + state + opcode))).load()
 
 
 @pytest.mark.filterwarnings("ignore:Detected pickle protocol 4")
@@ -378,7 +378,7 @@ def test_plain_values_load_only_through_the_refusing_unpickler_or_torchs_allowli
         z.writestr("archive/data.pkl", touch(marker))
         z.writestr("archive/version", "3\n")
     with pytest.raises(pickle.UnpicklingError):
-        tensor_blob.load_value(buf.getvalue())
+        bytes_item.load_value(buf.getvalue())
 
 
 # -- metadata of the right classes, with the wrong values in them --------------------------------

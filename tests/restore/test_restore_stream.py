@@ -33,11 +33,12 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadIte
 
 import ckpt
 from ckpt.errors import InvalidCheckpoint
-from ckpt.format import tensor_blob
+from ckpt.format import bytes_item, tensor_blob
 from ckpt.format.checksum import checksum
 from ckpt.format.manifest import MANIFEST_NAME, METADATA_NAME, FileEntry, Manifest
-from ckpt.restore import dcp_read as dcp_io
-from ckpt.restore.dcp_read import SafeLoadPlanner, make_reader
+from ckpt.restore.dcp_read import make_reader
+from ckpt.restore.planner import SafeLoadPlanner
+from ckpt.restore.tensor_stream import Scratch
 from ckpt.storage import catalog
 from ckpt.storage.store import Store, step_dir_name
 
@@ -214,7 +215,7 @@ def test_tensors_stream_into_their_targets_without_torch_load(tmp_path, count_to
     step = save(tmp_path / "root", values)
     relayout(step)
     monkeypatch.setattr(catalog, "READ_CHUNK", 4096)  # many chunks per tensor
-    monkeypatch.setattr(dcp_io._Scratch, "_HOST_CHUNK", 4096)
+    monkeypatch.setattr(Scratch, "_HOST_CHUNK", 4096)
     targets = {k: torch.full_like(v, 7) for k, v in values.items()}
     count_torch_load.clear()
     load_step(step, {"extra": {"h": targets}})
@@ -279,7 +280,7 @@ def test_dim0_slices_read_straight_into_contiguous_targets(saved_w, count_torch_
 def test_other_slices_and_targets_go_through_the_scratch_buffer(saved_w, count_torch_load, monkeypatch, chunk):
     step, w = saved_w
     monkeypatch.setattr(catalog, "READ_CHUNK", chunk)
-    monkeypatch.setattr(dcp_io._Scratch, "_HOST_CHUNK", chunk)
+    monkeypatch.setattr(Scratch, "_HOST_CHUNK", chunk)
     strided = torch.zeros(5, 6, 8).transpose(0, 2)  # 8x6x5, not contiguous
     cases = [
         ("cols", [0, 3, 0], torch.zeros(8, 2, 5), w[:, 3:5]),  # a dim-1 slice: not one range of the blob
@@ -406,13 +407,13 @@ def test_a_malicious_pickle_never_runs(tmp_path, where, monkeypatch):
         with zipfile.ZipFile(io.BytesIO(data[off : off + length])) as z:
             assert z.testzip() is None and z.read("archive/data.pkl") == malicious(marker, size)
     refused: list[str] = []
-    real_find_class = tensor_blob._PlainUnpickler.find_class
+    real_find_class = bytes_item._PlainUnpickler.find_class
 
     def find_class(self, module, name_):
         refused.append(f"{module}.{name_}")
         return real_find_class(self, module, name_)
 
-    monkeypatch.setattr(tensor_blob._PlainUnpickler, "find_class", find_class)
+    monkeypatch.setattr(bytes_item._PlainUnpickler, "find_class", find_class)
 
     like = {"w": torch.randn(8), "name": name}
     with pytest.raises(ckpt.RestoreFailed, match="checksum mismatch"):
@@ -467,7 +468,7 @@ def test_a_plain_value_loads_as_torch_load_would_without_it(name, count_torch_lo
     blob = _blob(PLAIN[name])
     want = torch.load(io.BytesIO(blob), weights_only=True)
     count_torch_load.clear()
-    got = tensor_blob.load_value(io.BytesIO(blob))
+    got = bytes_item.load_value(io.BytesIO(blob))
     assert same_value(got, want) and same_value(got, PLAIN[name])
     assert count_torch_load == []
 
@@ -475,9 +476,9 @@ def test_a_plain_value_loads_as_torch_load_would_without_it(name, count_torch_lo
 @pytest.mark.parametrize("name", NOT_PLAIN)
 def test_any_other_value_is_left_to_torch_load(name, count_torch_load):
     blob = _blob(NOT_PLAIN[name])
-    assert tensor_blob._plain(blob) is tensor_blob._NOT_PLAIN
+    assert bytes_item._plain(blob) is bytes_item._NOT_PLAIN
     count_torch_load.clear()
-    got = tensor_blob.load_value(blob)
+    got = bytes_item.load_value(blob)
     assert same_value(got, NOT_PLAIN[name])
     assert len(count_torch_load) == 1
 
@@ -501,9 +502,9 @@ def test_a_value_pickle_that_would_call_anything_is_refused_whatever_its_zip_say
     assert (tmp_path / "probe").exists()  # the payload is live
     with zipfile.ZipFile(io.BytesIO(blob)) as z:
         z.testzip()  # a well-formed zip: the refusal is the unpickler's
-    assert tensor_blob._plain(blob) is tensor_blob._NOT_PLAIN
+    assert bytes_item._plain(blob) is bytes_item._NOT_PLAIN
     with pytest.raises(pickle.UnpicklingError, match="(?i)weights.only"):
-        tensor_blob.load_value(blob)
+        bytes_item.load_value(blob)
     assert not marker.exists()
 
 
@@ -515,16 +516,16 @@ def test_the_plain_path_refuses_extension_codes_and_persistent_ids_and_a_forged_
         pickle.loads(pickle.dumps(os.getcwd, protocol=2))  # fills copyreg's cache
         ext = b"\x80\x02\x82\xf0)R."  # EXT1 240, (), REDUCE: os.getcwd()
         assert pickle.loads(ext) == os.getcwd()  # the payload is live
-        assert tensor_blob._plain(value_blob(ext)) is tensor_blob._NOT_PLAIN
+        assert bytes_item._plain(value_blob(ext)) is bytes_item._NOT_PLAIN
     finally:
         copyreg.remove_extension("os", "getcwd", 240)
     persistent = b"\x80\x02X\x01\x00\x00\x000Q."  # BINPERSID "0": a storage
-    assert tensor_blob._plain(value_blob(persistent)) is tensor_blob._NOT_PLAIN
+    assert bytes_item._plain(value_blob(persistent)) is bytes_item._NOT_PLAIN
     # LONG_BINPUT 2**24: the C unpickler grows its memo array to twice that (256 MiB).
     bomb = b"\x80\x02Nr" + struct.pack("<I", 1 << 24) + b"."
     tracemalloc.start()
     try:
-        assert tensor_blob._plain(value_blob(bomb)) is None
+        assert bytes_item._plain(value_blob(bomb)) is None
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
@@ -570,7 +571,7 @@ def test_restoring_a_file_much_larger_than_a_chunk_holds_only_a_few_chunks(tmp_p
     w = torch.randn(64 << 20 >> 2)  # 64 MiB of tensor data, 64 read chunks
     step = save(tmp_path / "root", {"w": w})
     size = (step / DATA).stat().st_size
-    assert size > 64 * max(catalog.READ_CHUNK, dcp_io._Scratch._HOST_CHUNK)
+    assert size > 64 * max(catalog.READ_CHUNK, Scratch._HOST_CHUNK)
     target = torch.zeros_like(w)  # touched: its pages are resident before
     sd = {"extra": {"h": {"w": target}}}
     load_step(step, sd)  # warm up (imports, caches)

@@ -429,9 +429,9 @@ ALLOWED_UNPICKLING = {
     "broadcast_object_list and gather_object, which it replaces, unpickled them), never storage",
     ("dcp_metadata.py", "_MetadataUnpickler", "pickle._Unpickler"): "the allowlisting unpickler of checksum-verified .metadata",
     ("dcp_metadata.py", "load_metadata", "_MetadataUnpickler"): "checksum-verified bytes, through the allowlist",
-    ("tensor_blob.py", "_PlainUnpickler", "pickle._Unpickler"): "the unpickler that refuses every global, "
+    ("bytes_item.py", "_PlainUnpickler", "pickle._Unpickler"): "the unpickler that refuses every global, "
     "extension code and persistent id: plain values only (test_restore_stream.py's plain-value tests)",
-    ("tensor_blob.py", "_plain", "_PlainUnpickler"): "checksum-verified bytes, through the refusing unpickler",
+    ("bytes_item.py", "_plain", "_PlainUnpickler"): "checksum-verified bytes, through the refusing unpickler",
 }
 PICKLE_MODULES = {"pickle", "_pickle", "cPickle", "dill", "cloudpickle", "joblib", "marshal", "shelve"}
 # The C unpickler's names and the pure-Python one's (pickle._Unpickler, _load, _loads).

@@ -56,7 +56,7 @@ def plan_is_dcps(model: torch.nn.Module, opt: torch.optim.Optimizer, root: str) 
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.default_planner import create_default_local_load_plan
 
-    from ckpt.restore.dcp_read import SafeLoadPlanner
+    from ckpt.restore.planner import SafeLoadPlanner
 
     step = max(Path(root).glob("step-*"))
     md = FileSystemReader(str(step)).read_metadata()
