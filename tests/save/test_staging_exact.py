@@ -5,7 +5,8 @@ One table of the ways a loop changes state in place after `step_done()`, each ru
 real Checkpointer on every staging path (copies overlapped with the next step, made before
 `step_done()` returns, streamed over the host memory budget): every committed step is read
 back with DCP and compared bit for bit with a snapshot the loop took at that step.
-Kill-and-resume of whole models (BatchNorm, spectral norm, EMA, ...): tests/system/test_model_zoo.py.
+Kill-and-resume of whole models (BatchNorm, spectral norm, EMA, ...):
+tests/system/test_model_zoo.py.
 """
 
 from __future__ import annotations

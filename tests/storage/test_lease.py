@@ -1,8 +1,8 @@
 """The root lease: one job writes to a root at a time (ckpt.storage.lease).
 
-Real jobs (tests/workers/lease_worker.py, one process each, or two gloo ranks) on a local root and on
-a real S3-protocol server; what is checked is what a user would: the exit status, the error
-and its message, the files of the root before and after.
+Real jobs (tests/workers/lease_worker.py, one process each, or two gloo ranks) on a local
+root and on a real S3-protocol server; what is checked is what a user would: the exit status,
+the error and its message, the files of the root before and after.
 """
 
 from __future__ import annotations

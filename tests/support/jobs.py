@@ -1,5 +1,6 @@
-"""Jobs of tests/workers/worker.py on 2 ranks (gloo on loopback) and what they leave behind, shared by
-the distributed tests; `straight_run` (in conftest) is the uninterrupted reference job."""
+"""Jobs of tests/workers/worker.py on 2 ranks (gloo on loopback) and what they leave behind,
+shared by the distributed tests; `straight_run` (in conftest) is the uninterrupted reference
+job."""
 
 from __future__ import annotations
 

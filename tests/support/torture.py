@@ -9,11 +9,12 @@ prints the figures (trials, kills by phase, restores correct, data lost, time fo
 surviving rank to turn a dead peer into an error) and writes them as JSON (`--out`). The test
 suite runs a shorter sweep through `sweep()` (tests/system/test_torture.py).
 
-Each trial is one run of tests/workers/torture_worker.py: it restores, reports what it restored, trains
-six steps saving every two (keeping two, so retention deletes as it goes) and is killed at the
-chosen point of one of those saves (CKPT_FAULT, ckpt/_faults.py). The next trial's restore
-checks the one before; a last run without faults checks the last. In a third of the trials a
-node agent (`ckpt agent`) uploads the ranks' files, and the victim may be the agent itself.
+Each trial is one run of tests/workers/torture_worker.py: it restores, reports what it
+restored, trains six steps saving every two (keeping two, so retention deletes as it goes) and
+is killed at the chosen point of one of those saves (CKPT_FAULT, ckpt/_faults.py). The next
+trial's restore checks the one before; a last run without faults checks the last. In a third
+of the trials a node agent (`ckpt agent`) uploads the ranks' files, and the victim may be the
+agent itself.
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ and says why, and nothing unverified is ever unpickled.
 A pristine root with steps 5 and 10 is written once by real 2-rank FSDP2 jobs; each case
 copies it, damages step 10, and is checked by the CLI (in this process: the same `main` a
 user's `ckpt` runs) and by one 2-rank restore job per backend that restores every case's root
-in turn (tests/workers/restore_worker.py), so that the matrix pays for starting ranks twice, not once
-per case.
+in turn (tests/workers/restore_worker.py), so that the matrix pays for starting ranks twice,
+not once per case.
 """
 
 from __future__ import annotations

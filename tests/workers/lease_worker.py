@@ -74,7 +74,7 @@ def main() -> None:
 
     import torch
 
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # started by tests/support/launch.py: one file per rank
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # started by launch.start: one file per rank
         import torch.distributed as dist
 
         dist.init_process_group("gloo")

@@ -1,5 +1,6 @@
 """Restore each of several roots in turn in one job of real ranks (see launch.py), saving
-nothing, and write what each restore left to <out>.<case>.rank<R>.pt (tests/workers/worker.py's dump).
+nothing, and write what each restore left to <out>.<case>.rank<R>.pt (tests/workers/worker.py's
+dump).
 
 One job for many roots: each rank imports torch and joins the gloo group once, not once per
 root. Every root starts from a model initialised with other weights and other RNG streams
