@@ -83,7 +83,7 @@ class Roots:
         root = request.root
         if fsspec.utils.get_protocol(root) == "file":
             # IMPORTANT: a local root as resolved now, checked and written the same: writes
-            # walk it from / following no link (`spool.open_new`), so a link swapped in later
+            # walk it from / following no link (`durable.open_new`), so a link swapped in later
             # is refused rather than followed past allowed_roots.
             root = os.path.realpath(os.path.expanduser(root.split("://", 1)[-1]))
         if self.config.allowed_roots and not any(within(root, p) for p in self.config.allowed_roots):

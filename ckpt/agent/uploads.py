@@ -1,7 +1,7 @@
 """The node agent's work on the hand-offs of its spool: each rank's files uploaded to the
 job's root (files in parallel, retried with backoff), every byte checked against the
 manifest on the way, the rank marked durable there, and the checkpoint committed when every
-rank is (`ckpt.node.spool.commit_if_complete`); each request's progress recorded in its
+rank is (`ckpt.node.durable.commit_if_complete`); each request's progress recorded in its
 status file, which the rank waits on.
 """
 
@@ -22,23 +22,25 @@ from ckpt.errors import CheckpointError, InvalidCheckpoint
 from ckpt.format.checksum import Hasher
 from ckpt.format.manifest import FileEntry, Manifest
 from ckpt.metrics import failure_kind
-from ckpt.node.spool import (
-    COMMITTED,
-    DURABLE,
+from ckpt.node.durable import (
     DURABLE_DIR,
-    FAILED,
-    UPLOADING,
-    Request,
-    Spool,
-    check_request,
     commit_if_complete,
     committed_as_requested,
     mark_durable,
     marker_name,
     open_new,
+    superseded,
+)
+from ckpt.node.spool import (
+    COMMITTED,
+    DURABLE,
+    FAILED,
+    UPLOADING,
+    Request,
+    Spool,
+    check_request,
     read_json,
     status_of,
-    superseded,
     write_json,
 )
 from ckpt.redact import redact

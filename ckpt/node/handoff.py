@@ -25,6 +25,7 @@ from typing import Any, BinaryIO
 
 from ckpt.errors import NotFound
 from ckpt.format.manifest import Manifest
+from ckpt.node.durable import commit_if_complete, committed_as_requested, mark_durable
 from ckpt.node.spool import (
     COMMITTED,
     DURABLE,
@@ -32,10 +33,7 @@ from ckpt.node.spool import (
     SPOOL_ENV,
     Request,
     Spool,
-    commit_if_complete,
-    committed_as_requested,
     job_key,
-    mark_durable,
     public_options,
     read_json,
     request_of,

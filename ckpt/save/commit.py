@@ -9,7 +9,7 @@ A save is one `Save` (what is saved, where, by which ranks) and this rank's `Sou
 staged state and what writes it). Where the files go and who writes the manifest is the
 save's `Upload` (`ckpt.save.upload`): straight to the root, rank 0 committing, or through the
 node spool to its agent, the manifest only drafted by rank 0 and written by whoever makes the
-last rank durable in the root (`ckpt.node.spool`).
+last rank durable in the root (`ckpt.node.durable`).
 """
 
 from __future__ import annotations

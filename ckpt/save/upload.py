@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from ckpt._faults import fault_point
 from ckpt.errors import DiskFull, SaveFailed, dcp_failures
 from ckpt.format.manifest import MANIFEST_NAME, Manifest
-from ckpt.node.spool import claim
+from ckpt.node.durable import claim
 from ckpt.save.commit import Report, Save, Source, Written, claim_step_dir, draft, write_files
 from ckpt.storage.store import step_dir_name
 

@@ -1,0 +1,140 @@
+"""The commit that whoever finishes last makes, and who owns a step directory of the root.
+
+Each rank's files become durable in the root (uploaded by the node agent, or written by
+the rank itself), and the checkpoint commits when every rank's are:
+
+    <root>/step-N/.claim                         the save that owns the step directory now
+    <root>/step-N/.durable/<save id>.rank-00003   one per rank, after its files are durable
+    <root>/step-N/manifest.json                  written by whoever saw the last marker
+
+Each party writes its marker and then lists the markers, so of any two the later one sees
+both: the last one always commits. Writing the manifest twice is harmless (the same
+checkpoint), and a party that died between its marker and the manifest is covered by the
+others, which look again while they wait. A rank whose node has no agent (or a full spool)
+writes to the root itself and takes part the same way. On a local root every write here
+goes through no link (`ckpt.storage.nofollow`): the agent writes there for whoever wrote
+the request.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import time
+from collections.abc import Iterator
+from typing import BinaryIO
+
+from ckpt.errors import NotFound
+from ckpt.format.manifest import MANIFEST_NAME, SaveCosts
+from ckpt.node.spool import Request, rank_name
+from ckpt.storage.nofollow import fsync_dir, new_file, put_file
+from ckpt.storage.store import Store, storage_errors
+
+DURABLE_DIR = ".durable"
+CLAIM_NAME = ".claim"  # in a step directory of the root: the save that owns it now
+
+
+def marker_name(save_id: str, rank: int) -> str:
+    return f"{save_id}.{rank_name(rank)}"
+
+
+def mark_durable(store: Store, rel: str, save_id: str, rank: int, files: dict[str, str]) -> None:
+    """Record in the root that `rank`'s files of save `save_id` are durable there."""
+    doc = {"save_id": save_id, "rank": rank, "files": files, "time": time.time()}
+    put(store, f"{rel}/{DURABLE_DIR}/{marker_name(save_id, rank)}", json.dumps(doc).encode())
+
+
+def commit_if_complete(store: Store, request: Request) -> str | None:
+    """Write the manifest if every rank's marker of this save is there. Returns "committed"
+    (this call wrote it), "found" (it was there already), "superseded" (another save of the
+    step committed it, or claimed it) or None (a rank is not durable yet). Idempotent: any
+    party may call it any number of times."""
+    rel = request.rel
+    found = committed_as_requested(store, request)
+    if found is not None:
+        return "found" if found else "superseded"
+    if superseded(store, request):
+        return "superseded"
+    markers = set(store.list_dir(f"{rel}/{DURABLE_DIR}"))
+    if not all(marker_name(request.save_id, r) in markers for r in range(request.world)):
+        return None
+    manifest = request.manifest_obj()
+    # `created` stays the draft's: commits of different steps may land out of order (one
+    # node slower), and the order of the saves is what restore and retention go by.
+    # IMPORTANT: a signed draft is committed exactly as signed (its persist time stays the
+    # hand-off's): the signing key never leaves the trainer, so no one here could sign again.
+    if manifest.signature is None:
+        persist_s = max(time.time() - request.started, 0.0)
+        manifest = dataclasses.replace(manifest, costs=SaveCosts(manifest.costs.blocking_s, persist_s, manifest.costs.bytes))
+    # IMPORTANT: the commit. Every rank's files are durable: their markers say so.
+    put(store, f"{rel}/{MANIFEST_NAME}", manifest.to_json())
+    return "committed"
+
+
+# -- which save owns a step directory ----------------------------------------------------------
+def claim(store: Store, rel: str, save_id: str) -> None:
+    """Rank 0, when a save (with an agent) starts: this save owns the step directory now.
+    An agent that finds another save's claim uploads nothing of its own (a stale hand-off)."""
+    put(store, f"{rel}/{CLAIM_NAME}", save_id.encode())
+
+
+def superseded(store: Store, request: Request) -> str | None:
+    """Why the request's save no longer owns its step directory (a later save of the same
+    step claimed it, or committed it), or None."""
+    with contextlib.suppress(NotFound):
+        owner = store.read_bytes(f"{request.rel}/{CLAIM_NAME}").decode(errors="replace")
+        if owner != request.save_id:
+            return f"{request.rel} was claimed by a later save of the same step"
+    return None
+
+
+def committed_as_requested(store: Store, request: Request) -> bool | None:
+    """Is the step committed with this request's files (True), committed by another save
+    (False), or not committed (None)?"""
+    try:
+        doc = json.loads(store.read_bytes(f"{request.rel}/{MANIFEST_NAME}"))
+    except NotFound:
+        return None
+    except ValueError:
+        return False
+    ours = request.manifest.get("files", {})
+    theirs = doc.get("files", {}) if isinstance(doc, dict) else {}
+    return all(isinstance(theirs.get(n), dict) and theirs[n].get("checksum") == ours[n]["checksum"] for n in request.files)
+
+
+# -- writes into the root, never through a link on a local one ------------------------------------
+@contextlib.contextmanager
+def open_new(store: Store, rel: str, size: int | None = None) -> Iterator[BinaryIO]:
+    """`Store.open_write`, but on a local root through `new_file`: never through a link."""
+    if not store.is_local:
+        with store.open_write(rel, size) as f:
+            yield f
+        return
+    with storage_errors(f"writing {store.display}/{rel}"), new_file(*_in_root(store, rel)) as f:
+        yield f
+
+
+def put(store: Store, rel: str, data: bytes) -> None:
+    """`Store.put_atomic`, but on a local root through `new_file`: never through a link."""
+    if not store.is_local:
+        store.put_atomic(rel, data)
+        return
+    base, path = _in_root(store, rel)
+    directory = os.path.dirname(path)
+    with storage_errors(f"committing {store.display}/{rel}"):
+        # IMPORTANT: the entries of the files it commits are durable before it is, and then
+        # its directory's own entry (as `Store.put_atomic`).
+        fsync_dir(base, directory, create=True)
+        put_file(base, path, data)
+        fsync_dir(base, os.path.dirname(directory))
+
+
+def _in_root(store: Store, rel: str) -> tuple[str, str]:
+    """`rel` of a local root as (base, rel) for `new_file`. A root whose path has no link
+    (the agent's: it resolves the root it checks) is walked from `/`, so that a link put in
+    its place later is refused; a trainer's root with links in its path is taken as given."""
+    if os.path.realpath(store.root) == store.root:
+        return "/", os.path.join(store.root.lstrip("/"), rel)
+    return store.root, rel
