@@ -339,7 +339,8 @@ def inspect(
         names = manifest.files if deep else [METADATA_NAME] if metadata else []
         for name in names:
             if deep and name == METADATA_NAME:
-                from ckpt.restore.dcp_read import load_metadata  # needs torch: only for deep checks
+                # needs torch: only for deep checks
+                from ckpt.format.dcp_metadata import load_metadata
 
                 load_metadata(read_verified(store, entry.dir, name, manifest))
             else:
