@@ -21,7 +21,8 @@ from typing import Any
 
 from ckpt.errors import CheckpointError
 from ckpt.redact import redact
-from ckpt.storage.store import EVENTS_DIR, Store
+from ckpt.storage.layout import EVENTS_DIR
+from ckpt.storage.store import Store
 
 log = logging.getLogger(__name__)
 

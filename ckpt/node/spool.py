@@ -44,8 +44,9 @@ from typing import Any
 
 from ckpt.errors import CheckpointError, InvalidCheckpoint
 from ckpt.format.manifest import Manifest
+from ckpt.storage.layout import STEP_DIR
 from ckpt.storage.nofollow import UnsafeEntry, open_dir, put_file
-from ckpt.storage.store import STEP_DIR, Store, step_dir_name
+from ckpt.storage.store import Store, step_dir_name
 
 log = logging.getLogger(__name__)
 

@@ -37,10 +37,11 @@ from typing import TYPE_CHECKING, Any
 
 from ckpt.errors import CheckpointError, DiskFull, LeaseHeld, StorageError
 from ckpt.format.manifest import MANIFEST_NAME
-from ckpt.storage.store import SMALL_JSON_MAX
+from ckpt.storage.layout import SMALL_JSON_MAX
 
 if TYPE_CHECKING:
-    from ckpt.storage.store import Store, Tagged
+    from ckpt.storage.backend import Tagged
+    from ckpt.storage.store import Store
 
 log = logging.getLogger(__name__)
 

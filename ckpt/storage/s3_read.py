@@ -1,21 +1,20 @@
 """Reading one S3 object: ranged GETs fetched ahead of the position, every range from one
-version of the object, each kept as the pieces the connection delivered (`Reader`).
-`S3Transfers.reader` makes them; `ckpt.storage.s3` has the rest of the transfers."""
+version of the object, each kept as the pieces the connection delivered (`Reader`), every
+request through the root's `S3Client`; and `Stream`, the seekable stream it and the upload's
+request bodies (`ckpt.storage.s3_write`) are."""
 
 from __future__ import annotations
 
 import collections
 import concurrent.futures
 import io
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from botocore.exceptions import ClientError
 
 from ckpt.errors import InvalidCheckpoint, NotFound, StorageError
+from ckpt.storage.s3_client import S3Client
 from ckpt.storage.s3_retry import ShortRead, botocore_error, is_code
-
-if TYPE_CHECKING:
-    from ckpt.storage.s3 import S3Transfers
 
 
 class Stream(io.RawIOBase):
@@ -54,7 +53,7 @@ class Reader(Stream):
     (0.65 s of the client's CPU for 379 MB from moto, 0.39 s without it)."""
 
     def __init__(
-        self, t: S3Transfers, path: str, where: str, ranges: list[tuple[int, int]] | None = None, size: int | None = None
+        self, t: S3Client, path: str, where: str, ranges: list[tuple[int, int]] | None = None, size: int | None = None
     ) -> None:  # fmt: skip
         self._t, self._where = t, where
         self._bucket, self._key, _ = t.fs.split_path(path)

@@ -18,7 +18,7 @@ from botocore.exceptions import ConnectionError as BotoConnectionError
 from s3fs.core import S3_RETRYABLE_ERRORS
 
 from ckpt.redact import redact
-from ckpt.storage.store import Transfer
+from ckpt.storage.transfer import Transfer
 
 logger = logging.getLogger("ckpt.storage.s3")  # a retry is the S3 layer's news
 # IMPORTANT: the jitter's own generator: drawing from `random`'s global one would move the

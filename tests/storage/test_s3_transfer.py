@@ -369,11 +369,11 @@ def test_the_stores_of_a_process_share_their_s3_clients_per_options(s3_root, s3_
     """A new S3 client costs 80-300 ms on its first request: Stores with the same options
     (each Checkpointer entered, each restore) reuse the process's; other options get their own."""
     a, b = Store(s3_root, s3_options), Store(s3_root + "-other", s3_options)
-    assert a.fs is b.fs and a._s3.fs is b._s3.fs
+    assert a.fs is b.fs and a.backend.client.fs is b.backend.client.fs
     c = Store(s3_root, s3_options, Transfer(attempts=2))
     assert c.fs is not a.fs and (c.fs.transfer.attempts, a.fs.transfer.attempts) == (2, Transfer().attempts)
     d = Store(s3_root, {**s3_options, "secret": "another"})
-    assert d.fs is not a.fs and d._s3.fs is not a._s3.fs
+    assert d.fs is not a.fs and d.backend.client.fs is not a.backend.client.fs
     b.put_atomic("x", b"each its own root")  # the shared client reaches each Store's own root
     assert Store(s3_root + "-other", s3_options).read_bytes("x") == b"each its own root"
     with pytest.raises(NotFound):
@@ -495,12 +495,12 @@ def test_a_wrong_size_told_costs_requests_never_bytes(store, s3_root, s3_endpoin
 
 
 def test_one_put_never_carries_more_than_s3_takes(s3_root, s3_options):
-    from ckpt.storage.s3 import Upload
-    from ckpt.storage.store import PUT_MAX
+    from ckpt.storage.s3_write import Upload
+    from ckpt.storage.transfer import PUT_MAX
 
     big = Store(s3_root, s3_options, Transfer(part_size=3 << 30))
-    assert Upload(big._s3, big.path("x"), "x")._one_put == PUT_MAX
-    assert Upload(Store(s3_root, s3_options)._s3, big.path("x"), "x")._one_put == 2 * Transfer().part_size
+    assert Upload(big.backend.client, big.path("x"), "x")._one_put == PUT_MAX
+    assert Upload(Store(s3_root, s3_options).backend.client, big.path("x"), "x")._one_put == 2 * Transfer().part_size
 
 
 def test_a_put_the_caller_stopped_waiting_for_is_stopped_and_lets_go_of_its_buffers(proxy, s3_root, s3_options):
