@@ -29,7 +29,7 @@ import time
 
 import xxhash
 
-PIECE = 256 << 10  # the verified reader's piece (ckpt.storage.catalog.READ_CHUNK)
+PIECE = 256 << 10  # the verified reader's piece (ckpt.storage.verified.READ_CHUNK)
 
 
 def evict(path: str) -> None:

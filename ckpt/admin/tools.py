@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from ckpt._faults import fault_point
 from ckpt.errors import CheckpointError, InvalidCheckpoint, dcp_causes, dcp_failures
 from ckpt.format.manifest import MANIFEST_NAME, METADATA_NAME, Manifest
-from ckpt.storage import catalog
+from ckpt.storage import catalog, verified
 from ckpt.storage.store import Store, step_dir_name
 
 if TYPE_CHECKING:
@@ -99,7 +99,7 @@ def copy(src: Store, dst: Store, step: int | None = None, progress: bool | None 
                 resumed += 1
                 bar.add(f.size)
                 continue
-            with catalog.VerifyingReader.open(src, rel, name, manifest) as reader, dst.open_write(f"{rel}/{name}", f.size) as out:
+            with verified.VerifyingReader.open(src, rel, name, manifest) as reader, dst.open_write(f"{rel}/{name}", f.size) as out:
                 left = f.size
                 while left:
                     data = reader.read(min(CHUNK, left))
@@ -128,7 +128,7 @@ def _within(inner: Store, outer: Store) -> bool:
 
 def _intact(store: Store, rel: str, name: str, manifest: Manifest) -> bool:
     try:
-        catalog.verify_file(store, rel, name, manifest)
+        verified.verify_file(store, rel, name, manifest)
         return True
     except CheckpointError:
         return False
@@ -140,7 +140,7 @@ def inventory(store: Store, entry: catalog.Entry) -> Any:
     from ckpt.format.dcp_metadata import load_metadata
 
     assert entry.manifest is not None
-    return load_metadata(catalog.read_verified(store, entry.dir, METADATA_NAME, entry.manifest))
+    return load_metadata(verified.read_verified(store, entry.dir, METADATA_NAME, entry.manifest))
 
 
 def read_whole(store: Store, entry: catalog.Entry, keys: list[str], metadata: Any) -> dict[str, Any]:

@@ -47,8 +47,8 @@ from torch.futures import Future
 from ckpt.format.dcp_metadata import load_metadata
 from ckpt.format.manifest import METADATA_NAME, Manifest
 from ckpt.restore.tensor_stream import Scratch, disjoint, read_tensor_item
-from ckpt.storage.catalog import VerifyingReader, read_verified
 from ckpt.storage.store import Store
+from ckpt.storage.verified import VerifyingReader, read_verified
 
 # A single process saving without torch.distributed is a supported use, not a mistake.
 warnings.filterwarnings(

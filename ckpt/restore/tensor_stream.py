@@ -1,5 +1,5 @@
 """A tensor item of a checkpoint file streamed into the tensors being restored while the
-file is read through its checksums (`ckpt.storage.catalog.VerifyingReader`).
+file is read through its checksums (`ckpt.storage.verified.VerifyingReader`).
 
 DCP stores each tensor item as a torch.save blob. Where `ckpt.format.tensor_blob` finds the
 tensor's bytes in it without unpickling, they go straight into the target's memory, or
@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.planner import LoadPlanner, ReadItem
 
 from ckpt.errors import InvalidCheckpoint
 from ckpt.format import tensor_blob
-from ckpt.storage.catalog import VerifyingReader
+from ckpt.storage.verified import VerifyingReader
 
 # The start of a tensor item read before deciding how to stream it: its zip headers and pickle
 # take well under 1 KiB (the storage starts at byte 704 for a 2-d tensor).

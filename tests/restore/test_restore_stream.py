@@ -39,7 +39,7 @@ from ckpt.format.manifest import MANIFEST_NAME, METADATA_NAME, FileEntry, Manife
 from ckpt.restore.dcp_read import make_reader
 from ckpt.restore.planner import SafeLoadPlanner
 from ckpt.restore.tensor_stream import Scratch
-from ckpt.storage import catalog
+from ckpt.storage import catalog, verified
 from ckpt.storage.store import Store, step_dir_name
 
 DATA = "__0_0.distcp"
@@ -214,7 +214,7 @@ def test_tensors_stream_into_their_targets_without_torch_load(tmp_path, count_to
     values = {k: v for k, v in many_values().items() if isinstance(v, torch.Tensor) and k != "transposed"}
     step = save(tmp_path / "root", values)
     relayout(step)
-    monkeypatch.setattr(catalog, "READ_CHUNK", 4096)  # many chunks per tensor
+    monkeypatch.setattr(verified, "READ_CHUNK", 4096)  # many chunks per tensor
     monkeypatch.setattr(Scratch, "_HOST_CHUNK", 4096)
     targets = {k: torch.full_like(v, 7) for k, v in values.items()}
     count_torch_load.clear()
@@ -279,7 +279,7 @@ def test_dim0_slices_read_straight_into_contiguous_targets(saved_w, count_torch_
 @pytest.mark.parametrize("chunk", [1 << 20, 64], ids=["one_chunk", "row_by_row"])
 def test_other_slices_and_targets_go_through_the_scratch_buffer(saved_w, count_torch_load, monkeypatch, chunk):
     step, w = saved_w
-    monkeypatch.setattr(catalog, "READ_CHUNK", chunk)
+    monkeypatch.setattr(verified, "READ_CHUNK", chunk)
     monkeypatch.setattr(Scratch, "_HOST_CHUNK", chunk)
     strided = torch.zeros(5, 6, 8).transpose(0, 2)  # 8x6x5, not contiguous
     cases = [
@@ -571,7 +571,7 @@ def test_restoring_a_file_much_larger_than_a_chunk_holds_only_a_few_chunks(tmp_p
     w = torch.randn(64 << 20 >> 2)  # 64 MiB of tensor data, 64 read chunks
     step = save(tmp_path / "root", {"w": w})
     size = (step / DATA).stat().st_size
-    assert size > 64 * max(catalog.READ_CHUNK, Scratch._HOST_CHUNK)
+    assert size > 64 * max(verified.READ_CHUNK, Scratch._HOST_CHUNK)
     target = torch.zeros_like(w)  # touched: its pages are resident before
     sd = {"extra": {"h": {"w": target}}}
     load_step(step, sd)  # warm up (imports, caches)
@@ -605,16 +605,16 @@ def test_verify_file_streams_and_says_what_is_wrong(tmp_path):
     step = save(tmp_path / "root", {"w": torch.randn(1000)})
     store = Store(str(tmp_path / "root"))
     manifest = Manifest.from_json((step / MANIFEST_NAME).read_bytes())
-    catalog.verify_file(store, step.name, DATA, manifest)
+    verified.verify_file(store, step.name, DATA, manifest)
     full = (step / DATA).stat().st_size
     flip(step / DATA, full - 10)
     with pytest.raises(InvalidCheckpoint, match=f"{DATA}: checksum mismatch \\(corrupt file\\)"):
-        catalog.verify_file(store, step.name, DATA, manifest)
+        verified.verify_file(store, step.name, DATA, manifest)
     os.truncate(step / DATA, full // 2)
     with pytest.raises(InvalidCheckpoint, match=f"{DATA}: {full // 2} bytes, manifest says {full}"):
-        catalog.verify_file(store, step.name, DATA, manifest)
+        verified.verify_file(store, step.name, DATA, manifest)
     with pytest.raises(InvalidCheckpoint, match="not listed in the manifest"):
-        catalog.verify_file(store, step.name, "__9_0.distcp", manifest)
+        verified.verify_file(store, step.name, "__9_0.distcp", manifest)
 
 
 class _CountingFile:
@@ -688,11 +688,11 @@ def test_a_restore_reads_and_verifies_only_the_blocks_holding_what_it_loads(tmp_
     with pytest.raises(CheckpointException, match=f"{DATA}: checksum mismatch in bytes {6 * MiB}-{7 * MiB - 1} \\(corrupt file\\)"):
         load_step(step, {"extra": {"h": target}})
     with pytest.raises(InvalidCheckpoint, match=f"{DATA}: checksum mismatch in bytes {6 * MiB}-"):
-        catalog.verify_file(store, step.name, DATA, manifest)  # verify reads all of it
+        verified.verify_file(store, step.name, DATA, manifest)  # verify reads all of it
 
     # A flipped bit in the pickle: its block fails before the pickle is decoded.
     flip(step / DATA, 6 * MiB + 123)
-    catalog.verify_file(store, step.name, DATA, manifest)
+    verified.verify_file(store, step.name, DATA, manifest)
     flip(step / DATA, n_at + 3)
     seen = []
     monkeypatch.setattr(SafeLoadPlanner, "load_bytes", lambda self, req, value: seen.append(req))
@@ -707,42 +707,42 @@ def test_a_blocked_file_cut_short_or_grown_is_caught(tmp_path):
     store = Store(str(tmp_path / "root"))
     manifest = Manifest.from_json((step / MANIFEST_NAME).read_bytes())
     full = (step / DATA).stat().st_size
-    assert manifest.files[DATA].block == MiB and full > catalog.WHOLE_READ_MAX
+    assert manifest.files[DATA].block == MiB and full > verified.WHOLE_READ_MAX
     with open(step / DATA, "ab") as f:
         f.write(b"x")
     with pytest.raises(InvalidCheckpoint, match=f"{DATA}: {full + 1} bytes, manifest says {full}"):
-        catalog.verify_file(store, step.name, DATA, manifest)
+        verified.verify_file(store, step.name, DATA, manifest)
     with open(step / DATA, "ab") as f:  # now enough to fill the short last block
         f.write(b"x" * MiB)
     with pytest.raises(InvalidCheckpoint, match=f"{DATA}: longer than the {full} bytes the manifest says"):
-        catalog.verify_file(store, step.name, DATA, manifest)
+        verified.verify_file(store, step.name, DATA, manifest)
     os.truncate(step / DATA, full)
     os.truncate(step / DATA, full - MiB)
     with pytest.raises(InvalidCheckpoint, match=f"{DATA}: {full - MiB} bytes, manifest says {full}"):
-        catalog.verify_file(store, step.name, DATA, manifest)
+        verified.verify_file(store, step.name, DATA, manifest)
     with pytest.raises(CheckpointException, match=f"{DATA}: {full - MiB} bytes, manifest says {full}"):
         load_step(step, {"extra": {"h": {"w": torch.zeros(9 * MiB // 4)}}})
 
 
 def test_a_small_file_checked_in_one_read_cut_short_or_grown_is_caught(tmp_path, monkeypatch):
-    monkeypatch.setattr(catalog, "WHOLE_READ_MAX", 64 << 10)
+    monkeypatch.setattr(verified, "WHOLE_READ_MAX", 64 << 10)
     step = save(tmp_path / "root", {"w": torch.randn(10)})
     store = Store(str(tmp_path / "root"))
     manifest = Manifest.from_json((step / MANIFEST_NAME).read_bytes())
     full = (step / METADATA_NAME).stat().st_size
-    assert full <= catalog.WHOLE_READ_MAX
-    assert catalog.verify_file(store, step.name, METADATA_NAME, manifest) == (step / METADATA_NAME).read_bytes()
+    assert full <= verified.WHOLE_READ_MAX
+    assert verified.verify_file(store, step.name, METADATA_NAME, manifest) == (step / METADATA_NAME).read_bytes()
     with open(step / METADATA_NAME, "ab") as f:
         f.write(b"x")
     with pytest.raises(InvalidCheckpoint, match=f"{METADATA_NAME}: {full + 1} bytes, manifest says {full}"):
-        catalog.verify_file(store, step.name, METADATA_NAME, manifest)
+        verified.verify_file(store, step.name, METADATA_NAME, manifest)
     with open(step / METADATA_NAME, "ab") as f:
         f.write(b"x" * (64 << 10))
     with pytest.raises(InvalidCheckpoint, match=f"{METADATA_NAME}: longer than the {full} bytes the manifest says"):
-        catalog.verify_file(store, step.name, METADATA_NAME, manifest)
+        verified.verify_file(store, step.name, METADATA_NAME, manifest)
     os.truncate(step / METADATA_NAME, full - 1)
     with pytest.raises(InvalidCheckpoint, match=f"{METADATA_NAME}: {full - 1} bytes, manifest says {full}"):
-        catalog.verify_file(store, step.name, METADATA_NAME, manifest)
+        verified.verify_file(store, step.name, METADATA_NAME, manifest)
 
 
 def test_a_partial_read_verifies_every_block_it_touched_and_nothing_past_the_manifests_size():
@@ -757,7 +757,7 @@ def test_a_partial_read_verifies_every_block_it_touched_and_nothing_past_the_man
     entry = hasher.entry(0)
 
     def run(data: bytes, *steps) -> None:
-        src = catalog.VerifyingReader(io.BytesIO(data), "f", entry, partial=True)  # fmt: skip
+        src = verified.VerifyingReader(io.BytesIO(data), "f", entry, partial=True)  # fmt: skip
         for op, n in steps:
             getattr(src, op)(n)
         src.finish()
