@@ -41,7 +41,8 @@ from ckpt.save.upload import Direct, ViaAgent
 from ckpt.schedule.cadence import Cadence
 from ckpt.schedule.policy import Auto, Every, Keep
 from ckpt.storage import catalog
-from ckpt.storage.lease import Lease, LeaseKeeper
+from ckpt.storage.lease import Lease
+from ckpt.storage.lease_keeper import LeaseKeeper
 from ckpt.storage.store import Store, Transfer, step_dir_name
 
 log = logging.getLogger(__name__)

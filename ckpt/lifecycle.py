@@ -26,7 +26,7 @@ from ckpt.node.handoff import Handoff
 from ckpt.options import Counters
 from ckpt.preempt import EXIT_SIGINT
 from ckpt.restore.load import restore, start_fresh
-from ckpt.storage.lease import take_for_job
+from ckpt.storage.lease_keeper import take_for_job
 
 if TYPE_CHECKING:
     from typing_extensions import Self

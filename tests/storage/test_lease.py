@@ -22,7 +22,8 @@ import pytest
 
 import ckpt
 from ckpt.storage import lease
-from ckpt.storage.lease import Holder, Lease, LeaseKeeper, judge
+from ckpt.storage.lease import Holder, Lease, judge
+from ckpt.storage.lease_keeper import LeaseKeeper
 from ckpt.storage.store import Store, Tagged
 from tests.support.launch import REPO, WORKERS, start
 from tests.support.launch import wait as wait_ranks
@@ -547,10 +548,10 @@ def test_the_job_id_comes_from_the_environment_in_order(monkeypatch, tmp_path):
     # A refusal says where this job's id came from: a made-up one is never a restart's.
     doc = Holder("job-x", "h", 1, "r", 0.0, 0.0, 60.0).to_json()
     store, other = Store(str(tmp_path / "root")), Tagged(doc, "", len(doc))  # the lease as read
-    assert "from CKPT_JOB_ID / TORCHELASTIC_RUN_ID / SLURM_JOB_ID" in lease._refusal(store, other, lease.this_process(60.0))
+    assert "from CKPT_JOB_ID / TORCHELASTIC_RUN_ID / SLURM_JOB_ID" in lease.refusal(store, other, lease.this_process(60.0))
     for var in lease.JOB_ID_VARS:
         monkeypatch.delenv(var, raising=False)
-    said = lease._refusal(store, other, lease.this_process(60.0))
+    said = lease.refusal(store, other, lease.this_process(60.0))
     assert f"this job's id is {fresh!r}, made up for this process: none of CKPT_JOB_ID" in said
 
 

@@ -51,7 +51,8 @@ def main() -> None:
 
     policy = ckpt.Lease(ttl_s=args.ttl, takeover=args.takeover)
     if args.bare:
-        from ckpt.storage.lease import LEASE_NAME, LeaseKeeper
+        from ckpt.storage.lease import LEASE_NAME
+        from ckpt.storage.lease_keeper import LeaseKeeper
         from ckpt.storage.store import Store
 
         store = Store(args.root)
