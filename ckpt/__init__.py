@@ -27,14 +27,14 @@ if TYPE_CHECKING:
     from ckpt.admin.export import read_export
     from ckpt.checkpointer import Checkpointer
     from ckpt.data import ElasticSampler, accumulation_steps
-    from ckpt.storage.store import Transfer
+    from ckpt.storage.transfer import Transfer
 
 # The names that need torch load on first use, so that `ckpt ls` starts in a blink.
 _LAZY = {
     "Checkpointer": "checkpointer",
     "ElasticSampler": "data",
     "accumulation_steps": "data",
-    "Transfer": "storage.store",
+    "Transfer": "storage.transfer",
     "read_export": "admin.export",
 }
 
