@@ -1,0 +1,60 @@
+"""An S3 root (ckpt.storage.s3) on a real S3-protocol server (moto): the Stores of a process share
+their S3 clients per options, and objects the store refuses to delete fail retention loudly
+without anything being taken for committed."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from ckpt.errors import NotFound
+from ckpt.storage.store import Store, Transfer
+
+
+def test_the_stores_of_a_process_share_their_s3_clients_per_options(s3_root, s3_options):
+    """A new S3 client costs 80-300 ms on its first request: Stores with the same options
+    (each Checkpointer entered, each restore) reuse the process's; other options get their own."""
+    a, b = Store(s3_root, s3_options), Store(s3_root + "-other", s3_options)
+    assert a.fs is b.fs and a.backend.client.fs is b.backend.client.fs
+    c = Store(s3_root, s3_options, Transfer(attempts=2))
+    assert c.fs is not a.fs and (c.fs.transfer.attempts, a.fs.transfer.attempts) == (2, Transfer().attempts)
+    d = Store(s3_root, {**s3_options, "secret": "another"})
+    assert d.fs is not a.fs and d.backend.client.fs is not a.backend.client.fs
+    b.put_atomic("x", b"each its own root")  # the shared client reaches each Store's own root
+    assert Store(s3_root + "-other", s3_options).read_bytes("x") == b"each its own root"
+    with pytest.raises(NotFound):
+        a.read_bytes("x")
+
+
+def test_objects_a_store_refuses_to_delete_fail_retention_loudly_and_nothing_is_taken_for_committed(proxy, s3_root, s3_options, caplog):
+    """DeleteObjects answers 200 and lists the keys it did not delete (a bucket policy, an
+    object lock). Retention says so, naming one; the save that ran it still commits; the
+    checkpoint it was deleting has lost its manifest first, so it is never restored with
+    files missing; and once the store deletes again, the next retention clears what was left."""
+    import torch
+
+    import ckpt
+
+    model = torch.nn.Linear(64, 64)
+    options = {**s3_options, "endpoint_url": proxy.url}
+    kw = dict(interval=None, save_on_exit=False, handle_sigterm=False, keep=ckpt.Keep(last=1), storage_options=options)
+    caplog.set_level(logging.WARNING, logger="ckpt")
+    root = Store(s3_root, s3_options)
+    with ckpt.Checkpointer(s3_root, model=model, **kw) as cp:
+        cp.step_done()
+        cp.save(blocking=True)
+        proxy.fail("deletes", *["deny"] * 100)
+        cp.step_done()
+        cp.save(blocking=True)
+        assert cp.last_commit.step == 2
+        assert "retention skipped: deleting" in caplog.text and "objects were not deleted" in caplog.text
+        assert "AccessDenied" in caplog.text
+        left = root.scan()
+        assert sorted(left) == [1, 2] and not left[1].has_manifest and left[1].files  # debris, not a checkpoint
+        proxy.fail("deletes")  # healthy again
+        cp.step_done()
+        cp.save(blocking=True)
+    assert sorted(root.scan()) == [3]
+    with ckpt.Checkpointer(s3_root, model=model, **kw) as cp:
+        assert cp.restored_step == 3
