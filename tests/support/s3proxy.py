@@ -1,5 +1,5 @@
 """A fault-injecting HTTP proxy on loopback in front of the moto S3 server, for the tests of
-transfers (test_s3_transfer) and of training on a flaky store (test_flaky_store)."""
+transfers (tests/storage/test_s3_*.py) and of training on a flaky store (test_flaky_store)."""
 
 from __future__ import annotations
 
