@@ -152,7 +152,7 @@ def _copy_root(backend: str, pristine: Path, case_dir: Path, endpoint: str | Non
     if backend == "local":
         shutil.copytree(pristine / "root", case_dir / "root", ignore=shutil.ignore_patterns("events"))
         return Root(str(case_dir / "root"), {}, case_dir / MARKER)
-    from conftest import S3_ENV
+    from tests.conftest import S3_ENV
 
     options = {"endpoint_url": endpoint, "key": S3_ENV["AWS_ACCESS_KEY_ID"], "secret": S3_ENV["AWS_SECRET_ACCESS_KEY"]}
     root = Root(f"s3://{bucket}/{case_dir.name}", options, case_dir / MARKER)
@@ -178,7 +178,7 @@ def matrix(pristine, tmp_path_factory, request):
 
             endpoint = request.getfixturevalue("s3_endpoint")
             bucket = f"ckpt-{uuid.uuid4().hex[:12]}"
-            from conftest import S3_ENV
+            from tests.conftest import S3_ENV
 
             creds = {"aws_access_key_id": S3_ENV["AWS_ACCESS_KEY_ID"], "aws_secret_access_key": S3_ENV["AWS_SECRET_ACCESS_KEY"]}
             boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", **creds).create_bucket(Bucket=bucket)
