@@ -45,9 +45,11 @@ from ckpt.capture.live import (
     optim_template_is_live,
     template_is_live,
 )
-from ckpt.save.stage import _ATOMS
 
 log = logging.getLogger(__name__)
+
+# Values a state dict holds that are copied as they are (immutable): no tensors inside.
+ATOMS = frozenset({str, int, float, bool, bytes, type(None)})
 
 
 def _as_list(x: Any) -> list[Any]:
@@ -285,7 +287,7 @@ def _check_loadable(obj: Any, where: str, known: set[type]) -> None:
         for i, v in enumerate(obj):
             _check_loadable(v, f"{where}.{i}", known)
         return
-    if type(obj) in _ATOMS:
+    if type(obj) in ATOMS:
         return
     try:
         buf = io.BytesIO()

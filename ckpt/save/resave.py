@@ -33,12 +33,13 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
 from ckpt._faults import fault_point
 from ckpt._gc import gc_paused
+from ckpt.capture.state import ATOMS
 from ckpt.format.manifest import METADATA_NAME, FileEntry
 from ckpt.save.arena import Arena
 from ckpt.save.dcp_write import FileLayout, Sink, Writer, write_file
 from ckpt.save.filewrite import GATE_OPEN, piece_len
 from ckpt.save.prefix import Image
-from ckpt.save.stage import _ATOMS, _MEMO_PATHS, Pair, tensor_bytes
+from ckpt.save.stage import _MEMO_PATHS, Pair, tensor_bytes
 from ckpt.storage.store import Store
 
 # Where a rank's pickled objects landed in its file this save, sent to rank 0 for `.metadata`
@@ -113,14 +114,14 @@ def _plain(obj: Any, depth: int = 0) -> bool:
     """Made of the stager's atoms (Python's own immutable scalars), lists, tuples and dicts
     alone (their exact types), whose pickle is all there is to them."""
     t = type(obj)
-    if t in _ATOMS:
+    if t in ATOMS:
         return True
     if depth > 32:
         return False
     if t is list or t is tuple:
-        return _ATOMS.issuperset(map(type, obj)) or all(_plain(v, depth + 1) for v in obj)
+        return ATOMS.issuperset(map(type, obj)) or all(_plain(v, depth + 1) for v in obj)
     if t is dict:
-        return _ATOMS.issuperset(map(type, obj)) and all(_plain(v, depth + 1) for v in obj.values())
+        return ATOMS.issuperset(map(type, obj)) and all(_plain(v, depth + 1) for v in obj.values())
     return False
 
 

@@ -24,6 +24,7 @@ import torch
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.tensor import DTensor
 
+from ckpt.capture.state import ATOMS
 from ckpt.errors import SaveFailed
 from ckpt.save.arena import Arena
 
@@ -296,20 +297,17 @@ class StagingRaced(SaveFailed):
         )
 
 
-_ATOMS = frozenset({str, int, float, bool, bytes, type(None)})
-
-
 def _copy_value(obj: Any) -> Any:
     """A copy of a non-tensor value that no later change to `obj` can reach. Values that
     cannot change are shared, and plain lists and dicts copied level by level (an
     optimizer's param_groups holds one name per parameter: deepcopy walks them one by one,
     keeping a memo of each)."""
     kind = type(obj)
-    if kind in _ATOMS:
+    if kind in ATOMS:
         return obj
     if kind is list:
-        return list(obj) if _ATOMS.issuperset(map(type, obj)) else [_copy_value(v) for v in obj]
-    if kind is dict and all(type(k) in _ATOMS for k in obj):
+        return list(obj) if ATOMS.issuperset(map(type, obj)) else [_copy_value(v) for v in obj]
+    if kind is dict and all(type(k) in ATOMS for k in obj):
         return {k: _copy_value(v) for k, v in obj.items()}
     return copy.deepcopy(obj)
 
@@ -367,7 +365,7 @@ def tensor_bytes(state: Any) -> int:
     if isinstance(state, dict):
         return sum(tensor_bytes(v) for v in state.values())
     if isinstance(state, (list, tuple)):
-        return sum(tensor_bytes(v) for v in state if type(v) not in _ATOMS)
+        return sum(tensor_bytes(v) for v in state if type(v) not in ATOMS)
     if isinstance(state, DTensor):
         state = state._local_tensor
     if isinstance(state, ShardedTensor):

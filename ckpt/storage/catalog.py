@@ -14,9 +14,9 @@ from __future__ import annotations
 import functools
 import logging
 import math
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from ckpt.errors import CheckpointError, InvalidCheckpoint, NotFound
 from ckpt.format.checksum import algorithm
@@ -26,12 +26,16 @@ from ckpt.storage.layout import StepListing, Stray, step_dir_name
 from ckpt.storage.store import Store
 from ckpt.storage.verified import read_verified, verify_file
 
-if TYPE_CHECKING:
-    from ckpt.schedule.policy import Keep
-
 log = logging.getLogger(__name__)
 
 COMMITTED, INCOMPLETE, CORRUPT = "committed", "incomplete", "corrupt"
+
+
+class Retention(Protocol):
+    """What retention asks of a policy (`ckpt.Keep` is one): the steps to delete. Storage
+    sits below the schedule, so it names the question, not the class."""
+
+    def to_delete(self, committed: Sequence[int], incomplete: Sequence[int] = (), in_flight: Collection[int] = (), protect: Collection[int] = ()) -> list[int]: ...
 
 
 @dataclass
@@ -194,7 +198,7 @@ def untrusted(entry: Entry) -> bool:
     return entry.signature in (UNSIGNED, BAD)
 
 
-def retired(entries: list[Entry], keep: Keep, *, in_flight: Collection[int] = (), protect: Collection[int] = ()) -> tuple[list[int], list[int]]:
+def retired(entries: list[Entry], keep: Retention, *, in_flight: Collection[int] = (), protect: Collection[int] = ()) -> tuple[list[int], list[int]]:
     """Of a scan's `entries`: the committed steps (oldest commit first) and the steps `keep`
     lets go of, never one `in_flight` (handed off, not committed yet) or in `protect`.
     IMPORTANT: with a key, only trusted checkpoints count: an untrusted one dated in the future
@@ -204,7 +208,7 @@ def retired(entries: list[Entry], keep: Keep, *, in_flight: Collection[int] = ()
     return committed, keep.to_delete(committed, others, in_flight=in_flight, protect=protect)
 
 
-def retire(store: Store, scans: Scans, keep: Keep, key: SigningKey | None, *, in_flight: Collection[int], protect: Collection[int]) -> None:
+def retire(store: Store, scans: Scans, keep: Retention, key: SigningKey | None, *, in_flight: Collection[int], protect: Collection[int]) -> None:
     """A job's retention, after each commit: delete the checkpoints `keep` lets go of
     (`retired`). Housekeeping: a store that fails is logged, never fails the save."""
     try:
