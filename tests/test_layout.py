@@ -131,6 +131,41 @@ def test_no_package_imports_another_that_imports_it_back():
     assert not found, "package cycles: " + "; ".join(" <-> ".join(c) for c in found)
 
 
+# The README's picture of the layout, top to bottom: a package imports only those after it.
+# The checkpointer's room is its module with the three it is split into. Top-level helpers
+# of one concern (errors, events, metrics, collectives, ...) are outside the order, and
+# still in the cycle test above.
+ORDER = [
+    ("ckpt.cli",),
+    ("ckpt.agent",),
+    ("ckpt.admin",),
+    ("ckpt.checkpointer", "ckpt.lifecycle", "ckpt.background", "ckpt.options"),
+    ("ckpt.schedule",),
+    ("ckpt.restore",),
+    ("ckpt.save",),
+    ("ckpt.capture",),
+    ("ckpt.node",),
+    ("ckpt.storage",),
+    ("ckpt.format",),
+]
+
+
+def test_a_package_imports_only_those_below_it_in_the_readmes_picture():
+    level = {name: i for i, names in enumerate(ORDER) for name in names}
+    upward = [
+        f"{room} imports {target}"
+        for room, targets in package_graph(import_graph()).items()
+        if room in level
+        for target in targets
+        if target in level and level[target] <= level[room] and target not in ORDER[level[room]]
+    ]
+    assert not upward, "imports up the picture: " + "; ".join(upward)
+    readme = (PACKAGE.parent / "README.md").read_text()
+    picture = readme[readme.index("## Layout") :]
+    places = [picture.index(f"  {names[0].removeprefix('ckpt.')}" + ("/" if names[0] != "ckpt.checkpointer" else ".py")) for names in ORDER]
+    assert places == sorted(places), "the README's layout picture lists the packages in this order"
+
+
 @pytest.mark.parametrize(
     ("top", "allowed_in"),
     [("ckpt.cli", ["ckpt.cli"]), ("ckpt.agent", ["ckpt.agent", "ckpt.cli"])],
