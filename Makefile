@@ -29,8 +29,11 @@ setup: $(VENV)/.ready
 demo: $(VENV)/.demo
 	$(VPY) examples/demo.py
 
+# Three workers on two cores: many tests wait (on subprocesses, timeouts, a lease to expire)
+# rather than compute. A file is the unit a worker takes (module fixtures are built once),
+# the slowest first (tests/conftest.py).
 test: setup
-	$(VPY) -m pytest -q tests
+	$(VPY) -m pytest -q -n 3 --dist loadfile --no-loadscope-reorder tests
 
 lint: setup
 	$(VENV)/bin/ruff check .
