@@ -71,6 +71,9 @@ def main() -> None:
         # forkserver, as the README advises: a worker forked from the rank while another of its
         # threads held a lock hung once in CI (in torch.set_num_threads, pytorch/pytorch#130610).
         context = "forkserver" if args.workers else None
+        # The server imports torch once; each epoch's workers are forked from it with torch
+        # loaded (otherwise every worker of every epoch imports torch anew: seconds of CPU).
+        torch.multiprocessing.set_forkserver_preload(["torch", "torchdata.stateful_dataloader"])
         loader = StatefulDataLoader(data, batch_size=args.micro_batch, sampler=sampler, num_workers=args.workers, multiprocessing_context=context)
     else:
         loader = DataLoader(data, batch_size=args.micro_batch, sampler=sampler, num_workers=args.workers)
