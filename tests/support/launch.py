@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.support import zygote
+
 REPO = Path(__file__).resolve().parents[2]  # the root of the repository, where ranks import ckpt and tests from
 WORKERS = REPO / "tests" / "workers"  # the programs the jobs run, one process per rank
 
@@ -31,6 +33,8 @@ def free_port() -> int:
 
 
 def start(nprocs: int, script: str | Path, *args: str, env: dict[str, str] | None = None, log_dir: Path | None = None) -> list[subprocess.Popen]:
+    """N ranks of `script`, forked from the zygote (`tests/support/zygote.py`) or, with
+    CKPT_TEST_ZYGOTE=0, each a `python script` of its own."""
     port = free_port()
     procs = []
     for rank in range(nprocs):
@@ -46,6 +50,9 @@ def start(nprocs: int, script: str | Path, *args: str, env: dict[str, str] | Non
             "OMP_NUM_THREADS": "1",
             **(env or {}),
         }
+        if zygote.enabled():
+            procs.append(zygote.Forked(script, list(args), penv, log_dir / f"rank{rank}.log" if log_dir else None))  # type: ignore[arg-type]
+            continue
         out = open(log_dir / f"rank{rank}.log", "ab") if log_dir else subprocess.DEVNULL
         # Each rank leads a process group of its own: a rank that hangs is killed with what it
         # started (its DataLoader workers, its writer), which would otherwise outlive the test.

@@ -1,0 +1,134 @@
+"""Rank processes forked from a process that has torch loaded already (a zygote), instead of
+each one starting Python and importing torch, DCP and FSDP anew: that import is ~3 CPU-seconds
+per rank, most of the suite's CPU on a 2-core machine, and none of what a test checks.
+
+A forked rank is a real process like any other: its own pid, session and process group, its
+environment, working directory, arguments and log file, its exit code or the signal that
+killed it, signals sent to it, children it starts (a writer, DataLoader workers) and gloo
+across ranks. The script runs as `__main__`, and at its end what the interpreter does at exit is
+done too (non-daemon threads joined, then `atexit`). Set `CKPT_TEST_ZYGOTE=0` to start ranks as
+plain `python script.py` processes instead (`tests/support/launch.py`).
+
+The zygote is multiprocessing's forkserver, one per pytest process, which imports `PRELOAD`
+once; nothing else of the test process is in it (it never runs a tensor operation before a
+fork, so no thread pool of torch is forked half-made). ckpt and DeepSpeed are not preloaded:
+they read their environment (`CKPT_*`, `DS_ACCELERATOR`) when imported, in each rank.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import multiprocessing
+import os
+import runpy
+import signal
+import subprocess
+import sys
+import threading
+import traceback
+from pathlib import Path
+
+PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint", "torch.distributed.fsdp", "torch._dynamo", "numpy"]
+
+_context: multiprocessing.context.ForkServerContext | None = None
+
+
+def enabled() -> bool:
+    return os.environ.get("CKPT_TEST_ZYGOTE", "1") != "0"
+
+
+def _zygote() -> multiprocessing.context.ForkServerContext:
+    global _context
+    if _context is None:
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload(PRELOAD)
+        _context = ctx
+    return _context
+
+
+def _exit_code(e: SystemExit) -> int:
+    if e.code is None:
+        return 0
+    if isinstance(e.code, int):
+        return e.code
+    print(e.code, file=sys.stderr)  # sys.exit("message"), as the interpreter does
+    return 1
+
+
+def _run_script(script: str, args: list[str], env: dict[str, str], log: str, cwd: str | None) -> None:
+    """In the forked child: become `python script args...` with this environment."""
+    os.setsid()  # a session and process group of its own, as `start_new_session=True`
+    os.environ.clear()
+    os.environ.update(env)
+    if cwd is not None:
+        os.chdir(cwd)
+    fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # as a fresh interpreter has them
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    # What `python script` puts first on the path: the script's folder, then PYTHONPATH.
+    sys.path[:0] = [os.path.dirname(os.path.abspath(script)), *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]
+    sys.argv = [script, *args]
+    import torch
+
+    with contextlib.suppress(ValueError):
+        torch.set_num_threads(max(1, int(env.get("OMP_NUM_THREADS", "") or os.cpu_count() or 1)))
+    code = 0
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as e:
+        code = _exit_code(e)
+    except BaseException:  # noqa: BLE001 (what the interpreter does with an uncaught one)
+        traceback.print_exc()
+        code = 1
+    # The interpreter's exit: wait for non-daemon threads, then the atexit functions.
+    try:
+        threading._shutdown()  # type: ignore[attr-defined]
+        atexit._run_exitfuncs()
+    except SystemExit as e:
+        code = _exit_code(e)
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+        sys.stderr.flush()
+    os._exit(code)
+
+
+class Forked:
+    """A rank forked from the zygote, with the part of `subprocess.Popen` the tests use."""
+
+    def __init__(self, script: str | Path, args: list[str], env: dict[str, str], log: Path | None, cwd: str | None = None) -> None:
+        self.args = [sys.executable, str(script), *args]
+        self.returncode: int | None = None
+        self._proc = _zygote().Process(
+            target=_run_script, args=(str(script), list(args), dict(env), str(log) if log else os.devnull, cwd), daemon=False
+        )
+        self._proc.start()
+        self.pid: int = self._proc.pid  # type: ignore[assignment]
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self._proc.exitcode
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._proc.join(timeout)
+        if self.poll() is None:
+            raise subprocess.TimeoutExpired(self.args, timeout or 0)
+        return self.returncode  # type: ignore[return-value]
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
