@@ -8,7 +8,6 @@ and bf16 weights are restored bitwise too.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 import subprocess
@@ -29,29 +28,27 @@ WORKER = WORKERS / "ds_worker.py"
 
 
 @pytest.fixture(scope="module")
-def extensions_dir(tmp_path_factory) -> Path:
-    """Where DeepSpeed's JIT-built ops go (its CPU Adam): a directory of this test session's,
-    seeded with what the user's cache holds built (never its lock files). A job killed while
-    it builds one (a timeout) leaves that build's lock file behind, and every job after it
-    would wait on the lock until its own timeout. CPU Adam is built here first, with a
-    limit of its own (minutes on a busy 2-core machine, where the jobs' limits are for
-    training), and what was built goes back to the user's cache for the next session."""
-    d = tmp_path_factory.mktemp("torch_extensions")
-    cache = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions")
-    if cache.is_dir():
-        shutil.copytree(cache, d, dirs_exist_ok=True, ignore=shutil.ignore_patterns("lock"))
+def extensions_dir() -> Path:
+    """Where DeepSpeed's JIT-built ops go (its CPU Adam): the user's torch extensions cache, so
+    a later session finds them built (a copy elsewhere is built again: its build commands name
+    their directory). CPU Adam is built here first, with a limit of its own (minutes on a busy
+    2-core machine; the jobs' limits are for training), so no job is killed while it builds.
+    A build killed before (its lock file left behind) would make every job wait on the lock
+    until its own timeout: locks are cleared first (`_no_build_lock_left_over`)."""
+    d = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions")
+    d.mkdir(parents=True, exist_ok=True)
+    for lock in d.rglob("lock"):
+        lock.unlink()
     build = "from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load()"
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "TORCH_EXTENSIONS_DIR": str(d)}
     out = subprocess.run([sys.executable, "-c", build], env=env, capture_output=True, text=True, timeout=1200)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
-    with contextlib.suppress(OSError):  # the next session's head start only
-        shutil.copytree(d, cache, dirs_exist_ok=True, ignore=shutil.ignore_patterns("lock"))
     return d
 
 
 @pytest.fixture(autouse=True)
 def _no_build_lock_left_over(extensions_dir, monkeypatch):
-    # One job at a time builds here (this session's only): a lock found now is a killed build's.
+    # Nothing builds while a job runs (CPU Adam is built): a lock found now is a killed build's.
     for lock in extensions_dir.rglob("lock"):
         lock.unlink()
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(extensions_dir))
