@@ -31,6 +31,7 @@ from ckpt.node.handoff import Handoff
 from ckpt.node.spool import Request, Spool, job_key, read_json, status_of
 from ckpt.storage.store import Store
 from tests.support.agentd import agent, until
+from tests.support.cli import ckpt_cli
 from tests.support.jobs import RANKS, assert_same_training_state, dumps, rank_logs
 from tests.support.launch import REPO, WORKERS, kill_all, start, wait
 
@@ -111,7 +112,7 @@ def test_ranks_on_two_nodes_one_without_an_agent_commit_by_whoever_is_last(tmp_p
         durable = sorted(p.name.split(".")[1] for p in (root / f"step-{step:010d}" / ".durable").iterdir())
         assert durable == ["rank-00000", "rank-00001"]
     assert not list((tmp_path / "node1").rglob("*.distcp"))  # rank 1 wrote to the root
-    rc = subprocess.run([sys.executable, "-m", "ckpt.cli.main", "verify", str(root), "--deep"], capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    rc = ckpt_cli("verify", root, "--deep")
     assert rc.returncode == 0, rc.stdout + rc.stderr
 
 
@@ -134,7 +135,7 @@ def test_an_agent_killed_mid_upload_redoes_it_and_nothing_half_written_commits(t
 
     with agent(spool, tmp_path / "agent2.log") as a:
         until("the restarted agent to commit step 5", lambda: "step-0000000005/manifest.json" in s3_keys(s3_endpoint, s3_root), logs=a.text)
-    rc = subprocess.run([sys.executable, "-m", "ckpt.cli.main", "verify", s3_root, "--deep"], capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    rc = ckpt_cli("verify", s3_root, "--deep")
     assert rc.returncode == 0, rc.stdout + rc.stderr
 
 
@@ -366,7 +367,7 @@ def test_a_stale_hand_off_never_overwrites_a_later_save_of_its_step(tmp_path):
         until("X's agent to settle A", lambda: "claimed by a later save" in a.text(), logs=a.text)
         assert "hand-off of step 1 rank 0 failed" in a.text()
     assert json.loads((root / "step-0000000001" / "manifest.json").read_text()) == committed
-    rc = subprocess.run([sys.executable, "-m", "ckpt.cli.main", "verify", str(root), "--deep"], capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    rc = ckpt_cli("verify", root, "--deep")
     assert rc.returncode == 0, rc.stdout + rc.stderr
 
 

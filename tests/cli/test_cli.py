@@ -1,8 +1,7 @@
-"""The `ckpt` admin CLI, run as a user runs it: a subprocess pointed at checkpoints that a real
-Checkpointer wrote, on a local root and on an S3-protocol server (moto) on loopback.
-
-Each start of the CLI imports torch (about two seconds), so a test that needs several
-independent answers asks for them all at once (`Root.ckpt_all`).
+"""The `ckpt` admin CLI, run as a user runs it: a process of its own (`python -m ckpt.cli.main`,
+forked from the tests' zygote: tests/support/cli.py) pointed at checkpoints that a real
+Checkpointer wrote, on a local root and on an S3-protocol server (moto) on loopback. A test
+that needs several independent answers asks for them all at once (`Root.ckpt_all`).
 """
 
 from __future__ import annotations
@@ -11,7 +10,6 @@ import dataclasses
 import json
 import os
 import re
-import subprocess
 import sys
 import time
 import uuid
@@ -26,6 +24,7 @@ import torch
 import ckpt
 from ckpt.cli.terminal import human_bytes
 from ckpt.storage.store import Store
+from tests.support import cli, zygote
 from tests.support.launch import free_port
 
 CLI = [sys.executable, "-m", "ckpt.cli.main"]
@@ -53,22 +52,12 @@ def run_cli(
 ) -> list[Result]:
     """Run `ckpt` once per argument list, all at the same time."""
     started = time.monotonic()
-    procs = [
-        subprocess.Popen(
-            [*CLI, *args], env=dict(env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-        )
-        for args in calls
-    ]
-    try:
-        results = []
-        for p in procs:
-            out, err = p.communicate(timeout=timeout)
-            results.append(Result(p.returncode, out, err, time.monotonic() - started))
-        return results
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+    runs = [zygote.Run(cli.MODULE, list(args), dict(env)) for args in calls]
+    results = []
+    for run in runs:
+        r = run.result(timeout)
+        results.append(Result(r.returncode, r.stdout, r.stderr, time.monotonic() - started))
+    return results
 
 
 def assert_one_line_error(r: Result, rc: int = 2) -> str:

@@ -6,7 +6,6 @@ server. Tensors come back bitwise; an interrupted copy resumes and commits only 
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -19,17 +18,15 @@ import torch
 
 import ckpt
 from ckpt.admin.export import read_export
+from tests.support.cli import ckpt_cli
 from tests.support.jobs import RANKS
-from tests.support.launch import REPO, run
+from tests.support.launch import run
 
 CLI = [sys.executable, "-m", "ckpt.cli.main"]
 
 
 def cli(*args: object, env: dict[str, str] | None = None, check: bool = True) -> subprocess.CompletedProcess:
-    r = subprocess.run([*CLI, *map(str, args)], capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})})
-    if check:
-        assert r.returncode == 0, r.stdout + r.stderr
-    return r
+    return ckpt_cli(*args, env=env, check=check)
 
 
 def train(root: Path | str, steps: int = 10, seed: int = 0, extra: dict | None = None) -> torch.nn.Module:

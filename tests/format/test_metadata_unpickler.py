@@ -16,12 +16,10 @@ import dataclasses
 import io
 import json
 import logging
-import os
 import pickle
 import re
 import shutil
 import struct
-import subprocess
 import sys
 import zipfile
 from collections.abc import Callable
@@ -45,7 +43,7 @@ from ckpt.errors import InvalidCheckpoint, RestoreFailed
 from ckpt.format import bytes_item
 from ckpt.format.checksum import Hasher, block_size
 from ckpt.format.dcp_metadata import load_metadata
-from tests.support.launch import REPO
+from tests.support.cli import start as start_ckpt
 
 DCP = "torch.distributed.checkpoint.metadata"
 CLI = [sys.executable, "-m", "ckpt.cli.main"]
@@ -348,9 +346,8 @@ def test_no_cli_verb_that_reads_metadata_runs_its_code(planted, saved, marker, t
         "diff": (["diff", str(planted), str(saved)], 2),
         "load-test": (["load-test", str(planted), "--world-size", "2"], 1),
     }
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    procs = {verb: subprocess.Popen([*CLI, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for verb, (args, _) in calls.items()}
-    done = {verb: (*p.communicate(timeout=120), p.returncode) for verb, p in procs.items()}
+    runs = {verb: start_ckpt(*args) for verb, (args, _) in calls.items()}
+    done = {verb: (r.stdout, r.stderr, r.returncode) for verb, r in ((verb, run.result()) for verb, run in runs.items())}
     assert not marker.exists()
     for verb, (stdout, stderr, rc) in done.items():
         assert rc == calls[verb][1], (verb, rc, stdout, stderr)

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 
 import pytest
 
 from ckpt.schedule.interval import HOUR, async_interval, daly_exact
 from ckpt.schedule.plan import Ledger, parse_bytes, parse_count, parse_duration, plan
+from tests.support.cli import ckpt_cli
 
 
 def test_the_ledger_gives_designs_worked_case_208_gb_for_13b_at_16_bytes_per_parameter():
@@ -40,7 +40,7 @@ def test_counts_and_durations_parse_as_written():
 
 
 def _ckpt(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ckpt.cli.main", *args], capture_output=True, text=True)
+    return ckpt_cli(*args)
 
 
 def test_ckpt_plan_prints_a_table_and_json_and_refuses_bad_units_in_one_line():

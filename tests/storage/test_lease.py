@@ -14,7 +14,6 @@ import re
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -25,7 +24,8 @@ from ckpt.storage import lease
 from ckpt.storage.lease import Holder, Lease, judge
 from ckpt.storage.lease_keeper import LeaseKeeper
 from ckpt.storage.store import Store, Tagged
-from tests.support.launch import REPO, WORKERS, start
+from tests.support.cli import ckpt_cli
+from tests.support.launch import REPO, WORKERS, spawn, start
 from tests.support.launch import wait as wait_ranks
 
 WORKER = WORKERS / "lease_worker.py"
@@ -61,12 +61,11 @@ class Job:
         label = label or name
         self.events_file = tmp / f"{label}.jsonl"
         self.log_file = tmp / f"{label}.log"
-        self.proc = subprocess.Popen(
-            [sys.executable, str(WORKER), "--root", root, "--events", str(self.events_file), *map(str, args)],
+        self.proc = spawn(
+            WORKER, "--root", root, "--events", str(self.events_file), *map(str, args),
             env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "CKPT_JOB_ID": name, **(env or {})},
-            stdout=open(self.log_file, "ab"),
-            stderr=subprocess.STDOUT,
-        )
+            log=self.log_file,
+        )  # fmt: skip
         self.pid = self.proc.pid
         _RUNNING.append(self.proc)
 
@@ -134,10 +133,7 @@ def steps(root: str) -> list[str]:
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "ckpt.cli.main", *args], env={**os.environ, "PYTHONPATH": str(REPO)},
-        capture_output=True, text=True, timeout=60,
-    )
+    return ckpt_cli(*args, timeout=60)
 
 
 def holder(root: str) -> Holder | None:

@@ -32,9 +32,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def spawn(script: str | Path, *args: str, env: dict[str, str], log: Path | None = None) -> subprocess.Popen:
+    """One `python script args...` with exactly this environment, stdout and stderr in `log`,
+    in a session of its own: forked from the zygote (`tests/support/zygote.py`), or with
+    CKPT_TEST_ZYGOTE=0 a new interpreter."""
+    if zygote.enabled():
+        return zygote.Forked(script, list(args), env, log)  # type: ignore[return-value]
+    out = open(log, "ab") if log else subprocess.DEVNULL
+    return subprocess.Popen([sys.executable, str(script), *args], env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
 def start(nprocs: int, script: str | Path, *args: str, env: dict[str, str] | None = None, log_dir: Path | None = None) -> list[subprocess.Popen]:
-    """N ranks of `script`, forked from the zygote (`tests/support/zygote.py`) or, with
-    CKPT_TEST_ZYGOTE=0, each a `python script` of its own."""
+    """A job of `nprocs` ranks of `script` on loopback (`spawn`)."""
     port = free_port()
     procs = []
     for rank in range(nprocs):
@@ -50,15 +59,9 @@ def start(nprocs: int, script: str | Path, *args: str, env: dict[str, str] | Non
             "OMP_NUM_THREADS": "1",
             **(env or {}),
         }
-        if zygote.enabled():
-            procs.append(zygote.Forked(script, list(args), penv, log_dir / f"rank{rank}.log" if log_dir else None))  # type: ignore[arg-type]
-            continue
-        out = open(log_dir / f"rank{rank}.log", "ab") if log_dir else subprocess.DEVNULL
         # Each rank leads a process group of its own: a rank that hangs is killed with what it
         # started (its DataLoader workers, its writer), which would otherwise outlive the test.
-        procs.append(
-            subprocess.Popen([sys.executable, str(script), *args], env=penv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        )
+        procs.append(spawn(script, *args, env=penv, log=log_dir / f"rank{rank}.log" if log_dir else None))
     return procs
 
 

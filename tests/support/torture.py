@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tests.support import launch
+from tests.support.cli import ckpt_cli
 
 REPO = launch.REPO
 WORKER = launch.WORKERS / "torture_worker.py"
@@ -241,8 +242,7 @@ def sweep(trials: int, seed: int, base: Path, agent_share: float = 1 / 3, log=pr
 
 def verify_deep(root: Path) -> dict:
     """Every committed checkpoint the root still holds, read whole against its checksums."""
-    r = subprocess.run([sys.executable, "-m", "ckpt.cli.main", "verify", str(root), "--deep"],
-                       capture_output=True, text=True, env=_env())
+    r = ckpt_cli("verify", root, "--deep", env=_env())
     return {"rc": r.returncode, "out": (r.stdout + r.stderr)[-2000:]}
 
 

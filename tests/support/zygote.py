@@ -25,6 +25,7 @@ import runpy
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import traceback
 from pathlib import Path
@@ -56,32 +57,46 @@ def _exit_code(e: SystemExit) -> int:
     return 1
 
 
-def _run_script(script: str, args: list[str], env: dict[str, str], log: str, cwd: str | None) -> None:
-    """In the forked child: become `python script args...` with this environment."""
+def _redirect(path: str, *fds: int) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    for target in fds:
+        os.dup2(fd, target)
+    os.close(fd)
+
+
+def _run(what: str, module: bool, args: list[str], env: dict[str, str], out: str, err: str | None, cwd: str | None) -> None:
+    """In the forked child: become `python script args...` (or `python -m module args...`)
+    with this environment, its stdout in `out` and its stderr in `err` (or `out`)."""
     os.setsid()  # a session and process group of its own, as `start_new_session=True`
     os.environ.clear()
     os.environ.update(env)
     if cwd is not None:
         os.chdir(cwd)
-    fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
+    if err:
+        _redirect(out, 1)
+        _redirect(err, 2)
+    else:
+        _redirect(out, 1, 2)
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.close(null)
     signal.signal(signal.SIGINT, signal.default_int_handler)  # as a fresh interpreter has them
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-    # What `python script` puts first on the path: the script's folder, then PYTHONPATH.
-    sys.path[:0] = [os.path.dirname(os.path.abspath(script)), *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]
-    sys.argv = [script, *args]
+    # What `python script` puts first on the path: the script's folder (`-m`: the working
+    # directory), then PYTHONPATH.
+    first = os.getcwd() if module else os.path.dirname(os.path.abspath(what))
+    sys.path[:0] = [first, *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]
+    sys.argv = [what, *args]
     import torch
 
     with contextlib.suppress(ValueError):
         torch.set_num_threads(max(1, int(env.get("OMP_NUM_THREADS", "") or os.cpu_count() or 1)))
     code = 0
     try:
-        runpy.run_path(script, run_name="__main__")
+        if module:
+            runpy.run_module(what, run_name="__main__", alter_sys=True)
+        else:
+            runpy.run_path(what, run_name="__main__")
     except SystemExit as e:
         code = _exit_code(e)
     except BaseException:  # noqa: BLE001 (what the interpreter does with an uncaught one)
@@ -102,12 +117,16 @@ def _run_script(script: str, args: list[str], env: dict[str, str], log: str, cwd
 class Forked:
     """A rank forked from the zygote, with the part of `subprocess.Popen` the tests use."""
 
-    def __init__(self, script: str | Path, args: list[str], env: dict[str, str], log: Path | None, cwd: str | None = None) -> None:
-        self.args = [sys.executable, str(script), *args]
+    def __init__(
+        self, what: str | Path, args: list[str], env: dict[str, str], out: Path | None, err: Path | None = None,
+        cwd: str | Path | None = None, module: bool = False,
+    ) -> None:  # fmt: skip
+        """`what` run with `args` (a script's path, or with `module` a module's name), its
+        stdout in `out` (None: nowhere) and stderr in `err` (None: with stdout)."""
+        self.args = [sys.executable, *(["-m"] if module else []), str(what), *args]
         self.returncode: int | None = None
-        self._proc = _zygote().Process(
-            target=_run_script, args=(str(script), list(args), dict(env), str(log) if log else os.devnull, cwd), daemon=False
-        )
+        place = (str(out) if out else os.devnull, str(err) if err else None, str(cwd) if cwd else None)
+        self._proc = _zygote().Process(target=_run, args=(str(what), module, list(args), dict(env), *place), daemon=False)
         self._proc.start()
         self.pid: int = self._proc.pid  # type: ignore[assignment]
 
@@ -132,3 +151,36 @@ class Forked:
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
+
+
+
+class Run:
+    """`python -m module args...` started, its output kept apart (stdout, stderr) until
+    `result`: forked from the zygote, or with CKPT_TEST_ZYGOTE=0 a process of its own."""
+
+    def __init__(self, module: str, args: list[str], env: dict[str, str], cwd: str | Path | None = None) -> None:
+        self.argv = [sys.executable, "-m", module, *args]
+        self._dir = tempfile.TemporaryDirectory(prefix="run-")
+        self._out, self._err = Path(self._dir.name, "out"), Path(self._dir.name, "err")
+        if enabled():
+            self.proc: Forked | subprocess.Popen = Forked(module, args, env, self._out, self._err, cwd=cwd, module=True)
+        else:
+            with open(self._out, "wb") as out, open(self._err, "wb") as err:
+                self.proc = subprocess.Popen(self.argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=out, stderr=err)
+
+    def result(self, timeout: float = 120) -> subprocess.CompletedProcess:
+        """As `subprocess.run(..., capture_output=True, text=True, timeout=timeout)` returns it."""
+        try:
+            code = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise
+        try:
+            return subprocess.CompletedProcess(self.argv, code, self._out.read_text(), self._err.read_text())
+        finally:
+            self._dir.cleanup()
+
+
+def run_module(module: str, args: list[str], env: dict[str, str], cwd: str | Path | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    return Run(module, args, env, cwd).result(timeout)

@@ -4,18 +4,12 @@ same order, only uncommitted steps redone, and a restart event that says what ha
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
 
+from tests.support.cli import ckpt_cli
 from tests.support.elastic import global_batches, job
-from tests.support.launch import REPO
-
-
-def ckpt_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ckpt.cli.main", *args], capture_output=True, text=True, cwd=REPO)
 
 
 @pytest.mark.parametrize(("before", "after"), [(2, 1), (1, 2)], ids=["2to1", "1to2"])

@@ -17,7 +17,6 @@ import pickle
 import shutil
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -30,6 +29,7 @@ from ckpt.save import commit
 from ckpt.storage import catalog
 from ckpt.storage.store import Store, step_dir_name
 from tests.support import launch
+from tests.support.cli import ckpt_cli
 from tests.support.compare import assert_bitwise_equal as assert_same
 from tests.support.jobs import states
 from tests.support.pickles import malicious_pickle
@@ -436,7 +436,7 @@ def test_every_checkpoint_corrupt_raises_restore_failed_and_touches_nothing(root
     assert failure.phase == "start" and failure.cause.startswith("failed to start: RestoreFailed: ")
     (ended,) = [r.ended for r in runs if r.ended.startswith("failed to start")]
     assert ended == failure.cause and not failed(ended)  # not a machine failure (MTBF)
-    table = subprocess.run([sys.executable, "-m", "ckpt.cli.main", "events", str(root)], capture_output=True, text=True, check=True).stdout
+    table = ckpt_cli("events", root, check=True).stdout
     assert "failed to start" in table and "RestoreFailed" in table
 
     model, _ = make_model(seed=99)
@@ -545,8 +545,6 @@ def test_metadata_rewritten_with_a_matching_manifest_is_still_never_run(root_5_1
     read through an allowlist of DCP's own types; restore falls back, verify --deep fails."""
     import json
     import pickle
-    import subprocess
-    import sys
 
     from ckpt.format.checksum import checksum
 
@@ -568,7 +566,7 @@ def test_metadata_rewritten_with_a_matching_manifest_is_still_never_run(root_5_1
     cp, restored = restore(root)
     assert cp.restored_step == 5
     assert "never holds: refused, nothing in it was run" in caplog.text
-    deep = subprocess.run([sys.executable, "-m", "ckpt.cli.main", "verify", str(root), "--deep"], capture_output=True, text=True)
+    deep = ckpt_cli("verify", root, "--deep")
     assert deep.returncode == 1 and "never holds" in deep.stdout
     assert not marker.exists()
 

@@ -10,16 +10,16 @@ import json
 import logging
 import os
 import subprocess
-import sys
 import time
 
 import pytest
 import torch
 
 import ckpt
+from tests.support.cli import ckpt_cli
 from tests.support.compare import assert_bitwise_equal
 from tests.support.jobs import RANKS, WORKER, assert_same_training_state, dumps, rank_logs
-from tests.support.launch import REPO, run
+from tests.support.launch import run
 from tests.support.s3proxy import FaultyProxy
 from tests.support.toy_model import build, optimizer
 
@@ -36,8 +36,7 @@ def proxy(s3_endpoint):
 
 def verify_deep(root: str, options: dict) -> subprocess.CompletedProcess:
     flags = [f"--storage-option={k}={v}" for k, v in options.items()]
-    return subprocess.run([sys.executable, "-m", "ckpt.cli.main", "verify", root, "--deep", *flags],
-                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    return ckpt_cli("verify", root, "--deep", *flags)
 
 
 @pytest.mark.slow
@@ -121,8 +120,7 @@ def test_ckpt_cp_from_a_store_that_throttles_retries_as_a_save_does(tmp_path, pr
         train_step(cp, model, opt)
         cp.wait()
     proxy.fail("range", *["503"] * 4)  # the first ranged GETs: more than 3 in a row
-    done = subprocess.run([sys.executable, "-m", "ckpt.cli.main", "cp", s3_root, str(tmp_path / "copy"), f"--storage-option=endpoint_url={proxy.url}"],
-                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=300)  # fmt: skip
+    done = ckpt_cli("cp", s3_root, tmp_path / "copy", f"--storage-option=endpoint_url={proxy.url}", timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     assert proxy.failed["range"] == 4
     assert (tmp_path / "copy" / "step-0000000001" / "manifest.json").exists()

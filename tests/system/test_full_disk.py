@@ -12,8 +12,6 @@ import contextlib
 import json
 import logging
 import os
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -337,8 +335,9 @@ def test_with_two_nodes_the_rank_whose_spool_fills_mid_write_goes_to_the_root_wh
     file to its agent as usual; the checkpoint commits once, with both ranks' files, and
     restores to what the ranks held."""
     from tests.support.agentd import agent, until
+    from tests.support.cli import ckpt_cli
     from tests.support.jobs import RANKS, WORKER, assert_same_training_state, dumps, rank_logs
-    from tests.support.launch import REPO, start, wait
+    from tests.support.launch import start, wait
 
     root, out = tmp_path / "root", tmp_path / "out"
     (tmp_path / "node1").mkdir()
@@ -373,7 +372,7 @@ def test_with_two_nodes_the_rank_whose_spool_fills_mid_write_goes_to_the_root_wh
     assert durable == ["rank-00000", "rank-00001"]
     manifest = json.loads((root / step_dir_name(10) / "manifest.json").read_text())
     assert manifest["step"] == 10 and {f["rank"] for f in manifest["files"].values()} >= {0, 1}
-    rc = subprocess.run([sys.executable, "-m", "ckpt.cli.main", "verify", str(root), "--deep"], capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    rc = ckpt_cli("verify", root, "--deep")
     assert rc.returncode == 0, rc.stdout + rc.stderr
     assert [d["step"] for d in dumps(out)] == [10] * RANKS
     # A restart restores step 10 from the root, exactly what the ranks held.

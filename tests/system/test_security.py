@@ -37,6 +37,8 @@ from ckpt.format.signing import SigningKey
 from ckpt.metrics import Metrics
 from ckpt.node.spool import Request, Spool, check_request, read_json, status_of
 from ckpt.storage.store import Store
+from tests.support.cli import ckpt_cli
+from tests.support.cli import start as start_ckpt
 from tests.support.jobs import RANKS, rank_logs
 from tests.support.launch import REPO, WORKERS, free_port, start, wait
 
@@ -76,7 +78,7 @@ def write_manifest(root: Path, step: int, doc: dict) -> None:
 
 
 def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})})
+    return ckpt_cli(*args, env=env)
 
 
 def one_line_error(r: subprocess.CompletedProcess, rc: int = 2) -> str:
@@ -780,10 +782,9 @@ def test_every_cli_command_refuses_a_step_that_is_not_a_number_in_one_line(tmp_p
         ["restore", str(root), "--to", str(tmp_path / "here"), "--step", "1.0"],
         ["load-test", str(root), "--world-size", "2", "--step", "²"],
     ]
-    procs = [subprocess.Popen([*CLI, *c], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO)}) for c in calls]
-    for c, p in zip(calls, procs, strict=True):
-        out, err = p.communicate(timeout=120)
-        assert "a step is a non-negative integer" in one_line_error(subprocess.CompletedProcess(c, p.returncode, out, err)), c
+    runs = [start_ckpt(*c) for c in calls]
+    for c, r in zip(calls, runs, strict=True):
+        assert "a step is a non-negative integer" in one_line_error(r.result()), c
     assert not (tmp_path / "dst").exists() and not (tmp_path / "here").exists() and not (tmp_path / "x.pt").exists()
     # diff takes ROOT:STEP: a tail that is not a step number is part of the root, not found.
     diff = cli("diff", f"{root}:1", f"{root}:../1")
