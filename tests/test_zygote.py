@@ -76,3 +76,12 @@ def test_a_forked_process_dies_of_the_signal_sent_to_it_and_its_kill_is_seen(tmp
         q.wait(0.2)
     q.kill()
     assert q.wait(30) == -signal.SIGKILL
+
+
+def test_the_log_file_is_there_once_the_process_is_started(tmp_path):
+    """As with `Popen(stdout=open(log, "ab"))`: a test may read it at once (before the child ran)."""
+    script = tmp_path / "quiet.py"
+    script.write_text("import time; time.sleep(1)")
+    p = zygote.Forked(script, [], dict(os.environ), tmp_path / "log")
+    assert (tmp_path / "log").read_text() == ""
+    assert p.wait(30) == 0

@@ -125,6 +125,9 @@ class Forked:
         stdout in `out` (None: nowhere) and stderr in `err` (None: with stdout)."""
         self.args = [sys.executable, *(["-m"] if module else []), str(what), *args]
         self.returncode: int | None = None
+        for path in (out, err):  # there once this returns, as `Popen(stdout=open(path, "ab"))` leaves it
+            if path:
+                open(path, "ab").close()
         place = (str(out) if out else os.devnull, str(err) if err else None, str(cwd) if cwd else None)
         self._proc = _zygote().Process(target=_run, args=(str(what), module, list(args), dict(env), *place), daemon=False)
         self._proc.start()
