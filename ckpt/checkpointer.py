@@ -1,4 +1,5 @@
-"""The per-rank agent: `Checkpointer`, the context manager in the training loop.
+"""The per-rank agent (the library side, not the node agent of `ckpt.agent`): `Checkpointer`,
+the context manager in the training loop.
 
 On enter it restores the newest committed checkpoint (falling back past incomplete or
 corrupt ones, saying why); `step_done()` counts optimizer steps and saves when the interval

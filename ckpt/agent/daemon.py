@@ -40,7 +40,7 @@ import time
 from ckpt._version import __version__
 from ckpt.agent.config import Config, JsonFormatter
 from ckpt.agent.intake import Requests, Roots
-from ckpt.agent.retention import Retention
+from ckpt.agent.retention import SpoolRetention
 from ckpt.agent.serving import AgentMetrics, serve
 from ckpt.agent.uploads import Uploads
 from ckpt.errors import CheckpointError
@@ -71,7 +71,7 @@ class Agent:
         requests = Requests()
         self.roots = Roots(config, Transfer(concurrency=config.part_concurrency))
         self.uploads = Uploads(config, self.spool, self.metrics, requests, self.roots)
-        self.retention = Retention(config, self.spool, self.metrics, requests)
+        self.retention = SpoolRetention(config, self.spool, self.metrics, requests)
         self._checker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ckpt-commits")
         self._checking: concurrent.futures.Future[None] | None = None
         self._stop_at: float | None = None  # SIGTERM: when the grace period ends

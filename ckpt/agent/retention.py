@@ -21,7 +21,7 @@ log = logging.getLogger(__name__)
 ORPHAN_AFTER_S = 600.0  # a step directory without a request, untouched this long: a crashed write
 
 
-class Retention:
+class SpoolRetention:
     """Prunes one spool (`prune`); `usage` is what the last pass found."""
 
     def __init__(self, config: Config, spool: Spool, metrics: AgentMetrics, requests: Requests) -> None:

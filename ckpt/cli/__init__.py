@@ -1,2 +1,3 @@
-"""The admin CLI (`ckpt`): argument parsing and the terminal. The library never imports it.
+"""The admin CLI (`ckpt`): its parser and terminal, and every verb (inspection, deletion, jobs,
+whole checkpoints, planning). The library never imports it.
 """

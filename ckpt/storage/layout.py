@@ -1,4 +1,4 @@
-"""The layout of a root (DESIGN.md): `<root>/step-<N:010d>/` and `<root>/events/`, which names
+"""The layout of a root (docs/design.md): `<root>/step-<N:010d>/` and `<root>/events/`, which names
 are step directories (`step_of`, the one check, for every backend), what a listing of the root
 found (`StepListing`, `Stray`), and how much of a root's JSON file is read before it is parsed.
 """

@@ -15,7 +15,7 @@ from ckpt.storage.backend import Tagged
 from ckpt.storage.fsspec_backend import FsspecBackend
 from ckpt.storage.s3_client import RetriedFS, S3Client, file_system
 from ckpt.storage.s3_read import Reader
-from ckpt.storage.s3_write import Upload, upload
+from ckpt.storage.s3_write import S3Upload, upload
 from ckpt.storage.transfer import Transfer
 
 
@@ -69,7 +69,7 @@ class S3Backend(FsspecBackend):
         return Reader(self.client, path, where, ranges, size)  # type: ignore[return-value]
 
     # -- writing ----------------------------------------------------------------------------
-    def open_write(self, path: str, where: str, size: int | None) -> contextlib.AbstractContextManager[Upload]:  # type: ignore[override]
+    def open_write(self, path: str, where: str, size: int | None) -> contextlib.AbstractContextManager[S3Upload]:  # type: ignore[override]
         return upload(self.client, path, where, size)
 
     def put(self, path: str, data: bytes, where: str) -> None:

@@ -1,4 +1,4 @@
-"""Writing one S3 object (`Upload`): parts of `Transfer.part_size` bytes uploaded while the
+"""Writing one S3 object (`S3Upload`): parts of `Transfer.part_size` bytes uploaded while the
 writer goes on, up to `concurrency` at a time, the caller's big buffers sent by reference
 rather than copied; the object visible only once the upload completes, and nothing left of it
 on any failure (`upload`).
@@ -30,11 +30,11 @@ KEEP_FROM = 1 * MiB  # smaller pieces are copied: a reference per tiny header co
 
 
 @contextlib.contextmanager
-def upload(client: S3Client, path: str, where: str, size: int | None = None) -> Iterator[Upload]:
+def upload(client: S3Client, path: str, where: str, size: int | None = None) -> Iterator[S3Upload]:
     """The object `path`, visible once the block exits without error; `where` names it in
     messages; `size`, if known, the bytes that will be written. On any failure nothing is
     left: no object, no incomplete upload."""
-    up = Upload(client, path, where, size)
+    up = S3Upload(client, path, where, size)
     try:
         yield up
         up.commit()
@@ -45,7 +45,7 @@ def upload(client: S3Client, path: str, where: str, size: int | None = None) -> 
         up.close()
 
 
-class Upload(io.RawIOBase):
+class S3Upload(io.RawIOBase):
     """A writable stream that uploads one object in parts of `part_size` bytes, up to
     `concurrency` of them at a time, while the writer goes on; see `Store.open_write`.
 

@@ -1,7 +1,7 @@
 """The root: where checkpoints live, reached through fsspec (local paths, s3://, gs://, ...).
 
 `Store` owns what is the same on every backend: the root and the paths below it (none may
-escape it), the layout of DESIGN.md (`ckpt.storage.layout`), how much of a root's JSON file is
+escape it), the layout of docs/design.md (`ckpt.storage.layout`), how much of a root's JSON file is
 read, and the translation of backend errors into ckpt errors: an unreachable or forbidden root
 is a StorageError, never "no checkpoint". What differs, the atomic put used for commits (rename
 on a filesystem, a single PUT on an object store) among it, is its backend's

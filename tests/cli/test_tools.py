@@ -128,14 +128,14 @@ def test_diff_stopped_by_an_unexpected_error_is_no_answer_not_they_differ(tmp_pa
     """diff's exit 1 means "they differ": an error no other handler knows (a bug, a tensor
     that cannot be compared) is exit 2, in one line, like a corrupt side."""
     from ckpt.cli import main as cli
-    from ckpt.cli import whole as cli_tools
+    from ckpt.cli import whole
     a = tmp_path / "a"
     train(a, 10)
 
     def broken(*args: object, **kwargs: object) -> bool:
         raise RuntimeError("cannot compare these")
 
-    monkeypatch.setattr(cli_tools, "_same_bits", broken)
+    monkeypatch.setattr(whole, "_same_bits", broken)
     assert cli.main(["diff", f"{a}:5", f"{a}:10"]) == 2
     err = capsys.readouterr().err
     assert err == "ckpt: cannot compare these\n", err

@@ -19,9 +19,8 @@ import torch
 import ckpt
 from ckpt.format.manifest import METADATA_NAME, FileEntry, Manifest
 from ckpt.node.handoff import Tiered
-from ckpt.restore import dcp_read as dcp_io
+from ckpt.restore import dcp_read, prefetch
 from ckpt.restore import load as restore
-from ckpt.restore import prefetch
 from ckpt.restore.prefetch import Prefetch
 from ckpt.storage.store import Store, step_dir_name
 
@@ -174,7 +173,7 @@ def test_a_restore_stops_its_prefetch_as_its_reader_starts_and_loads_bit_for_bit
         model.weight.zero_()
     events: list[tuple[str, object]] = []
     made: list[Prefetch] = []
-    real_stop, real_stream, real_metadata = Prefetch.stop, dcp_io._Reader._stream_files, dcp_io._Reader.read_metadata
+    real_stop, real_stream, real_metadata = Prefetch.stop, dcp_read._Reader._stream_files, dcp_read._Reader.read_metadata
 
     class Seen(Prefetch):
         def __init__(self, paths=(), **k):
@@ -195,8 +194,8 @@ def test_a_restore_stops_its_prefetch_as_its_reader_starts_and_loads_bit_for_bit
         return real_stream(self, files, planner)
 
     monkeypatch.setattr(restore, "Prefetch", Seen)
-    monkeypatch.setattr(dcp_io._Reader, "_stream_files", stream_files)
-    monkeypatch.setattr(dcp_io._Reader, "read_metadata", read_metadata)
+    monkeypatch.setattr(dcp_read._Reader, "_stream_files", stream_files)
+    monkeypatch.setattr(dcp_read._Reader, "read_metadata", read_metadata)
     with ckpt.Checkpointer(str(tmp_path), model=model, restore="latest", **kw) as cp:
         assert cp.restored_step == 0
     assert torch.equal(model.weight, w)

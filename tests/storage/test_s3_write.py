@@ -182,12 +182,12 @@ def test_a_wrong_size_told_costs_requests_never_bytes(store, s3_root, s3_endpoin
 
 
 def test_one_put_never_carries_more_than_s3_takes(s3_root, s3_options):
-    from ckpt.storage.s3_write import Upload
+    from ckpt.storage.s3_write import S3Upload
     from ckpt.storage.transfer import PUT_MAX
 
     big = Store(s3_root, s3_options, Transfer(part_size=3 << 30))
-    assert Upload(big.backend.client, big.path("x"), "x")._one_put == PUT_MAX
-    assert Upload(Store(s3_root, s3_options).backend.client, big.path("x"), "x")._one_put == 2 * Transfer().part_size
+    assert S3Upload(big.backend.client, big.path("x"), "x")._one_put == PUT_MAX
+    assert S3Upload(Store(s3_root, s3_options).backend.client, big.path("x"), "x")._one_put == 2 * Transfer().part_size
 
 
 def test_a_put_the_caller_stopped_waiting_for_is_stopped_and_lets_go_of_its_buffers(proxy, s3_root, s3_options):

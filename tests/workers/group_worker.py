@@ -1,4 +1,4 @@
-"""Runs on each rank of a gloo job (tests/test_group.py): ckpt's collectives over its own
+"""Runs on each rank of a gloo job (tests/test_collectives.py): ckpt's collectives over its own
 groups (`ckpt.collectives.Group`), counted as torch's collective calls, then a save whose files'
 entries do not fit `gather_short` at first. Writes what it saw to <out>/rank<N>.json."""
 
