@@ -44,11 +44,13 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.futures import Future
 
+from ckpt.collectives import Group
+from ckpt.errors import InvalidCheckpoint
 from ckpt.format.dcp_metadata import load_metadata
 from ckpt.format.manifest import METADATA_NAME, Manifest
 from ckpt.restore.tensor_stream import Scratch, disjoint, read_tensor_item
 from ckpt.storage.store import Store
-from ckpt.storage.verified import VerifyingReader, read_verified
+from ckpt.storage.verified import VerifyingReader, checked, read_verified
 
 # A single process saving without torch.distributed is a supported use, not a mistake.
 warnings.filterwarnings(
@@ -61,12 +63,13 @@ class _VerifiedFiles(FileSystemBase):
     size and checksum matched the manifest, so neither `.metadata` (a pickle) nor any data
     is decoded from bytes that were not the ones written."""
 
-    def __init__(self, store: Store, step_dir: str, manifest: Manifest, metadata: bytes | None = None) -> None:
+    def __init__(self, store: Store, step_dir: str, manifest: Manifest, metadata: bytes | None = None, received: bool = False) -> None:
         self.store = store
         self.step_dir = step_dir
         self.manifest = manifest
         self.read_bytes = 0
         self._metadata = metadata  # `.metadata`, checked against this manifest already
+        self._received = received  # from rank 0, not read here
 
     @contextlib.contextmanager
     def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[io.BytesIO]:
@@ -74,10 +77,11 @@ class _VerifiedFiles(FileSystemBase):
             raise PermissionError("a checkpoint is read-only once committed")
         name = os.path.basename(os.fspath(path))
         if name == METADATA_NAME and self._metadata is not None:
-            data, self._metadata = self._metadata, None  # read for this restore, by the catalog
+            data, self._metadata = self._metadata, None  # read for this restore: by the catalog, or rank 0
+            self.read_bytes += 0 if self._received else len(data)
         else:
             data = read_verified(self.store, self.step_dir, name, self.manifest)
-        self.read_bytes += len(data)
+            self.read_bytes += len(data)
         yield io.BytesIO(data)
 
     def concat_path(self, path: str | os.PathLike, suffix: str) -> str:
@@ -112,11 +116,11 @@ class _Reader(FileSystemReader):
 
     def __init__(
         self, store: Store, step_dir: str, manifest: Manifest, before_read: Callable[[], None] | None = None,
-        metadata: bytes | None = None,
+        metadata: bytes | None = None, received: bool = False,
     ) -> None:  # fmt: skip
         super().__init__(step_dir)
         self._before_read = before_read
-        self.fs = _VerifiedFiles(store, step_dir, manifest, metadata)
+        self.fs = _VerifiedFiles(store, step_dir, manifest, metadata, received)
         self.path = step_dir
         self.store = store
         self.manifest = manifest
@@ -257,10 +261,31 @@ class _Stopped(Exception):
     """A file's thread stopped early because another file of the same restore failed."""
 
 
+def metadata_once(ctrl: Group, store: Store, rel: str, manifest: Manifest, metadata: bytes | None) -> tuple[bytes | None, bool]:
+    """`.metadata` read from the store once per job, not once per rank: rank 0 reads it
+    (unless the catalog kept it, checked) and sends it to the other ranks, each of which checks
+    it against the manifest again before anything decodes it. Where rank 0 could not read it
+    (or a copy does not check), a rank reads it itself, and fails there as it would have.
+    Returns the bytes (None: read them from the store) and whether they came from rank 0."""
+    if ctrl.rank == 0 and metadata is None:
+        try:
+            metadata = read_verified(store, rel, METADATA_NAME, manifest)
+        except Exception:  # every rank then reads it itself, and says why it could not
+            metadata = None
+    got = ctrl.broadcast(metadata if ctrl.rank == 0 else None)
+    if ctrl.rank == 0 or got is None:
+        return metadata, False
+    try:
+        return checked(f"{store.display}/{rel}/{METADATA_NAME}", METADATA_NAME, manifest, got), True
+    except InvalidCheckpoint:
+        return None, False
+
+
 def make_reader(
     store: Store, step_dir: str, manifest: Manifest, before_read: Callable[[], None] | None = None,
-    metadata: bytes | None = None,
+    metadata: bytes | None = None, received: bool = False,
 ) -> _Reader:  # fmt: skip
     """The reader of one checkpoint; `before_read` is called as it starts to read data;
-    `metadata`: its `.metadata`, already checked against `manifest` (not read again)."""
-    return _Reader(store, step_dir, manifest, before_read, metadata)
+    `metadata`: its `.metadata`, already checked against `manifest` (not read again), and
+    `received` if it came from another rank (not counted in `read_bytes`: not read here)."""
+    return _Reader(store, step_dir, manifest, before_read, metadata, received)

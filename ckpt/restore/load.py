@@ -31,7 +31,7 @@ from ckpt.errors import (
 )
 from ckpt.format.checksum import BLAKE3
 from ckpt.format.manifest import MANIFEST_NAME, METADATA_NAME, Manifest
-from ckpt.restore.dcp_read import make_reader
+from ckpt.restore.dcp_read import make_reader, metadata_once
 from ckpt.restore.planner import SafeLoadPlanner
 from ckpt.restore.prefetch import Prefetch
 from ckpt.storage import catalog
@@ -342,7 +342,10 @@ def _load(
     # Each rank plans and reads its part alone (DCP's default load planning has no global
     # step: its collectives would only carry the plans around and wait); the ranks then
     # agree on the outcome before anything is applied, as applying may take collectives.
-    reader = make_reader(tiered or store, rel, manifest, before_read, metadata)  # type: ignore[arg-type]
+    received = False
+    if tiered is None and ctrl.world > 1:
+        metadata, received = metadata_once(ctrl, store, rel, manifest, metadata)
+    reader = make_reader(tiered or store, rel, manifest, before_read, metadata, received)  # type: ignore[arg-type]
     planner = SafeLoadPlanner(state.optional())
     loaded = _outcome(lambda: dcp.load(sd, storage_reader=reader, planner=planner, no_dist=True))
     if failed := _agreed(ctrl, *loaded[:2], "another rank could not load its part"):

@@ -47,6 +47,12 @@ def read_verified(store: Store, step_dir: str, name: str, manifest: Manifest) ->
     return _checked(where, entry, store.read_bytes(f"{step_dir}/{name}"))
 
 
+def checked(where: str, name: str, manifest: Manifest, data: bytes) -> bytes:
+    """`data`, said to be the whole of `name` (received from another rank, not read here),
+    once its size and checksum matched the manifest's entry."""
+    return _checked(where, _entry(where, name, manifest), data)
+
+
 def _checked(where: str, entry: FileEntry, data: bytes) -> bytes:
     """`data`, the whole file, once its size and checksum matched `entry`."""
     _check(where, entry, len(data), checksum(data, entry.block, algorithm(entry, where)))
