@@ -29,10 +29,10 @@ def _moto_server(log_dir: Path, env: dict[str, str] | None = None) -> Iterator[s
     port = free_port()
     log = open(log_dir / "moto.log", "wb")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        [sys.executable, "-m", "tests.support.moto_server", "-H", "127.0.0.1", "-p", str(port)],  # moto, conditional writes atomic
         stdout=log,
         stderr=subprocess.STDOUT,
-        env={**os.environ, **(env or {})},
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent), **(env or {})},
     )
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 30

@@ -197,7 +197,8 @@ def plan_reads(store: Store, entry: catalog.Entry, world: int) -> list[dict[str,
     shards model and optimizer state along the first dimension as FSDP2 does (evenly, the
     last ranks shorter), where rank r reads the RNG (and, on the same world size, the data
     loader state) saved by rank r, and every rank reads the rest (counters, data position,
-    extras) whole. Counts what the verified reader fetches, `.metadata` included: whole
+    extras) whole. Counts what the verified reader fetches from the store, `.metadata` on rank
+    0 (which sends it to the others, `ckpt.restore.dcp_read.metadata_once`): whole
     blocks of the files holding the rows (a file without block checksums is read whole).
     Rank r's dict: bytes, files, and the bytes of state it ends up holding."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -231,7 +232,7 @@ def plan_reads(store: Store, entry: catalog.Entry, world: int) -> list[dict[str,
                 row = info.length // max(n, 1)  # a chunk's rows lie one after another
                 spans.setdefault(info.relative_path, []).append((info.offset + (first - start) * row, info.offset + (last - start) * row))
         fetched = sum(_fetched(manifest, name, s) for name, s in spans.items())
-        fetched += manifest.files[METADATA_NAME].size
+        fetched += manifest.files[METADATA_NAME].size if rank == 0 else 0  # rank 0 reads it and sends it on
         plans.append({"rank": rank, "bytes": fetched, "files": len(spans) + 1, "state_bytes": holds})
     return plans
 
