@@ -81,7 +81,8 @@ def _job(n: int, phase: str, root: Path, out: Path, args: argparse.Namespace) ->
         procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=open(f"{out}.{phase}.rank{rank}.log", "w")))
     codes = [p.wait(timeout=900) for p in procs]
     if any(codes):
-        raise SystemExit(f"{phase} on {n} ranks failed: {codes}; logs in {out}.{phase}.rank*.log")
+        tail = Path(f"{out}.{phase}.rank{codes.index(next(c for c in codes if c))}.log").read_text()[-3000:]
+        raise SystemExit(f"{phase} on {n} ranks failed: {codes}; a failed rank's log ends:\n{tail}")
     return [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(n)]
 
 

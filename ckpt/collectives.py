@@ -100,6 +100,10 @@ class Group:
         collective, none lost to another (a max keeps only the highest bit set anywhere)."""
         return self._reduce([value], dist.ReduceOp.BOR)[0]
 
+    def union(self, words: list[int]) -> list[int]:
+        """Element-wise bitwise OR over ranks of a few int64 words: a bitmap of "who wants what"."""
+        return self._reduce(words, dist.ReduceOp.BOR)
+
     def max(self, values: list[int]) -> list[int]:
         """Element-wise maximum over ranks: "did any rank say yes"."""
         return self._reduce(values, dist.ReduceOp.MAX)

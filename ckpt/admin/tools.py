@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckpt._faults import fault_point
 from ckpt.errors import CheckpointError, InvalidCheckpoint, dcp_causes, dcp_failures
-from ckpt.format.manifest import MANIFEST_NAME, METADATA_NAME, Manifest
+from ckpt.format.manifest import MANIFEST_NAME, METADATA_NAME, SHARED_INDEX, Manifest
 from ckpt.storage import catalog, verified
 from ckpt.storage.store import Store, step_dir_name
 
@@ -197,15 +197,22 @@ def plan_reads(store: Store, entry: catalog.Entry, world: int) -> list[dict[str,
     shards model and optimizer state along the first dimension as FSDP2 does (evenly, the
     last ranks shorter), where rank r reads the RNG (and, on the same world size, the data
     loader state) saved by rank r, and every rank reads the rest (counters, data position,
-    extras) whole. Counts what the verified reader fetches from the store, `.metadata` on rank
-    0 (which sends it to the others, `ckpt.restore.dcp_read.metadata_once`): whole
-    blocks of the files holding the rows (a file without block checksums is read whole).
+    extras) whole. Counts what the verified reader fetches from the store: the metadata (on
+    the world size that saved, each rank's index and rank 0's `.index`; else `.metadata` on
+    rank 0, which sends it on: `ckpt.restore.partial`); whole blocks of the files holding the
+    rows (a file without block checksums is read whole); the small values all ranks load only
+    on the rank that serves their file (`ckpt.restore.shared_items`).
     Rank r's dict: bytes, files, and the bytes of state it ends up holding."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from ckpt.format.dcp_index import index_name, shared_refs
 
     md = inventory(store, entry)
     manifest = entry.manifest
     assert manifest is not None
+    shared = set(shared_refs(md))  # read by the rank that serves their file, sent to the others
+    servers = {n: e.rank % world for n, e in manifest.files.items() if e.rank >= 0}
+    indexed = world > 1 and world == manifest.world_size and SHARED_INDEX in manifest.files
     plans: list[dict[str, Any]] = []
     for rank in range(world):
         spans: dict[str, list[tuple[int, int]]] = {}
@@ -214,9 +221,11 @@ def plan_reads(store: Store, entry: catalog.Entry, world: int) -> list[dict[str,
             owner = _PER_RANK.match(key)
             if owner and (int(owner.group(2)) != rank or (owner.group(1) == "loader" and world != manifest.world_size)):
                 continue  # another rank's RNG, or a loader state that cannot apply here
-            if not isinstance(item, TensorStorageMetadata):
-                info = md.storage_data[_index(key)]
-                spans.setdefault(info.relative_path, []).append((info.offset, info.offset + info.length))
+            if not isinstance(item, TensorStorageMetadata) or (len(item.chunks) == 1 and not item.size):
+                holds += tensor_bytes(item) if isinstance(item, TensorStorageMetadata) else 0
+                info = md.storage_data[_index(key, item.chunks[0].offsets if isinstance(item, TensorStorageMetadata) else None)]
+                if world == 1 or (info.relative_path, info.offset, info.length) not in shared or servers.get(info.relative_path) == rank:
+                    spans.setdefault(info.relative_path, []).append((info.offset, info.offset + info.length))
                 continue
             rows = item.size[0] if item.size else 1
             sharded = key.startswith(("model.", "optim.state.")) and len(item.size) > 0
@@ -230,10 +239,21 @@ def plan_reads(store: Store, entry: catalog.Entry, world: int) -> list[dict[str,
                     continue
                 info = md.storage_data[_index(key, chunk.offsets, i)]
                 row = info.length // max(n, 1)  # a chunk's rows lie one after another
-                spans.setdefault(info.relative_path, []).append((info.offset + (first - start) * row, info.offset + (last - start) * row))
+                end = info.offset + info.length
+                spans.setdefault(info.relative_path, []).extend(
+                    [
+                        (info.offset, info.offset + min(info.length, 4096)),  # the blob's header, read first
+                        (info.offset + (first - start) * row, info.offset + (last - start) * row),
+                        (end - 1, end),  # its trailer, checked last
+                    ]
+                )
         fetched = sum(_fetched(manifest, name, s) for name, s in spans.items())
-        fetched += manifest.files[METADATA_NAME].size if rank == 0 else 0  # rank 0 reads it and sends it on
-        plans.append({"rank": rank, "bytes": fetched, "files": len(spans) + 1, "state_bytes": holds})
+        if indexed:  # its index, and on rank 0 the shared one (`ckpt.restore.partial`)
+            mine = [index_name(n) for n, e in manifest.files.items() if e.rank == rank and n.endswith(".distcp")]
+            metadata = sum(manifest.files[n].size for n in mine) + (manifest.files[SHARED_INDEX].size if rank == 0 else 0)
+        else:  # rank 0 reads .metadata and sends it on
+            metadata = manifest.files[METADATA_NAME].size if rank == 0 else 0
+        plans.append({"rank": rank, "bytes": fetched + metadata, "files": len(spans) + 1, "state_bytes": holds})
     return plans
 
 

@@ -20,6 +20,7 @@ FORMAT_VERSION = 3  # 2: per-block checksums of data files; 3: BLAKE3 checksums 
 _XXH3_FORMAT = 2  # what a manifest of xxh3 checksums is still written as: every ckpt since 2 reads it
 MANIFEST_NAME = "manifest.json"
 METADATA_NAME = ".metadata"  # DCP's pickled global metadata, written by rank 0
+SHARED_INDEX = ".index"  # the part of it every rank reads, beside each rank's own (`ckpt.format.dcp_index`)
 # The most bytes of a manifest read before it is parsed (it is held whole, and parsing takes
 # about twice its size again): a larger one is not a checkpoint. The manifest of 10,000 ranks,
 # each with one data file of the most block checksums (64) in the longest form (BLAKE3), is

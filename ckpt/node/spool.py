@@ -63,8 +63,9 @@ AGENT_STALE_S = 10.0
 # (the agent uploads with its own credentials). Anything else stays in the trainer.
 _PUBLIC_OPTIONS = {"endpoint_url", "region_name", "anon", "use_ssl", "requester_pays"}
 _PUBLIC_CLIENT_KWARGS = {"endpoint_url", "region_name"}
-# A file a request may name: a plain name in its step directory (DCP's data files, .metadata).
-_FILE_NAME = re.compile(r"^(\.metadata|[\w][\w.\-]*)$")
+# A file a request may name: a plain name in its step directory (DCP's data files, .metadata,
+# the indexes: each rank's and rank 0's `.index`).
+_FILE_NAME = re.compile(r"^(\.metadata|\.index|[\w][\w.\-]*)$")
 _SAVE_ID = re.compile(r"^[\w\-]{1,64}$")  # a file name in the root (its markers)
 _JOB = re.compile(r"^[0-9a-f]{16}$")  # `job_key`
 _REQUEST = re.compile(r"\Arank-[0-9]{5}\.json\Z")

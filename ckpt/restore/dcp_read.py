@@ -42,20 +42,30 @@ from torch.distributed.checkpoint.planner import (
     LoadPlanner,
     ReadItem,
 )
+from torch.distributed.checkpoint.stateful import Stateful
 from torch.futures import Future
 
 from ckpt.collectives import Group
-from ckpt.errors import InvalidCheckpoint
 from ckpt.format.dcp_metadata import load_metadata
 from ckpt.format.manifest import METADATA_NAME, Manifest
-from ckpt.restore.tensor_stream import Scratch, disjoint, read_tensor_item
+from ckpt.restore.shared_items import Ref, Sharing, exchange
+from ckpt.restore.tensor_stream import Scratch, disjoint, load_blob, read_tensor_item
 from ckpt.storage.store import Store
-from ckpt.storage.verified import VerifyingReader, checked, read_verified
+from ckpt.storage.verified import VerifyingReader, read_verified
 
 # A single process saving without torch.distributed is a supported use, not a mistake.
 warnings.filterwarnings(
     "ignore", message="torch.distributed is disabled, unavailable or uninitialized", category=UserWarning
 )
+
+
+@dataclasses.dataclass(frozen=True)
+class Parts:
+    """What a rank reads instead of `.metadata`."""
+
+    mine: Metadata  # this rank's part (its index) and the shared part, merged
+    shared: Metadata  # the shared part alone: it numbers the shared items alike on every rank
+    read_bytes: int  # of the index files, read from the store by this rank
 
 
 class _VerifiedFiles(FileSystemBase):
@@ -116,9 +126,13 @@ class _Reader(FileSystemReader):
 
     def __init__(
         self, store: Store, step_dir: str, manifest: Manifest, before_read: Callable[[], None] | None = None,
-        metadata: bytes | None = None, received: bool = False,
+        metadata: bytes | None = None, received: bool = False, ctrl: Group | None = None,
+        parts: Parts | None = None,
     ) -> None:  # fmt: skip
         super().__init__(step_dir)
+        self._parts = parts  # read instead of `.metadata` (`ckpt.restore.partial`)
+        self._ctrl = ctrl
+        self.sharing: Sharing | None = None  # the small values read once per job (`share`)
         self._before_read = before_read
         self.fs = _VerifiedFiles(store, step_dir, manifest, metadata, received)
         self.path = step_dir
@@ -135,8 +149,12 @@ class _Reader(FileSystemReader):
         return self._streamed + self.fs.read_bytes
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        with self.fs.create_stream(self._get_metadata_path(kwargs.get("rank")), "rb") as f:
-            md = load_metadata(f.read(), f"{self.path}/{METADATA_NAME}")
+        if self._parts is not None:
+            md = self._parts.mine
+            self.fs.read_bytes += self._parts.read_bytes
+        else:
+            with self.fs.create_stream(self._get_metadata_path(kwargs.get("rank")), "rb") as f:
+                md = load_metadata(f.read(), f"{self.path}/{METADATA_NAME}")
         if md.storage_meta is None:
             md.storage_meta = StorageMeta()
         md.storage_meta.load_id = self.load_id
@@ -145,8 +163,12 @@ class _Reader(FileSystemReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         if self._before_read is not None:
             self._before_read()
+        items = plan.items
+        if self._ctrl is not None and self._ctrl.world > 1 and planner.metadata is not None:
+            self.sharing = Sharing.of(self._ctrl, self.manifest, self._parts.shared if self._parts else planner.metadata)
+            items = self.sharing.defer(items, self._ref)
         per_file: dict[str, list[ReadItem]] = {}
-        for req in plan.items:
+        for req in items:
             per_file.setdefault(self.storage_data[req.storage_index].relative_path, []).append(req)
         streamed: dict[str, dict[tuple[int, int], list[ReadItem]]] = {}
         for name, reqs in per_file.items():
@@ -163,6 +185,49 @@ class _Reader(FileSystemReader):
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
+
+    def share(self, planner: LoadPlanner, state_dict: dict[str, Any], ok: bool) -> None:
+        """Send and receive the small values several ranks load (`ckpt.restore.shared_items`)
+        into `state_dict`: a collective, called on every rank once `dcp.load` returned, `ok`
+        or not."""
+        if self._ctrl is None or self._ctrl.world == 1:
+            return
+        exchange(self._ctrl, self.sharing, planner, ok, self._read_refs)
+        if ok and self.sharing is not None and self.sharing.pending:
+            # dcp.load loads into a shallow copy of `state_dict` and puts its top-level
+            # values back before it returns: the values loaded since go the same way.
+            loaded = getattr(planner, "original_state_dict", state_dict)
+            for key in state_dict.keys() & loaded.keys():
+                if not isinstance(state_dict[key], Stateful):
+                    state_dict[key] = loaded[key]
+
+    @property
+    def received_bytes(self) -> int:
+        """Bytes of shared values this rank got from another rank instead of the store."""
+        return self.sharing.received_bytes if self.sharing is not None else 0
+
+    def _ref(self, req: ReadItem) -> Ref:
+        info: _StorageInfo = self.storage_data[req.storage_index]
+        return info.relative_path, info.offset, info.length
+
+    def _read_refs(self, refs: list[Ref]) -> dict[Ref, bytes]:
+        """Items read from the store, each file once through its checksums (only the blocks
+        that hold them); nothing is returned before its file's part was verified."""
+        out: dict[Ref, bytes] = {}
+        for name in sorted({r[0] for r in refs}):
+            mine = sorted((o, n) for f, o, n in refs if f == name)
+            with VerifyingReader.open(self.store, self.path, name, self.manifest, items=mine) as src:
+                try:
+                    got = {}
+                    for offset, length in mine:
+                        src.skip(offset - src.pos)
+                        got[(name, offset, length)] = src.read(length)
+                    src.finish()
+                finally:
+                    with self._lock:
+                        self._streamed += src.read_bytes
+            out.update(got)
+        return out
 
     def _stream_spans(self, reqs: list[ReadItem]) -> dict[tuple[int, int], list[ReadItem]] | None:
         """The requests of one file by the (offset, length) of the item each reads, or None
@@ -216,6 +281,8 @@ class _Reader(FileSystemReader):
         once it was verified (commit the tensors, decode the pickled values)."""
         order = sorted(spans)
         after_verified: list[Callable[[], None]] = []
+        sharing = self.sharing if self.sharing is not None and self.sharing.serves(name) else None
+        captured: dict[int, bytes] = {}  # this file's shared items, kept to send
         with self._a_scratch() as scratch, VerifyingReader.open(self.store, self.path, name, self.manifest, items=order) as src:
             try:
                 for offset, length in order:
@@ -225,13 +292,22 @@ class _Reader(FileSystemReader):
                     # Padding and items of other ranks are hashed like the rest, or the blocks
                     # wholly between two items are not read at all.
                     src.skip(offset - src.pos)
+                    shared = sharing.number((name, offset, length)) if sharing is not None else None
                     if group[0].type == LoadItemType.BYTE_IO:
                         blob = src.read(length)
                         after_verified += [functools.partial(planner.load_bytes, r, io.BytesIO(blob)) for r in group]
+                    elif shared is not None:  # small: kept whole, to send to the ranks that wait for it
+                        blob = src.read(length)
+                        after_verified.append(functools.partial(load_blob, blob, group, planner))
                     else:
                         after_verified.append(read_tensor_item(src, scratch, length, group, planner))
-                # IMPORTANT: nothing of this file is decoded before this returned.
+                    if shared is not None:
+                        captured[shared] = blob
+                # IMPORTANT: nothing of this file is decoded (or sent) before this returned.
                 src.finish()
+                if sharing is not None:
+                    with self._lock:
+                        sharing.captured.update(captured)
             finally:
                 scratch.drain()
                 with self._lock:
@@ -261,31 +337,15 @@ class _Stopped(Exception):
     """A file's thread stopped early because another file of the same restore failed."""
 
 
-def metadata_once(ctrl: Group, store: Store, rel: str, manifest: Manifest, metadata: bytes | None) -> tuple[bytes | None, bool]:
-    """`.metadata` read from the store once per job, not once per rank: rank 0 reads it
-    (unless the catalog kept it, checked) and sends it to the other ranks, each of which checks
-    it against the manifest again before anything decodes it. Where rank 0 could not read it
-    (or a copy does not check), a rank reads it itself, and fails there as it would have.
-    Returns the bytes (None: read them from the store) and whether they came from rank 0."""
-    if ctrl.rank == 0 and metadata is None:
-        try:
-            metadata = read_verified(store, rel, METADATA_NAME, manifest)
-        except Exception:  # every rank then reads it itself, and says why it could not
-            metadata = None
-    got = ctrl.broadcast(metadata if ctrl.rank == 0 else None)
-    if ctrl.rank == 0 or got is None:
-        return metadata, False
-    try:
-        return checked(f"{store.display}/{rel}/{METADATA_NAME}", METADATA_NAME, manifest, got), True
-    except InvalidCheckpoint:
-        return None, False
-
-
 def make_reader(
     store: Store, step_dir: str, manifest: Manifest, before_read: Callable[[], None] | None = None,
-    metadata: bytes | None = None, received: bool = False,
+    metadata: bytes | None = None, received: bool = False, ctrl: Group | None = None,
+    parts: Parts | None = None,
 ) -> _Reader:  # fmt: skip
     """The reader of one checkpoint; `before_read` is called as it starts to read data;
     `metadata`: its `.metadata`, already checked against `manifest` (not read again), and
-    `received` if it came from another rank (not counted in `read_bytes`: not read here)."""
-    return _Reader(store, step_dir, manifest, before_read, metadata, received)
+    `received` if it came from another rank (not counted in `read_bytes`: not read here);
+    `ctrl`: the job's group, over which the ranks share the small values they all load
+    (then `share` must be called on every rank once the load returned); `parts`: this rank's
+    part of the metadata and the shared part, read instead of `.metadata`."""
+    return _Reader(store, step_dir, manifest, before_read, metadata, received, ctrl, parts)

@@ -30,8 +30,9 @@ from ckpt.errors import (
     dcp_failures,
 )
 from ckpt.format.checksum import BLAKE3
-from ckpt.format.manifest import MANIFEST_NAME, METADATA_NAME, Manifest
-from ckpt.restore.dcp_read import make_reader, metadata_once
+from ckpt.format.manifest import MANIFEST_NAME, Manifest
+from ckpt.restore.dcp_read import make_reader
+from ckpt.restore.partial import first_reads, metadata_of
 from ckpt.restore.planner import SafeLoadPlanner
 from ckpt.restore.prefetch import Prefetch
 from ckpt.storage import catalog
@@ -89,7 +90,7 @@ def restore(
         error: Exception | None = None  # rank 0's, told to every rank: none is left in the broadcast
         if ctrl.rank == 0:
             try:
-                plan, more, passed, created, first = _restore_plan(store, mode, key, tried)
+                plan, more, passed, created, first = _restore_plan(store, mode, key, tried, ctrl.world)
                 taken |= more
                 newest = max(newest, created)
                 if first is not None:
@@ -195,7 +196,7 @@ def _newest(entries: list[catalog.Entry]) -> float:
 
 
 def _restore_plan(
-    store: Store, mode: str | int, key: SigningKey | None, tried: list[int]
+    store: Store, mode: str | int, key: SigningKey | None, tried: list[int], world: int
 ) -> tuple[list[int], set[int], list[str], float, catalog.Entry | None]:
     """Rank 0: the next step to try (none left: []), after the `tried` ones failed; the steps
     that hold a manifest; falling back, the corrupt ones passed over on the way; the newest
@@ -206,13 +207,13 @@ def _restore_plan(
             return [], set(), [], 0.0, None
         store.check_reachable()
         listings, strays = store.survey()  # one listing for all three
-        entry = catalog.find(store, mode, key, keep=True, listings=listings)
+        entry = catalog.find(store, mode, key, keep=True, listings=listings, world=world)
         taken = {s for s, lst in listings.items() if lst.has_manifest} | _held_by_strays(store, strays)
         return [entry.step], taken, [], newest_commit(store, key, listings), entry
     if not tried:
         store.check_reachable()
     listings, strays = store.survey()
-    good, skipped = catalog.restore_candidates(store, key, exclude=set(tried), keep=True, listings=listings)
+    good, skipped = catalog.restore_candidates(store, key, exclude=set(tried), keep=True, listings=listings, world=world)
     taken = {e.step for e in good} | {e.step for e in skipped if e.state == catalog.CORRUPT} | set(tried)
     taken |= _held_by_strays(store, strays, say=not tried)
     if tried:  # falling back: the corrupt ones newer than the next candidate were said before
@@ -342,12 +343,12 @@ def _load(
     # Each rank plans and reads its part alone (DCP's default load planning has no global
     # step: its collectives would only carry the plans around and wait); the ranks then
     # agree on the outcome before anything is applied, as applying may take collectives.
-    received = False
-    if tiered is None and ctrl.world > 1:
-        metadata, received = metadata_once(ctrl, store, rel, manifest, metadata)
-    reader = make_reader(tiered or store, rel, manifest, before_read, metadata, received)  # type: ignore[arg-type]
+    metadata, received, parts = metadata_of(ctrl, store, rel, manifest, sd, metadata, spooled=tiered is not None)
+    reader = make_reader(tiered or store, rel, manifest, before_read, metadata, received, ctrl, parts)  # type: ignore[arg-type]
     planner = SafeLoadPlanner(state.optional())
     loaded = _outcome(lambda: dcp.load(sd, storage_reader=reader, planner=planner, no_dist=True))
+    shared = _outcome(lambda: reader.share(planner, sd, ok=not loaded[0]))  # every rank, loaded or not
+    loaded = loaded if loaded[0] or shared[0] == 0 else shared
     if failed := _agreed(ctrl, *loaded[:2], "another rank could not load its part"):
         return (*failed, None)
     applied = _outcome(lambda: state.apply(sd, rank, stateless=planner.stateless))
@@ -388,12 +389,7 @@ def _few(keys: list[str]) -> str:
 
 
 def _files_to_warm(store: Store | Tiered, rel: str, manifest: Manifest, rank: int, world: int) -> list[str]:
-    """The local files a rank reads first: .metadata, then, on the world size that saved the
-    checkpoint, its own data files (on another, its plan picks parts of several)."""
-    names = [METADATA_NAME]
-    if manifest.world_size == world:
-        names += sorted(n for n, e in manifest.files.items() if e.rank == rank)
-    return [p for n in names if (p := store.local_path(f"{rel}/{n}")) is not None]
+    return [p for n in first_reads(manifest, rank, world) if (p := store.local_path(f"{rel}/{n}")) is not None]
 
 
 def _say_old_cuda_rng(planner: SafeLoadPlanner, rank: int) -> None:

@@ -32,6 +32,7 @@ from ckpt._faults import fault_point
 from ckpt._version import __version__
 from ckpt.collectives import Group, TooLong
 from ckpt.errors import CheckpointError, DiskFull, LeaseHeld, SaveFailed
+from ckpt.format.dcp_index import SHARED_INDEX
 from ckpt.format.manifest import METADATA_NAME, FileEntry, Manifest, SaveCosts
 from ckpt.save.arena import Arena
 from ckpt.save.dcp_write import Sink, Writer
@@ -110,9 +111,10 @@ class Written:
     where: Store
 
     def names(self, rank: int) -> list[str]:
-        """This rank's files in the step directory (rank 0's `.metadata` included)."""
+        """This rank's files in the step directory (rank 0's `.metadata` and `.index` included)."""
         mine = list(self.report[2]) if not isinstance(self.report, str) else []
-        return mine + ([METADATA_NAME] if rank == 0 and METADATA_NAME not in mine else [])
+        extra = (METADATA_NAME, SHARED_INDEX) if self.layout is not None and self.layout.index is not None else (METADATA_NAME,)
+        return mine + [n for n in extra if rank == 0 and n not in mine]
 
 
 class Upload(Protocol):
@@ -221,7 +223,7 @@ def draft(save: Save, written: Written, everyone: list[Report]) -> Manifest:
         raise SaveFailed("ranks laid out their files from different saves; the next save is planned afresh")
     files: dict[str, FileEntry] = {k: v for m in everyone for k, v in m[2].items()}
     if written.layout is not None:
-        files[METADATA_NAME] = written.layout.write_metadata(written.where, save.rel, [m[3] for m in everyone])
+        files.update(written.layout.write_metadata(written.where, save.rel, [m[3] for m in everyone]))
     fault_point("before_manifest", 0, save.step)
     manifest = Manifest(
         step=save.step,
@@ -266,7 +268,7 @@ def write_files(save: Save, source: Source, layout: Layout | None, target: Store
         # (and the next save goes to the root: `Handoff.spool_filled`).
         # Local roots: directories are made as files are written.
         ready = source.copier.ready if source.copier is not None else None
-        writer = Writer(target, save.rel, save.step, source.sinks(target), source.arenas, ready)
+        writer = Writer(target, save.rel, save.step, source.sinks(target), source.arenas, ready, indexed=save.group.world > 1)
         # The state's layout does not change between saves: rank 0's global planning is paid once.
         planner = DefaultSavePlanner(enable_plan_caching=True)
         planner._cached_plans_key = save.group.plan_key  # DCP keys its cache by class: one per Checkpointer
@@ -286,7 +288,8 @@ def write_files(save: Save, source: Source, layout: Layout | None, target: Store
             if copier is not None and layout.objects_hold_tensors:
                 copier.ready()  # IMPORTANT: the objects are pickled before the file is written
             entry, placed = layout.write(source.sinks(where), save.rel, source.state, source.arenas, save.rank, save.step, gate)
-            return Written((save.step, layout.generation, {layout.name: entry}, placed), layout, where)
+            files = {layout.name: entry, **layout.write_index(where, save.rel, placed, save.rank)}
+            return Written((save.step, layout.generation, files, placed), layout, where)
         except DiskFull as e:
             why = e
         except Exception as e:  # reported to rank 0, not left to hang the others

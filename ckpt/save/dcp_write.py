@@ -37,6 +37,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from ckpt._faults import fault_point
+from ckpt.format.dcp_index import SHARED_INDEX, index_name, own_part, shared_part
 from ckpt.format.manifest import METADATA_NAME, FileEntry
 from ckpt.save.arena import PAGE, Arena
 from ckpt.save.filewrite import Fixed, Piece, piece_len
@@ -65,10 +66,12 @@ class Writer(StorageWriter):
 
     def __init__(
         self, store: Store, step_dir: str, step: int, sink: Sink, arenas: Sequence[Arena] = (),
-        staged: Callable[[], None] | None = None,
+        staged: Callable[[], None] | None = None, indexed: bool = False,
     ) -> None:  # fmt: skip
-        """`staged` waits for the staging copies still being made (raising if one failed)."""
+        """`staged` waits for the staging copies still being made (raising if one failed);
+        `indexed`: write the index files too (a job of several ranks: `ckpt.format.dcp_index`)."""
         super().__init__()
+        self.indexed = indexed
         self.staged = staged
         self.store = store
         self.step_dir = step_dir
@@ -84,6 +87,7 @@ class Writer(StorageWriter):
         self.bytes_items: list[WriteItem] = []
         self.metadata: Metadata | None = None  # rank 0, once finished, and its pickle:
         self.metadata_image: Image | None = None
+        self.index: Metadata | None = None  # this rank's index (`ckpt.format.dcp_index`)
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         self.files = {}
@@ -127,6 +131,9 @@ class Writer(StorageWriter):
             offset, length = layout.add([bytes(planner.resolve_data(item).getbuffer())])
             results.append(written(item, name, offset, length))
         self.files[name] = write_file(self.sink, f"{self.step_dir}/{name}", layout, self.arenas, self.rank, self.step)
+        if self.indexed:
+            self.index = own_part(plan.items, {r.index: r.storage_data for r in results})
+            self.files.update(write_index(self.store, self.step_dir, name, self.index, self.rank))
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
@@ -155,6 +162,8 @@ class Writer(StorageWriter):
         self.metadata, self.metadata_image = metadata, Image(pickle.dumps(metadata), self.store.checksum_algo)
         # Rank 0: DCP's global `.metadata`, written once every rank's data file is durable.
         self.files[METADATA_NAME] = self.metadata_image.write(self.store, f"{self.step_dir}/{METADATA_NAME}")
+        if self.indexed:
+            self.files.update(write_index(self.store, self.step_dir, SHARED_INDEX, metadata))
 
     def storage_meta(self) -> StorageMeta:
         return StorageMeta()
@@ -166,6 +175,15 @@ class Writer(StorageWriter):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
         return False
+
+
+def write_index(store: Store, step_dir: str, name: str, md: Metadata, rank: int = -1) -> dict[str, FileEntry]:
+    """A part of `.metadata` a restore can read alone (`ckpt.format.dcp_index`): beside the
+    data file `name`, rank `rank`'s index `md`; as `.index` (`name`), the shared part of the
+    whole metadata `md` (rank 0)."""
+    rel, part = (name, shared_part(md)) if name == SHARED_INDEX else (index_name(name), md)
+    entry = Image(pickle.dumps(part), store.checksum_algo).write(store, f"{step_dir}/{rel}")
+    return {rel: dataclasses.replace(entry, rank=rank)}
 
 
 def _nbytes(item: WriteItem) -> int:

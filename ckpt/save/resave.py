@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from ckpt._faults import fault_point
 from ckpt._gc import gc_paused
 from ckpt.capture.state import ATOMS
+from ckpt.format.dcp_index import SHARED_INDEX, index_name, shared_part
 from ckpt.format.manifest import METADATA_NAME, FileEntry
 from ckpt.save.arena import Arena
 from ckpt.save.dcp_write import FileLayout, Sink, Writer, write_file
@@ -145,6 +146,9 @@ class Layout:
     objects: list[tuple[MetadataIndex, tuple[Any, ...]]]  # pickled after the tensors
     metadata: Metadata | None = None
     metadata_image: Image | None = dataclasses.field(default=None, repr=False)  # its pickle, page-aligned
+    index: Metadata | None = None  # this rank's index (`ckpt.format.dcp_index`), and its pickle
+    index_image: Image | None = dataclasses.field(default=None, repr=False)
+    shared_image: Image | None = dataclasses.field(default=None, repr=False)  # rank 0: `.index`
     # An object pickled after the tensors holds a tensor (a tuple of them, which DCP does
     # not look into): its staging copies are made before it is pickled (`ckpt.save.commit`).
     objects_hold_tensors: bool = False
@@ -244,14 +248,31 @@ class Layout:
             self.saved.pop(index, None)
         return data
 
-    def write_metadata(self, store: Store, step_dir: str, placed: list[Placed]) -> FileEntry:
-        """Rank 0, after every rank's data file is durable."""
+    def write_index(self, store: Store, step_dir: str, placed: Placed, rank: int) -> dict[str, FileEntry]:
+        """This rank's index beside its data file (its pickled objects as `placed`), if the
+        planned save wrote one."""
+        if self.index is None:
+            return {}
+        moved = {i: info for i, info in placed.items() if self.index.storage_data.get(i) != info}
+        if moved or self.index_image is None:
+            self.index.storage_data.update(moved)
+            self.index_image = Image(pickle.dumps(self.index), store.checksum_algo)
+        name = index_name(self.name)
+        return {name: dataclasses.replace(self.index_image.write(store, f"{step_dir}/{name}"), rank=rank)}
+
+    def write_metadata(self, store: Store, step_dir: str, placed: list[Placed]) -> dict[str, FileEntry]:
+        """Rank 0, after every rank's data file is durable: `.metadata`, and `.index`."""
         assert self.metadata is not None
         moved = {i: info for p in placed for i, info in p.items() if self.metadata.storage_data.get(i) != info}
-        if moved or self.metadata_image is None:
+        if moved or self.metadata_image is None or (self.index is not None and self.shared_image is None):
             self.metadata.storage_data.update(moved)
             self.metadata_image = Image(pickle.dumps(self.metadata), store.checksum_algo)
-        return self.metadata_image.write(store, f"{step_dir}/{METADATA_NAME}")
+            if self.index is not None:
+                self.shared_image = Image(pickle.dumps(shared_part(self.metadata)), store.checksum_algo)
+        files = {METADATA_NAME: self.metadata_image.write(store, f"{step_dir}/{METADATA_NAME}")}
+        if self.index is not None:  # a job of several ranks (`Writer.indexed`)
+            files[SHARED_INDEX] = self.shared_image.write(store, f"{step_dir}/{SHARED_INDEX}")
+        return files
 
 
 class Resaver:
@@ -294,5 +315,6 @@ class Resaver:
             objects=objects,
             metadata=writer.metadata,
             metadata_image=writer.metadata_image,
+            index=writer.index,
             objects_hold_tensors=any(tensor_bytes(_element(staged, path)) for _, path in objects),
         )

@@ -3,7 +3,8 @@
 A step directory is `committed` when its manifest parses, names its own step and every file
 it lists is there with the listed size; `incomplete` without a manifest (a save that never
 finished, or one being written); `corrupt` otherwise. Checking reads only the listing and
-the manifests, plus `.metadata` (checksummed, never unpickled) for the restore candidates;
+the manifests, plus the metadata a restore reads first (checksummed, never unpickled: the
+shared `.index` where the manifest lists one, else `.metadata`) for the restore candidates;
 `deep` checks every checksum, streaming each file through it in bounded chunks
 (`ckpt.storage.verified`). Retention (`retired`, `retire`) and the restore's choice of a
 checkpoint (`restore_candidates`, `find`) read what this finds.
@@ -20,7 +21,7 @@ from typing import Protocol
 
 from ckpt.errors import CheckpointError, InvalidCheckpoint, NotFound
 from ckpt.format.checksum import algorithm
-from ckpt.format.manifest import MANIFEST_NAME, METADATA_NAME, Manifest
+from ckpt.format.manifest import MANIFEST_NAME, METADATA_NAME, SHARED_INDEX, Manifest
 from ckpt.format.signing import BAD, UNSIGNED, SigningKey
 from ckpt.storage.layout import StepListing, Stray, step_dir_name
 from ckpt.storage.store import Store
@@ -49,9 +50,10 @@ class Entry:
     bytes_on_store: int = 0
     # Checked with a signing key: "signed-ok", "unsigned" or "BAD" (ckpt.format.signing); else None.
     signature: str | None = None
-    # The manifest's bytes as read, and `.metadata`'s once checked (when read whole), kept
-    # where asked (`inspect(keep_doc=True)`): a restore hands the ranks the very manifest that
-    # was checked, and rank 0 loads that `.metadata`, without reading either again.
+    # The manifest's bytes as read, and those of the metadata a restore reads first (`.index`,
+    # or `.metadata`) once checked (when read whole), kept where asked (`inspect(keep_doc=True)`):
+    # a restore hands the ranks the very manifest that was checked, and rank 0 loads that
+    # metadata, without reading either again.
     doc: bytes | None = field(default=None, repr=False, compare=False)
     metadata: bytes | None = field(default=None, repr=False, compare=False)
 
@@ -70,10 +72,12 @@ def check_ranks(manifest: Manifest, where: str) -> None:
 
 def inspect(
     store: Store, listing: StepListing, *, metadata: bool = False, deep: bool = False, key: SigningKey | None = None,
-    keep_doc: bool = False, doc: bytes | None = None,
+    keep_doc: bool = False, doc: bytes | None = None, world: int = 0,
 ) -> Entry:  # fmt: skip
     """Classify one step directory. Reads its manifest (unless given its bytes, `doc`); with
-    `metadata`, also checks the checksum of `.metadata`; with `deep`, of every file. With
+    `metadata`, also checks the checksum of what a restore by `world` ranks reads first:
+    `.metadata`, or on the world size that saved it, `.index` where the manifest lists one
+    (`ckpt.restore.partial`; 0: by no job, `.metadata`); with `deep`, of every file. With
     `key`, a manifest not signed with it is corrupt: never to be trusted. `keep_doc`: the
     entry keeps the manifest's bytes, and `.metadata`'s once checked (if read whole)."""
     entry = Entry(listing.step, INCOMPLETE, bytes_on_store=sum(listing.files.values()))
@@ -106,7 +110,9 @@ def inspect(
                 raise InvalidCheckpoint(_odd(where, name, listing) if name in listing.odd else f"{where}/{name}: missing")
             if size != f.size:
                 raise InvalidCheckpoint(f"{where}/{name}: {size} bytes, manifest says {f.size}")
-        names = manifest.files if deep else [METADATA_NAME] if metadata else []
+        usable = world > 1 and manifest.world_size == world and SHARED_INDEX in manifest.files
+        first = SHARED_INDEX if usable else METADATA_NAME
+        names = manifest.files if deep else [first] if metadata else []
         for name in names:
             if deep and name == METADATA_NAME:
                 # Needs torch: only for deep checks (ls, verify and gc run without it).
@@ -115,7 +121,7 @@ def inspect(
                 load_metadata(read_verified(store, entry.dir, name, manifest))
             else:
                 checked = verify_file(store, entry.dir, name, manifest)
-                if keep_doc and name == METADATA_NAME:
+                if keep_doc and name == first:
                     entry.metadata = checked
     except (InvalidCheckpoint, NotFound) as e:
         entry.state, entry.problem = CORRUPT, str(e)
@@ -227,6 +233,7 @@ def restore_candidates(
     *,
     listings: dict[int, StepListing] | None = None,
     check_first: bool = True,
+    world: int = 0,
 ) -> tuple[list[Entry], list[Entry]]:
     """(committed checkpoints newest commit first, the directories that were passed over).
 
@@ -235,7 +242,8 @@ def restore_candidates(
     newest written first (the listing's times), and no further once the rest were all written
     before the newest good one was created (less CLOCK_SKEW_S): a root of a thousand
     checkpoints costs one listing and a few reads. `.metadata` is checksummed for the first
-    candidate. Directories with a manifest left unread come last, newest written first, for
+    candidate (`.index` instead for a restore by `world` ranks that reads that: see `inspect`).
+    Directories with a manifest left unread come last, newest written first, for
     a restore that must fall back that far (it checks each as it tries it), in an order that
     is exact only for the first: a restore that falls back asks again, `exclude`-ing the steps
     it tried. With `key`, only checkpoints signed with it are candidates. `keep`: the first
@@ -259,7 +267,7 @@ def restore_candidates(
             good.sort(key=lambda e: (e.manifest.created, e.step), reverse=True)  # type: ignore[union-attr]
         if not good or not check_first:
             break
-        checked = inspect(store, listings[good[0].step], metadata=True, key=key, keep_doc=keep, doc=good[0].doc)
+        checked = inspect(store, listings[good[0].step], metadata=True, key=key, keep_doc=keep, doc=good[0].doc, world=world)
         if checked.state == COMMITTED:
             break
         entries[entries.index(good[0])] = checked
@@ -286,7 +294,8 @@ def _written(lst: StepListing) -> tuple[float, int]:
 
 
 def find(
-    store: Store, step: int | None, key: SigningKey | None = None, keep: bool = False, listings: dict[int, StepListing] | None = None
+    store: Store, step: int | None, key: SigningKey | None = None, keep: bool = False, listings: dict[int, StepListing] | None = None,
+    world: int = 0,
 ) -> Entry:
     """The committed checkpoint at `step` (newest when None); NotFound or InvalidCheckpoint.
     With `key`, only one signed with it; `keep` and `listings`, see `restore_candidates`."""
@@ -294,7 +303,7 @@ def find(
     if not listings:
         raise NotFound(f"no checkpoints under {store.display}")
     if step is None:
-        good, skipped = restore_candidates(store, key, keep=keep, listings=listings)
+        good, skipped = restore_candidates(store, key, keep=keep, listings=listings, world=world)
         passed = [e for e in skipped if e.state == CORRUPT or untrusted(e)]
         if not good and passed:  # committed once, by their listing: say why none is now
             why = first_few([f"{e.dir}: {e.problem}" for e in passed], "; ")
@@ -307,7 +316,7 @@ def find(
         return good[0]
     if step not in listings:
         raise NotFound(f"no checkpoint at step {step} under {store.display}")
-    entry = inspect(store, listings[step], metadata=True, key=key, keep_doc=keep)
+    entry = inspect(store, listings[step], metadata=True, key=key, keep_doc=keep, world=world)
     if entry.state != COMMITTED:
         raise InvalidCheckpoint(f"step {step} is {'untrusted' if untrusted(entry) else entry.state}: {entry.problem}")
     return entry

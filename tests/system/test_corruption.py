@@ -1,7 +1,9 @@
 """Every kind of corruption, on a local root and on an S3-protocol server (moto on loopback):
 `ckpt verify` fails naming the problem, a restore on 2 real ranks falls back to the previous
 checkpoint (its tensors, optimizer, scheduler and RNG streams equal to what that step held)
-and says why, and nothing unverified is ever unpickled.
+and says why, and nothing unverified is ever unpickled. Where the damage is to a file that
+restore does not read (`.metadata`: each rank reads its part of it from its index), or reads
+another way (a rank's index: then `.metadata`), it restores step 10 as the intact copy does.
 
 A pristine root with steps 5 and 10 is written once by real 2-rank FSDP2 jobs; each case
 copies it, damages step 10, and is checked by the CLI (in this process: the same `main` a
@@ -104,6 +106,15 @@ class Case:
     damage: Callable[[Root], None]
     why: str  # what both `ckpt verify` and the restore's log must say about step 10
     verify: tuple[str, ...] = ()  # `ckpt verify` flags needed: --deep where only the bytes tell
+    # The step the 2-rank restore resumes: the one before, or step 10 itself where the damage
+    # is to a file that restore does not need (`.metadata`: each rank reads its part from its
+    # index, `ckpt.restore.partial`), or that it reads another way (an index: `.metadata`).
+    restores: int = PREVIOUS
+
+
+def canary_index(r: Root) -> None:
+    """Rank 1's index replaced by a pickle that creates the marker when unpickled, same size."""
+    r.write("__1_0.index", malicious_pickle(r.marker, len(r.read("__1_0.index"))))
 
 
 CASES = {
@@ -112,8 +123,10 @@ CASES = {
     "data_grown": Case(lambda r: r.write(DATA, r.read(DATA) + b"\0" * 7), f"{DATA}: {{size+7}} bytes, manifest says {{size}}"),
     "data_missing": Case(lambda r: r.remove(DATA), f"{DATA}: missing"),
     "metadata_missing": Case(lambda r: r.remove(".metadata"), ".metadata: missing"),
-    "metadata_altered": Case(lambda r: r.write(".metadata", bytes(255 - b for b in r.read(".metadata"))), ".metadata: checksum mismatch"),
-    "metadata_malicious_pickle": Case(canary_metadata, ".metadata: checksum mismatch"),
+    "metadata_altered": Case(lambda r: r.write(".metadata", bytes(255 - b for b in r.read(".metadata"))), ".metadata: checksum mismatch", restores=NEWEST),
+    "metadata_malicious_pickle": Case(canary_metadata, ".metadata: checksum mismatch", restores=NEWEST),
+    "shared_index_altered": Case(lambda r: r.write(".index", bytes(255 - b for b in r.read(".index"))), ".index: checksum mismatch", ("--deep",)),
+    "index_malicious_pickle": Case(canary_index, "__1_0.index: checksum mismatch", ("--deep",), restores=NEWEST),
     # Without a manifest the step may be a save in progress: only `--step` makes it a failure.
     "manifest_missing": Case(no_manifest, "no manifest", ("--step", str(NEWEST))),
     "manifest_broken_json": Case(broken_manifest, "unreadable manifest"),
@@ -245,16 +258,19 @@ def test_corruption_is_caught_by_verify_and_restore_falls_back_saying_why(matrix
     else:
         assert lines[previous] == f"{previous}  ok", o.out
 
-    # The restore: both ranks at step 5, with exactly what step 5 held, and the log says why.
+    # The restore: both ranks at step 5, with exactly what step 5 held, and the log says why;
+    # or at step 10, with exactly what the intact copy restored, where what it reads is intact.
     failed = work / f"out.{case}.failed"
     assert not failed.exists(), failed.read_text()
     got = dumps(work / f"out.{case}")
-    assert [g["restored_step"] for g in got] == [PREVIOUS] * RANKS
-    assert_same_training_state(got, dumps(pristine / "ref5"))
+    restores = CASES[case].restores
+    assert [g["restored_step"] for g in got] == [restores] * RANKS
+    assert_same_training_state(got, dumps(pristine / "ref5") if restores == PREVIOUS else dumps(work / "out.intact"))
     log = case_log(work, case)
-    said = [line for line in log.splitlines() if newest in line and why in line]
-    assert said and any("passing over" in s or "could not restore" in s for s in said), log
-    assert f"restored step {PREVIOUS} in" in log, log
+    if restores == PREVIOUS:
+        said = [line for line in log.splitlines() if newest in line and why in line]
+        assert said and any("passing over" in s or "could not restore" in s for s in said), log
+    assert f"restored step {restores} in" in log, log
 
     # Nothing unverified was unpickled, and the restore changed nothing.
     assert not o.root.marker.exists()

@@ -16,6 +16,7 @@ import logging
 import os
 import random
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -106,6 +107,11 @@ def main() -> None:
 
 def dump(path: str, cp: ckpt.Checkpointer, model: torch.nn.Module, opt: torch.optim.Optimizer, sched, *, preempted: bool = False) -> None:
     """What a user would compare after a run (a collective under FSDP: every rank calls it)."""
+    reads = {  # what the restore read, beside (not compared with the state)
+        "read_bytes": cp.metrics.registry.get_sample_value("ckpt_read_bytes_total") or 0.0,
+        "files": {n: (e.size, e.rank) for n, e in cp.last_commit.files.items()} if cp.last_commit else {},
+    }
+    Path(path).with_suffix(".reads.json").write_text(json.dumps(reads))
     msd, osd = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
     torch.save(
         {

@@ -1,0 +1,175 @@
+"""A restore reads the part of `.metadata` it needs, not all of it (issue 40).
+
+Where the checkpoint has the index files (`ckpt.format.dcp_index`: each rank's own, and the
+shared `.index`) for every rank of this job, each rank reads its own index, rank 0 reads
+`.index` and sends it over the job's group (each rank checks it against the manifest), and
+their union stands in for `.metadata`, if it covers every value this rank loads: each piece
+of each tensor, whole. Where it does not on any rank (another world size, a model that
+changed, a value held once that is too long to be shared), every rank reads `.metadata` as
+before. A rank then reads O(its own part) of metadata, not O(tensors × ranks).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner_helpers import _create_chunk_list
+from torch.distributed.tensor import DTensor
+
+from ckpt.collectives import Group
+from ckpt.errors import InvalidCheckpoint
+from ckpt.format.dcp_index import index_name, merged
+from ckpt.format.dcp_metadata import load_metadata
+from ckpt.format.manifest import METADATA_NAME, SHARED_INDEX, Manifest
+from ckpt.restore.dcp_read import Parts
+from ckpt.storage.store import Store
+from ckpt.storage.verified import checked, read_verified
+
+log = logging.getLogger(__name__)
+
+
+def metadata_of(
+    ctrl: Group, store: Store, rel: str, manifest: Manifest, state_dict: dict[str, Any], metadata: bytes | None,
+    spooled: bool = False,
+) -> tuple[bytes | None, bool, Parts | None]:
+    """What a rank of a job reads its metadata from (a collective when world > 1): this rank's
+    part and the shared part (`partial_metadata`), or else `.metadata`, read once per job
+    (`metadata_once`: its bytes, if read or kept, and whether they came from rank 0).
+    `metadata`: on rank 0, the bytes of `.index` or `.metadata` the catalog checked and kept.
+    `spooled`: the files are read from a node spool (`ckpt.node.handoff.Tiered`), where each rank
+    reads `.metadata` itself (a local file, mostly)."""
+    kept = {name: metadata for name in (SHARED_INDEX, METADATA_NAME) if metadata is not None and _is(name, metadata, manifest)}
+    if ctrl.world == 1 or spooled:
+        return kept.get(METADATA_NAME), False, None
+    parts = partial_metadata(ctrl, store, rel, manifest, state_dict, kept.get(SHARED_INDEX)) if usable(manifest, ctrl.world) else None
+    if parts is not None:
+        return None, False, parts
+    return (*metadata_once(ctrl, store, rel, manifest, kept.get(METADATA_NAME)), None)
+
+
+def _is(name: str, data: bytes, manifest: Manifest) -> bool:
+    """Whether `data` are the bytes of `name` (the catalog kept those of one or the other)."""
+    try:
+        checked(name, name, manifest, data)
+        return True
+    except InvalidCheckpoint:
+        return False
+
+
+def usable(manifest: Manifest, world: int) -> bool:
+    """Whether the checkpoint has an index for every rank of a job of `world` ranks (the same
+    on every rank: it depends on the manifest alone)."""
+    if world < 2 or manifest.world_size != world or SHARED_INDEX not in manifest.files:
+        return False
+    own = {n for n, e in manifest.files.items() if e.rank >= 0 and n.endswith(".distcp")}
+    return len(own) == world and all(index_name(n) in manifest.files for n in own)
+
+
+def partial_metadata(
+    ctrl: Group, store: Store, rel: str, manifest: Manifest, state_dict: dict[str, Any], kept: bytes | None = None
+) -> Parts | None:
+    """This rank's part of the metadata and the shared part (which numbers the shared items
+    alike on every rank), or None: every rank reads `.metadata` (a collective, when `usable`).
+    `kept`: on rank 0, `.index` as the catalog checked it."""
+    shared_bytes = kept
+    if ctrl.rank == 0 and kept is None:
+        try:
+            shared_bytes = read_verified(store, rel, SHARED_INDEX, manifest)
+        except Exception as e:  # every rank then reads .metadata
+            log.warning("%s/%s/%s could not be read (%s): reading .metadata", store.display, rel, SHARED_INDEX, e)
+    shared_bytes = ctrl.broadcast(shared_bytes)
+    parts = None
+    why = ""
+    if shared_bytes is not None:
+        try:
+            shared = load_metadata(checked(f"{store.display}/{rel}/{SHARED_INDEX}", SHARED_INDEX, manifest, shared_bytes), f"{rel}/{SHARED_INDEX}")
+            name = next(n for n, e in manifest.files.items() if e.rank == ctrl.rank and n.endswith(".distcp"))
+            own_bytes = read_verified(store, rel, index_name(name), manifest)
+            part = merged(shared, load_metadata(own_bytes, f"{rel}/{index_name(name)}"))
+            why = uncovered(part, state_dict)
+            read = len(own_bytes) + (len(shared_bytes) if ctrl.rank == 0 else 0)  # kept: read by this restore's catalog
+            parts = Parts(part, shared, read) if not why else None
+        except (InvalidCheckpoint, OSError, StopIteration) as e:
+            why = f"{type(e).__name__}: {e}"
+            log.warning("rank %d: the index of %s/%s could not be used (%s): reading .metadata", ctrl.rank, store.display, rel, why)
+    if ctrl.any(parts is None):
+        if why:
+            log.debug("rank %d reads .metadata of %s: %s", ctrl.rank, rel, why)
+        return None
+    return parts
+
+
+def uncovered(md: Metadata, state_dict: dict[str, Any]) -> str:
+    """Why `md` does not hold every piece this rank loads into `state_dict` ("" if it does):
+    a key it lacks, another kind or size, or a piece of a tensor no chunk of it covers."""
+    flat, _ = flatten_state_dict(state_dict)
+    entries = md.state_dict_metadata
+    for fqn, obj in flat.items():
+        entry = entries.get(fqn)
+        if entry is None:
+            return f"{fqn}: not in the index"
+        if not isinstance(obj, torch.Tensor):
+            if not isinstance(entry, BytesStorageMetadata):
+                return f"{fqn}: a tensor in the index"
+            continue
+        if not isinstance(entry, TensorStorageMetadata) or entry.size != obj.size():
+            return f"{fqn}: another kind or size in the index"
+        if isinstance(obj, DTensor) and obj.device_mesh.get_coordinate() is None:
+            continue
+        if type(obj) not in (torch.Tensor, torch.nn.Parameter, DTensor):
+            return f"{fqn}: a {type(obj).__name__}"
+        for chunk in _create_chunk_list(obj):
+            if sum(_overlap(chunk, saved) for saved in entry.chunks) != math.prod(chunk.sizes):
+                return f"{fqn}: a piece at {tuple(chunk.offsets)} is not whole in the index"
+    return ""
+
+
+def _overlap(a: ChunkStorageMetadata, b: ChunkStorageMetadata) -> int:
+    """Elements two chunks of one tensor have in common (the saved chunks do not overlap)."""
+    n = 1
+    for ao, asz, bo, bsz in zip(a.offsets, a.sizes, b.offsets, b.sizes, strict=True):
+        n *= max(0, min(ao + asz, bo + bsz) - max(ao, bo))
+    return n
+
+
+def metadata_once(ctrl: Group, store: Store, rel: str, manifest: Manifest, metadata: bytes | None) -> tuple[bytes | None, bool]:
+    """`.metadata` read from the store once per job, not once per rank: rank 0 reads it
+    (unless the catalog kept it, checked) and sends it to the other ranks, each of which checks
+    it against the manifest again before anything decodes it. Where rank 0 could not read it
+    (or a copy does not check), a rank reads it itself, and fails there as it would have.
+    Returns the bytes (None: read them from the store) and whether they came from rank 0."""
+    if ctrl.rank == 0 and metadata is None:
+        try:
+            metadata = read_verified(store, rel, METADATA_NAME, manifest)
+        except Exception:  # every rank then reads it itself, and says why it could not
+            metadata = None
+    got = ctrl.broadcast(metadata if ctrl.rank == 0 else None)
+    if ctrl.rank == 0 or got is None:
+        return metadata, False
+    try:
+        return checked(f"{store.display}/{rel}/{METADATA_NAME}", METADATA_NAME, manifest, got), True
+    except InvalidCheckpoint:
+        return None, False
+
+
+def first_reads(manifest: Manifest, rank: int, world: int) -> list[str]:
+    """The files a rank reads first: its metadata (its index, and on rank 0 `.index`; else
+    `.metadata`), then, on the world size that saved the checkpoint, its own data files (on
+    another, its plan picks parts of several)."""
+    if usable(manifest, world):
+        mine = sorted((n for n, e in manifest.files.items() if e.rank == rank), key=lambda n: (not n.endswith(".index"), n))
+        return ([SHARED_INDEX] if rank == 0 else []) + mine
+    names = [METADATA_NAME]
+    if manifest.world_size == world:
+        names += sorted(n for n, e in manifest.files.items() if e.rank == rank and n.endswith(".distcp"))
+    return names

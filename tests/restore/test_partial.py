@@ -1,0 +1,121 @@
+"""A rank's part of `.metadata` (issue 40): what the index files hold (`ckpt.format.dcp_index`)
+and when their union stands in for `.metadata` (`ckpt.restore.partial.uncovered`): every piece
+this rank loads, whole, or else the whole `.metadata` is read. Real DCP metadata classes, from
+a real save; the restores that use them are in test_shared_reads.py and tests/system."""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+
+import ckpt
+from ckpt.format.dcp_index import SHARE_MAX, index_name, merged, shared_part, shared_refs
+from ckpt.format.dcp_metadata import load_metadata
+from ckpt.format.manifest import SHARED_INDEX
+from ckpt.restore.partial import first_reads, uncovered, usable
+from ckpt.storage.catalog import find
+from ckpt.storage.store import Store
+from tests.support.jobs import RANKS, WORKER, rank_logs
+from tests.support.launch import run
+
+
+def _tensor(size: tuple[int, ...], *chunks: tuple[tuple[int, ...], tuple[int, ...]]) -> TensorStorageMetadata:
+    props = TensorProperties(dtype=torch.float32)
+    return TensorStorageMetadata(props, torch.Size(size), [ChunkStorageMetadata(torch.Size(o), torch.Size(s)) for o, s in chunks])
+
+
+def _md(entries: dict, lengths: dict[str, int] | None = None) -> Metadata:
+    storage = {}
+    for fqn, entry in entries.items():
+        chunks = entry.chunks if isinstance(entry, TensorStorageMetadata) else [None]
+        for i, chunk in enumerate(chunks):
+            index = MetadataIndex(fqn, chunk.offsets if chunk is not None else None, i)
+            storage[index] = _StorageInfo(f"__{i}_0.distcp", 0, (lengths or {}).get(fqn, 100))
+    return Metadata(entries, storage_data=storage)
+
+
+HALF = ((0, 0), (2, 4))
+OTHER_HALF = ((2, 0), (2, 4))
+WHOLE = ((0, 0), (4, 4))
+
+# (what the index holds, what this rank loads) -> why not covered ("" : covered)
+COVER_CASES = {
+    "the whole tensor": ({"w": _tensor((4, 4), WHOLE)}, {"w": torch.zeros(4, 4)}, ""),
+    "both halves": ({"w": _tensor((4, 4), HALF, OTHER_HALF)}, {"w": torch.zeros(4, 4)}, ""),
+    "one half of it": ({"w": _tensor((4, 4), HALF)}, {"w": torch.zeros(4, 4)}, "w: a piece at (0, 0) is not whole in the index"),
+    "a key it lacks": ({}, {"w": torch.zeros(4, 4)}, "w: not in the index"),
+    "another size": ({"w": _tensor((4, 2), ((0, 0), (4, 2)))}, {"w": torch.zeros(4, 4)}, "w: another kind or size in the index"),
+    "a tensor for a value": ({"n": _tensor((1,), ((0,), (1,)))}, {"n": 3}, "n: a tensor in the index"),
+    "a value for a tensor": ({"w": BytesStorageMetadata()}, {"w": torch.zeros(4, 4)}, "w: another kind or size in the index"),
+    "a value": ({"n": BytesStorageMetadata()}, {"n": 3}, ""),
+    "a scalar": ({"step": _tensor((), ((), ()))}, {"step": torch.tensor(5.0)}, ""),
+    "nested keys, flattened as DCP does": ({"optim.lr": BytesStorageMetadata()}, {"optim": {"lr": 0.1}}, ""),
+}
+
+
+def test_the_index_stands_in_for_metadata_only_where_it_holds_every_piece_this_rank_loads():
+    for case, (entries, state, why) in COVER_CASES.items():
+        assert uncovered(_md(entries), state) == why, case
+
+
+def test_shared_items_are_the_short_values_held_once_and_not_a_ranks_own():
+    md = _md(
+        {
+            "optim.state.w.step": _tensor((), ((), ())),  # a replicated scalar, saved once: shared
+            "optim.param_groups": BytesStorageMetadata(),  # a pickled value: shared
+            "rng.rank_3.torch": BytesStorageMetadata(),  # rank 3's own: not shared
+            "extra.stream.rank_12": BytesStorageMetadata(),  # likewise
+            "model.w": _tensor((4, 4), HALF, OTHER_HALF),  # sharded: not shared
+            "model.big": _tensor((SHARE_MAX,), ((0,), (SHARE_MAX,))),  # held once but long: not shared
+        },
+        {"model.big": SHARE_MAX + 1},
+    )
+    part = shared_part(md)
+    assert sorted(part.state_dict_metadata) == ["optim.param_groups", "optim.state.w.step"]
+    assert len(shared_refs(md)) == len(shared_refs(part)) == 1  # both at offset 0 of __0_0.distcp, length 100: one item
+    assert shared_refs(md) == shared_refs(part)
+    assert merged(part, _md({"model.w": _tensor((4, 4), HALF)})).state_dict_metadata.keys() == {"optim.param_groups", "optim.state.w.step", "model.w"}
+    assert index_name("__12_0.distcp") == "__12_0.index"
+
+
+def test_a_job_of_ranks_writes_each_ranks_index_and_the_shared_one_and_a_restore_reads_them_first(tmp_path):
+    root = tmp_path / "root"
+    args = ("--mode", "fsdp2", "--root", str(root), "--steps", "4", "--every", "2")  # step 4: the layout saved again
+    assert run(RANKS, WORKER, *args, log_dir=tmp_path) == [0] * RANKS, rank_logs(tmp_path)
+    entry = find(Store(str(root)), None)
+    manifest, step = entry.manifest, root / entry.dir
+    assert {".metadata", SHARED_INDEX, "__0_0.distcp", "__0_0.index", "__1_0.distcp", "__1_0.index"} <= set(manifest.files)
+    assert [manifest.files[f"__{r}_0.index"].rank for r in range(RANKS)] == list(range(RANKS)) and manifest.files[SHARED_INDEX].rank == -1
+    full = load_metadata((step / ".metadata").read_bytes())
+    shared = load_metadata((step / SHARED_INDEX).read_bytes(), SHARED_INDEX)
+    assert shared_refs(full) == shared_refs(shared) and shared.storage_data.items() <= full.storage_data.items()
+    for r in range(RANKS):
+        own = load_metadata((step / f"__{r}_0.index").read_bytes(), f"__{r}_0.index")
+        # every entry of .metadata about rank r's file, and nothing else
+        mine = {i: info for i, info in full.storage_data.items() if info.relative_path == f"__{r}_0.distcp"}
+        assert own.storage_data == mine
+        for fqn, entry in own.state_dict_metadata.items():
+            whole = full.state_dict_metadata[fqn]
+            if isinstance(entry, TensorStorageMetadata):
+                assert entry.size == whole.size and entry.properties == whole.properties
+                assert all(c in whole.chunks for c in entry.chunks)
+    assert usable(manifest, RANKS) and not usable(manifest, 1) and not usable(manifest, RANKS + 1)
+    assert first_reads(manifest, 0, RANKS) == [SHARED_INDEX, "__0_0.index", "__0_0.distcp"]
+    assert first_reads(manifest, 1, RANKS) == ["__1_0.index", "__1_0.distcp"]
+    assert first_reads(manifest, 0, 1) == [".metadata"]
+
+
+def test_one_process_writes_no_index_it_would_never_read(tmp_path):
+    model = torch.nn.Linear(8, 4)
+    with ckpt.Checkpointer(str(tmp_path), model=model, interval=None, handle_sigterm=False) as cp:
+        cp.save(blocking=True)
+    manifest = find(Store(str(tmp_path)), None).manifest
+    assert sorted(manifest.files) == [".metadata", "__0_0.distcp"]
