@@ -1,18 +1,28 @@
-"""What a save and a restore cost per rank as the job grows (issue 40): the first measurements.
+"""What a save and a restore cost per rank and per job as the job grows (issue 40).
 
 For each world size, N processes on loopback (gloo) train a stack of FSDP2-sharded linear layers
-one step, save it with ckpt, and restore it on the same world size in a new job. Per rank it
-records the bytes the restore read (`ckpt_read_bytes`), the bytes of that rank's own files, the
-size of `.metadata` and of the manifest, and the time of the restore; the table shows how the
-busiest rank's read beyond its own files grows with the world size.
+one step, save it with ckpt, and restore it on the same world size in a new job. The root is a
+moto S3 server behind a proxy that records every request (`--store s3`, the default) or a local
+directory (`--store local`). Per rank it records the bytes its restore read from the store
+(`ckpt_read_bytes`), the bytes of its own files, the time of the save and of the restore, and
+the collectives each took (calls by kind and tensor bytes, counted in torch.distributed); per
+job, the store's requests of each phase by kind and by file (data, index, `.metadata`,
+manifest, other), and the sizes of `.metadata`, `.index` and the manifest.
 
-    .venv/bin/python bench/scale.py                       # 2, 4, 8 ranks: bench/results/scale.json
-    .venv/bin/python bench/scale.py --ranks 2,4,8,16 --layers 24 --width 256
+It then fits each count and time as a + b·N on the world sizes below the largest and says how
+far that line is from what the largest one measured. Counts are exact functions of the layout;
+times on this 2-core machine grow with N because N processes share 2 cores (a rank's CPU time,
+also reported, is what its own work costs). Rank 0 also times the restricted unpickler and
+pickling on `.metadata` (the rates `ckpt.schedule.scale_model` uses).
+
+    .venv/bin/python bench/scale.py                       # 2, 4, 8, 16 ranks on S3: bench/results/scale.json
+    .venv/bin/python bench/scale.py --ranks 2,4,8 --store local
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import socket
@@ -20,9 +30,44 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
+from collections import Counter
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+_LEAVES = ("broadcast", "all_reduce", "gather", "all_gather", "scatter", "reduce_scatter", "all_to_all", "barrier", "send", "recv")
+_OBJECTS = ("broadcast_object_list", "gather_object", "all_gather_object", "scatter_object_list")
+
+
+def _count_collectives(seen: Counter) -> None:
+    """Count torch.distributed's collectives: calls by name (an object collective once, not
+    its inner ones) and the bytes of the tensors the inner ones move (`seen["bytes"]`)."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    depth = [0]
+
+    def wrap(name: str, real):  # noqa: ANN001, ANN202
+        def call(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            if depth[0] == 0:
+                seen[name] += 1
+            if name in _LEAVES:
+                for a in (*args, *kwargs.values()):
+                    ts = a if isinstance(a, list) else [a]
+                    seen["bytes"] += sum(t.numel() * t.element_size() for t in ts if isinstance(t, torch.Tensor))
+            depth[0] += 1
+            try:
+                return real(*args, **kwargs)
+            finally:
+                depth[0] -= 1
+
+        return call
+
+    for name in (*_LEAVES, *_OBJECTS):
+        real = getattr(c10d, name)
+        setattr(c10d, name, wrap(name, real))
+        setattr(dist, name, getattr(c10d, name))
 
 
 def _worker(args: argparse.Namespace) -> None:
@@ -41,28 +86,54 @@ def _worker(args: argparse.Namespace) -> None:
         fully_shard(layer)
     fully_shard(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    options = json.loads(args.options) if args.options else None
     out: dict = {"rank": rank, "world": world}
+    seen: Counter = Counter()
+    _count_collectives(seen)
+    kw = dict(interval=None, handle_sigterm=False, storage_options=options)
     if args.phase == "save":
         model(torch.randn(4, args.width)).sum().backward()
         opt.step()
-        with ckpt.Checkpointer(args.root, model=model, optimizer=opt, interval=None, handle_sigterm=False) as cp:
+        with ckpt.Checkpointer(args.root, model=model, optimizer=opt, restore="none", **kw) as cp:
+            seen.clear()
             began = time.perf_counter()
             cp.save(blocking=True)
             out["save_s"] = time.perf_counter() - began
+            out["collectives"] = dict(seen)
     else:
-        began = time.perf_counter()
-        with ckpt.Checkpointer(args.root, model=model, optimizer=opt, interval=None, save_on_exit=False, handle_sigterm=False) as cp:
+        seen.clear()
+        began, cpu = time.perf_counter(), time.process_time()
+        with ckpt.Checkpointer(args.root, model=model, optimizer=opt, save_on_exit=False, **kw) as cp:
             out["restore_s"] = time.perf_counter() - began
+            out["restore_cpu_s"] = time.process_time() - cpu  # every thread of this rank's process
+            out["collectives"] = dict(seen)
             out["read_bytes"] = cp.metrics.registry.get_sample_value("ckpt_read_bytes_total") or 0.0
             manifest = cp.last_commit
             out["own_file_bytes"] = sum(e.size for e in manifest.files.values() if e.rank == rank)
-            out["metadata_bytes"] = manifest.files[".metadata"].size
+            out["sizes"] = {n: e.size for n, e in manifest.files.items() if not n.startswith("__")}
+            out["own_index_bytes"] = sum(e.size for n, e in manifest.files.items() if e.rank == rank and n.endswith(".index"))
             out["files"] = len(manifest.files)
-        step_dir = Path(args.root) / f"step-{manifest.step:010d}"
-        out["manifest_bytes"] = (step_dir / "manifest.json").stat().st_size
+            if rank == 0:  # two GETs more, taken off the restore's count (`_BENCH_GETS`)
+                rel = f"step-{manifest.step:010d}"
+                out["sizes"]["manifest.json"] = len(cp.store.read_bytes(f"{rel}/manifest.json"))
+                out["rates"] = _rates(cp.store.read_bytes(f"{rel}/.metadata"))
     Path(f"{args.out}.rank{rank}.json").write_text(json.dumps(out))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _rates(blob: bytes) -> dict[str, float]:
+    """Bytes per second of ckpt's restricted unpickler and of pickling, on this `.metadata`."""
+    import pickle
+
+    from ckpt.format.dcp_metadata import load_metadata
+
+    began = time.perf_counter()
+    md = load_metadata(blob)
+    unpickle = time.perf_counter() - began
+    began = time.perf_counter()
+    pickle.dumps(md)
+    return {"unpickle_bytes_per_s": len(blob) / unpickle, "pickle_bytes_per_s": len(blob) / (time.perf_counter() - began)}
 
 
 def _free_port() -> int:
@@ -71,13 +142,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _job(n: int, phase: str, root: Path, out: Path, args: argparse.Namespace) -> list[dict]:
+def _job(n: int, phase: str, root: str, out: Path, args: argparse.Namespace, options: str) -> list[dict]:
     port = _free_port()
     procs = []
     for rank in range(n):
         env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": str(n),
                "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(n), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}  # fmt: skip
-        argv = [sys.executable, __file__, "--worker", phase, "--root", str(root), "--out", str(out), "--layers", str(args.layers), "--width", str(args.width)]
+        argv = [sys.executable, __file__, "--worker", phase, "--root", root, "--out", str(out), "--layers", str(args.layers),
+                "--width", str(args.width), "--options", options]  # fmt: skip
         procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=open(f"{out}.{phase}.rank{rank}.log", "w")))
     codes = [p.wait(timeout=900) for p in procs]
     if any(codes):
@@ -86,47 +158,170 @@ def _job(n: int, phase: str, root: Path, out: Path, args: argparse.Namespace) ->
     return [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(n)]
 
 
+def _kind_of(path: str) -> str:
+    name = path.rpartition("/")[2]
+    if name.endswith(".distcp"):
+        return "data"
+    if name.endswith(".index"):
+        return "index"
+    return {".metadata": "metadata", "manifest.json": "manifest"}.get(name, "other")
+
+
+def _requests(seen: list[tuple[str, str]], phase: str) -> dict[str, int]:
+    """Requests by kind and by file: "get.data", "part.data", "put.manifest", ... (less the
+    bench's own reads after a restore)."""
+    got = Counter(f"{kind}.{_kind_of(path)}" for kind, path in seen)
+    if phase == "restore":
+        got.subtract(_BENCH_GETS)
+    return {k: v for k, v in got.items() if v}
+
+
+_BENCH_GETS = Counter({"range.manifest": 1, "range.metadata": 1})  # rank 0's, for the sizes and `_rates`
+
+
+def _fit(xs: list[int], ys: list[float]) -> tuple[float, float]:
+    """Least squares a + b·x."""
+    n, sx, sy = len(xs), sum(xs), sum(ys)
+    sxx, sxy = sum(x * x for x in xs), sum(x * y for x, y in zip(xs, ys, strict=True))
+    den = n * sxx - sx * sx
+    b = (n * sxy - sx * sy) / den if den else 0.0
+    return (sy - b * sx) / n, b
+
+
+@contextlib.contextmanager
+def _store(kind: str, work: Path):
+    """The root's base URL, its storage options (JSON) and the recording proxy (None: local)."""
+    if kind == "local":
+        yield str(work), "", None
+        return
+    sys.path.insert(0, str(REPO / "bench"))
+    sys.path.insert(0, str(REPO))
+    from persist import S3_KEY, S3_SECRET, moto_server, s3fs_for
+
+    from tests.support.s3proxy import FaultyProxy
+
+    with moto_server(work) as endpoint:
+        bucket = f"scale-{uuid.uuid4().hex[:12]}"
+        s3fs_for(endpoint).mkdir(bucket)
+        proxy = FaultyProxy(endpoint)
+        try:
+            yield f"s3://{bucket}", json.dumps({"endpoint_url": proxy.url, "key": S3_KEY, "secret": S3_SECRET}), proxy
+        finally:
+            proxy.close()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ranks", default="2,4,8")
+    p.add_argument("--ranks", default="2,4,8,16")
+    p.add_argument("--store", choices=["s3", "local"], default="s3")
     p.add_argument("--layers", type=int, default=24)
     p.add_argument("--width", type=int, default=256)
     p.add_argument("--out", default=str(REPO / "bench" / "results" / "scale.json"))
     p.add_argument("--worker", choices=["save", "restore"], help=argparse.SUPPRESS)
     p.add_argument("--root", help=argparse.SUPPRESS)
+    p.add_argument("--options", default="", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
         args.phase = args.worker
         _worker(args)
         return
     rows = []
-    with tempfile.TemporaryDirectory(prefix="ckpt-scale-") as d:
+    with tempfile.TemporaryDirectory(prefix="ckpt-scale-") as d, _store(args.store, Path(d)) as (base, options, proxy):
         for n in map(int, args.ranks.split(",")):
-            root, out = Path(d, f"root{n}"), Path(d, f"out{n}")
-            saved = _job(n, "save", root, out, args)
-            restored = _job(n, "restore", root, out, args)
+            root, out = f"{base}/root{n}", Path(d, f"out{n}")
+            row: dict = {"ranks": n}
+            for phase in ("save", "restore"):
+                if proxy is not None:
+                    proxy.requests.clear()
+                ranks = _job(n, phase, root, out, args, options)
+                row[phase] = {
+                    "s_max": max(r[f"{phase}_s"] for r in ranks),
+                    "cpu_s_max": max(r.get(f"{phase}_cpu_s", 0.0) for r in ranks),
+                    "collectives_rank0": ranks[0]["collectives"],
+                    "collectives_max_calls": max(sum(v for k, v in r["collectives"].items() if k != "bytes") for r in ranks),
+                    "requests": _requests(proxy.requests, phase) if proxy is not None else {},
+                    "per_rank": ranks,
+                }
+            restored = row["restore"]["per_rank"]
             beyond = [r["read_bytes"] - r["own_file_bytes"] for r in restored]
-            row = {
-                "ranks": n,
-                "metadata_bytes": restored[0]["metadata_bytes"],
-                "manifest_bytes": restored[0]["manifest_bytes"],
-                "files": restored[0]["files"],
-                "own_file_bytes_max": max(r["own_file_bytes"] for r in restored),
-                "read_bytes_max": max(r["read_bytes"] for r in restored),
-                "read_beyond_own_max": max(beyond),
-                "restore_s_max": max(r["restore_s"] for r in restored),
-                "save_s_max": max(r["save_s"] for r in saved),
-                "per_rank": restored,
-            }
+            row.update(
+                sizes=restored[0]["sizes"],
+                files=restored[0]["files"],
+                own_file_bytes_max=max(r["own_file_bytes"] for r in restored),
+                read_bytes_max=max(r["read_bytes"] for r in restored),
+                read_beyond_own_max=max(beyond),
+                loaded_bytes_max=max(r["own_file_bytes"] - r["own_index_bytes"] for r in restored),
+                own_index_bytes_max=max(r["own_index_bytes"] for r in restored),
+                rates=restored[0]["rates"],
+            )
             rows.append(row)
+            req = row["restore"]["requests"]
             print(
-                f"{n:3d} ranks: .metadata {row['metadata_bytes'] / 1e3:8.1f} KB, manifest {row['manifest_bytes'] / 1e3:6.1f} KB, "
-                f"busiest rank read {row['read_bytes_max'] / 1e6:6.2f} MB, of which beyond its own files {row['read_beyond_own_max'] / 1e6:6.2f} MB, "
-                f"restore {row['restore_s_max']:.2f} s",
+                f"{n:3d} ranks: .metadata {row['sizes'].get('.metadata', 0) / 1e3:7.1f} KB, .index {row['sizes'].get('.index', 0) / 1e3:5.1f} KB; "
+                f"busiest rank read {row['read_bytes_max'] / 1e6:6.2f} MB, beyond its own files {row['read_beyond_own_max'] / 1e3:6.1f} KB; "
+                f"restore {row['restore']['s_max']:.2f} s ({row['restore']['cpu_s_max']:.2f} CPU-s on the busiest rank), save {row['save']['s_max']:.2f} s; "
+                f"collectives per rank: save {row['save']['collectives_max_calls']}, restore {row['restore']['collectives_max_calls']}"
+                + (f"; restore GETs {sum(v for k, v in req.items() if k.startswith(('get', 'range', 'head')))}" if req else ""),
                 flush=True,
             )
-    Path(args.out).write_text(json.dumps({"config": vars(args), "rows": rows}, indent=1))
+    fits = _fits(rows)
+    model = _model_check(rows[-1], args)
+    for line in fits["lines"] + model["lines"]:
+        print(line)
+    Path(args.out).write_text(json.dumps({"config": {k: v for k, v in vars(args).items() if k not in ("worker", "root", "options")}, "rows": rows, "fits": fits["table"], "model": model["table"]}, indent=1))
     print(f"[scale] results: {args.out}")
+
+
+def _model_check(row: dict, args: argparse.Namespace) -> dict:
+    """`ckpt plan`'s model (`ckpt.schedule.scale_model`) of the largest job, against it."""
+    sys.path.insert(0, str(REPO))
+    from ckpt.schedule.scale_model import Scale, at_scale
+
+    n = row["ranks"]
+    data = sum(r["own_file_bytes"] - r["own_index_bytes"] for r in row["restore"]["per_rank"])
+    got = at_scale(data, Scale(world=n, nodes=1, tensors=2 * args.layers, read_size=32 << 20))
+    pairs = {
+        ".metadata bytes": (got.metadata_bytes, row["sizes"].get(".metadata", 0)),
+        ".index bytes": (got.shared_index_bytes, row["sizes"].get(".index", 0)),
+        "a rank's index bytes (largest)": (got.index_bytes, row["own_index_bytes_max"]),
+        "store requests, save": (got.save_requests, sum(row["save"]["requests"].values())),
+        "store requests, restore": (got.restore_requests, sum(row["restore"]["requests"].values())),
+    }
+    table = {k: {"predicted": p, "measured": m, "error": (p - m) / m if m else 0.0} for k, (p, m) in pairs.items()}
+    lines = [f"ckpt plan's model at {n} ranks:"] + [
+        f"  {k:45s} predicted {v['predicted']:12.1f}, measured {v['measured']:12.1f} ({v['error']:+.1%})" for k, v in table.items()
+    ]
+    return {"table": table, "lines": lines}
+
+
+def _fits(rows: list[dict]) -> dict:
+    """Each count as a + b·ranks, fitted below the largest world size, and its error there."""
+    if len(rows) < 3:
+        return {"table": {}, "lines": []}
+    *fit_rows, last = rows
+    xs = [r["ranks"] for r in fit_rows]
+    series = {
+        ".metadata bytes": lambda r: r["sizes"].get(".metadata", 0),
+        ".index bytes": lambda r: r["sizes"].get(".index", 0),
+        "manifest bytes": lambda r: r["sizes"].get("manifest.json", 0),
+        "busiest rank's read beyond its own files": lambda r: r["read_beyond_own_max"],
+        "a rank's index bytes": lambda r: r["own_index_bytes_max"],
+        "collective calls per rank, save": lambda r: r["save"]["collectives_max_calls"],
+        "collective calls per rank, restore": lambda r: r["restore"]["collectives_max_calls"],
+        "store requests, save": lambda r: sum(r["save"]["requests"].values()),
+        "store requests, restore": lambda r: sum(r["restore"]["requests"].values()),
+        "save seconds (this machine, 2 cores)": lambda r: r["save"]["s_max"],
+        "restore seconds (this machine, 2 cores)": lambda r: r["restore"]["s_max"],
+        "restore CPU-seconds, busiest rank": lambda r: r["restore"]["cpu_s_max"],
+    }
+    table, lines = {}, ["fit on " + ",".join(map(str, xs)) + f" ranks, checked at {last['ranks']}:"]
+    for name, get in series.items():
+        a, b = _fit(xs, [float(get(r)) for r in fit_rows])
+        want, got = a + b * last["ranks"], float(get(last))
+        err = (want - got) / got if got else 0.0
+        table[name] = {"a": a, "per_rank": b, "predicted": want, "measured": got, "error": err}
+        lines.append(f"  {name:45s} {a:12.1f} + {b:10.1f}·N   predicted {want:12.1f}, measured {got:12.1f} ({err:+.1%})")
+    return {"table": table, "lines": lines}
 
 
 if __name__ == "__main__":

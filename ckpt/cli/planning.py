@@ -12,6 +12,7 @@ from typing import Any
 from ckpt.cli.terminal import EXIT_OK, duration, emit_json, human_bytes, say, table
 from ckpt.schedule.interval import DAY
 from ckpt.schedule.plan import Ledger, as_dict, parse_bytes, parse_count, parse_duration, plan
+from ckpt.schedule.scale_model import AtScale, Scale, at_scale, llama_tensors
 from ckpt.schedule.simulate import compare, scenario
 
 
@@ -32,6 +33,11 @@ def add_parsers(sub: Any) -> None:
     pl.add_argument("--keep-grads", action="store_true", help="gradients are saved too, as many bytes as the weights")
     pl.add_argument("--adam", type=float, default=8.0, help="bytes per parameter of optimizer state (default 8: two FP32 moments)")
     pl.add_argument("--master", type=float, default=4.0, help="bytes per parameter of master weights (default 4: FP32)")
+    at = pl.add_argument_group("at scale: metadata, store requests and which limit binds (docs/at-scale.md)")
+    at.add_argument("--layout", default="fsdp", help="fsdp (default), ddp, or hsdp:R (R replicas of an FSDP group)")
+    at.add_argument("--tensors", type=int, help="the model's parameter tensors (default: a Llama-like model's for --params)")
+    at.add_argument("--store-bandwidth", help="the store's own bound, all nodes together: 1TB/s (default: none)")
+    at.add_argument("--prefixes", type=int, default=1, help="partitions S3 spreads a step directory over (default 1: until it splits)")
     pl.add_argument("--json", action="store_true")
     pl.set_defaults(func=cmd_plan)
 
@@ -60,6 +66,19 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.keep_grads and args.grads:
         raise ValueError("--keep-grads (gradients as large as the weights) and --grads N: give one")
     ledger = Ledger(args.weights, args.weights if args.keep_grads else args.grads, args.adam / 2, args.adam / 2, args.master)
+    big = at_scale(
+        parse_count(args.params) * ledger.per_param,
+        Scale(
+            world=nodes * args.gpus_per_node,
+            nodes=nodes,
+            tensors=args.tensors or llama_tensors(parse_count(args.params)),
+            layout=args.layout,
+            write_bandwidth=parse_bytes(args.write_bandwidth),
+            read_bandwidth=parse_bytes(args.read_bandwidth or args.write_bandwidth),
+            store_bandwidth=parse_bytes(args.store_bandwidth) if args.store_bandwidth else float("inf"),
+            prefixes=args.prefixes,
+        ),
+    )
     p = plan(
         parse_count(args.params),
         nodes,
@@ -70,22 +89,41 @@ def cmd_plan(args: argparse.Namespace) -> int:
         d2h_bandwidth=parse_bytes(args.d2h_bandwidth),
         restart_s=parse_duration(args.restart),
         ledger=ledger,
+        persist_s=big.save_s,
+        restore_s=big.restore_s,
     )
     if args.json:
-        emit_json(as_dict(p))
+        emit_json({**as_dict(p), "at_scale": as_dict(big)})
         return EXIT_OK
     rows = [
         ["checkpoint", f"{human_bytes(p.checkpoint_bytes)} ({p.bytes_per_param:g} B/param), {human_bytes(p.bytes_per_gpu)} per GPU"],
         ["blocking (staging copy)", duration(p.blocking_s)],
-        ["persist (all nodes writing)", duration(p.persist_s)],
-        ["restore (all nodes reading)", duration(p.restore_s)],
+        ["persist (all nodes writing; see below)", duration(p.persist_s)],
+        ["restore (all nodes reading; see below)", duration(p.restore_s)],
         ["job MTBF", duration(p.job_mtbf_s)],
         ["interval, sync (Young / Daly / exact)", f"{duration(p.young_s)} / {duration(p.daly_s)} / {duration(p.daly_exact_s)}"],
         ["interval, async (ckpt)", duration(p.async_s)],
         ["expected ETTR, sync / async", f"{p.ettr_sync:.1%} / {p.ettr_async:.1%}"],
     ]
     table(rows, ["quantity", "estimate"])
+    say("")
+    table(scale_rows(big), [f"at {nodes * args.gpus_per_node} ranks ({args.layout})", "estimate"])
     return EXIT_OK
+
+
+def scale_rows(a: AtScale) -> list[list[str]]:
+    """`ckpt plan`'s second table: what the job's scale adds (`ckpt.schedule.scale_model`)."""
+    return [
+        ["per rank: saves / loads", f"{human_bytes(a.saved_per_rank)} / {human_bytes(a.loaded_per_rank)}"],
+        [".metadata (every piece of every tensor)", human_bytes(a.metadata_bytes)],
+        ["a rank's metadata read: its index + .index", f"{human_bytes(a.index_bytes)} + {human_bytes(a.shared_index_bytes)}"],
+        ["save: bytes / requests (PUT) bound", f"{duration(a.save_bytes_s)} / {duration(a.save_requests_s)} ({a.save_requests:,.0f} requests)"],
+        ["save: rank 0's .metadata", duration(a.save_metadata_s)],
+        ["save, predicted", f"{duration(a.save_s)} ({a.save_binds} bind)"],
+        ["restore: bytes / requests (GET) bound", f"{duration(a.restore_bytes_s)} / {duration(a.restore_requests_s)} ({a.restore_requests:,.0f} requests)"],
+        ["restore, predicted", f"{duration(a.restore_s)} ({a.restore_binds} bind)"],
+        ["restore on another world size: .metadata", f"+{duration(a.restore_resharded_metadata_s)} (every rank unpickles it)"],
+    ]
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:

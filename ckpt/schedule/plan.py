@@ -98,15 +98,19 @@ def plan(
     d2h_bandwidth: float = 25e9,
     restart_s: float = 600.0,
     ledger: Ledger = Ledger(),
+    persist_s: float | None = None,
+    restore_s: float | None = None,
 ) -> Plan:
-    """Costs and intervals for a job. Bandwidths are per node (bytes/s), `mtbf_s` the job's."""
+    """Costs and intervals for a job. Bandwidths are per node (bytes/s), `mtbf_s` the job's.
+    `persist_s`, `restore_s`: the save's and the restore's times where known better than from
+    the bandwidths alone (`ckpt.schedule.scale_model`: requests, metadata)."""
     if params <= 0 or nodes < 1 or gpus_per_node < 1 or write_bandwidth <= 0 or mtbf_s <= 0:
         raise ValueError("params, nodes, gpus per node, bandwidth and MTBF must be positive")
     size = params * ledger.per_param
     per_gpu = size / (nodes * gpus_per_node)
     blocking = per_gpu / d2h_bandwidth
-    persist = size / (nodes * write_bandwidth)
-    restore = size / (nodes * (read_bandwidth or write_bandwidth))
+    persist = size / (nodes * write_bandwidth) if persist_s is None else persist_s
+    restore = size / (nodes * (read_bandwidth or write_bandwidth)) if restore_s is None else restore_s
     sync_cost = blocking + persist
     t_exact = daly_exact(sync_cost, mtbf_s)
     t_async = async_interval(blocking, mtbf_s, persist)

@@ -1,0 +1,151 @@
+"""What a save and a restore cost at a job's scale (issue 40): the bytes, the metadata, the
+store requests and the time each takes, and which limit binds. Pure arithmetic, from counts
+that `bench/scale.py` measures (and checks at 16 ranks) and a few rates of this machine.
+
+The layout decides who holds and loads what (DCP saves a replicated value once, spread over
+the ranks, so every rank writes S/W bytes whatever the layout):
+
+    fsdp     every tensor sharded over all W ranks: each rank loads S/W
+    hsdp:R   sharded over W/R ranks, replicated R times: each rank loads S·R/W
+    ddp      replicated on every rank: each rank loads all S (the values of `SHARE_MAX` or
+             less are read once per job and sent, `ckpt.restore.shared_items`; the weights
+             are read by every rank)
+
+`.metadata` holds one entry per piece of every tensor: T·pieces of them (pieces W for FSDP,
+W/R for HSDP, 1 for DDP). A restore on the world size that saved reads each rank's own index
+(its pieces) and the shared `.index` instead (`ckpt.restore.partial`); on another it reads
+`.metadata` once (rank 0) and every rank unpickles it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+# Measured by bench/scale.py on 2-16 ranks of a 24-layer FSDP2 stack (48 parameter tensors,
+# 144 pieces per rank with AdamW's moments; bench/results/scale.json): bytes of `.metadata` per
+# piece of a tensor (its fit: 22,730 bytes more per rank for 144 pieces), of a rank's index per
+# piece it holds (about 31 KB for 144), and of `.index` per parameter tensor (10.7 KB for 48).
+METADATA_ENTRY = 158.0
+METADATA_PER_TENSOR = 680.0  # and per parameter tensor, whatever W (the fit's 32.6 KB for 48)
+INDEX_ENTRY = 215.0
+SHARED_ENTRY = 223.0
+# ckpt's restricted unpickler of any metadata (pure Python: it checks every opcode) and pickling
+# at the save, bytes/s, on this 2-core machine (bench/scale.py's `rates`, at 2 ranks).
+UNPICKLE_RATE = 2.3e6
+PICKLE_RATE = 17e6
+# A save's and a restore's requests besides each rank's files (lease, manifest, listing,
+# events, `.metadata` and `.index`): bench/scale.py's fits, 20 + 2·N and 13 + 2·N.
+SAVE_FIXED = 20
+RESTORE_FIXED = 13
+# S3's request rates per prefix (a partition of the key space) until it has split it.
+PUT_PER_S = 3500.0
+GET_PER_S = 5500.0
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class Scale:
+    """A job's layout and its store: what `at_scale` needs besides the checkpoint's size."""
+
+    world: int
+    nodes: int
+    tensors: int  # the model's parameter tensors (Llama 3 8B: 291, 70B: 723, 405B: 1,137)
+    layout: str = "fsdp"  # fsdp, ddp, or hsdp:R
+    write_bandwidth: float = 2e9  # per node, bytes/s
+    read_bandwidth: float = 2e9
+    store_bandwidth: float = math.inf  # all nodes together, bytes/s (the store's own bound)
+    prefixes: int = 1  # partitions S3 spreads the step directory over (1 until it splits)
+    part_size: int = 64 * MiB  # ckpt.storage.transfer.Transfer
+    read_size: int = 32 * MiB
+    state_per_param: int = 3  # tensors of state per parameter tensor: the weights, Adam's two moments
+
+    @property
+    def replicas(self) -> int:
+        if self.layout == "fsdp":
+            return 1
+        if self.layout == "ddp":
+            return self.world
+        if self.layout.startswith("hsdp:") and self.layout[5:].isdigit() and int(self.layout[5:]) >= 1:
+            return int(self.layout[5:])
+        raise ValueError(f"layout {self.layout!r}: fsdp, ddp or hsdp:R (R replicas)")
+
+
+@dataclass(frozen=True)
+class AtScale:
+    """The predicted costs of one save and one restore (seconds, bytes, requests)."""
+
+    saved_per_rank: float
+    loaded_per_rank: float
+    metadata_bytes: float  # `.metadata`
+    index_bytes: float  # one rank's index
+    shared_index_bytes: float  # `.index`
+    save_requests: float
+    restore_requests: float
+    save_bytes_s: float  # the bandwidth's bound
+    save_requests_s: float  # the request rate's bound
+    save_metadata_s: float  # rank 0 pickles and writes `.metadata` and `.index`
+    save_s: float
+    save_binds: str
+    restore_bytes_s: float
+    restore_requests_s: float
+    restore_metadata_s: float  # reading and unpickling this rank's metadata
+    restore_s: float
+    restore_binds: str
+    restore_resharded_metadata_s: float  # on another world size: `.metadata`, whole, on every rank
+
+
+def at_scale(checkpoint_bytes: float, s: Scale) -> AtScale:
+    """The costs of saving and restoring a checkpoint of `checkpoint_bytes` in layout `s`."""
+    w, r = s.world, s.replicas
+    if w < 1 or s.nodes < 1 or w % r:
+        raise ValueError(f"{w} ranks cannot hold {r} replicas")
+    per_rank = checkpoint_bytes / w
+    loaded = checkpoint_bytes * r / w
+    pieces = w // r  # of each sharded tensor
+    entries = s.tensors * s.state_per_param
+    metadata = s.tensors * METADATA_PER_TENSOR + entries * pieces * METADATA_ENTRY
+    index = entries * (1 if r < w else 1 / w) * INDEX_ENTRY  # a piece of every tensor; DDP: 1/W of them
+    shared = s.tensors * SHARED_ENTRY  # each parameter's optimizer step, the hyperparameters
+    # Requests: each rank's data file (one PUT up to two parts, else parts + create + complete)
+    # and its index; the job's few (SAVE_FIXED, RESTORE_FIXED).
+    data_puts = 1 if per_rank <= 2 * s.part_size else math.ceil(per_rank / s.part_size) + 2
+    save_requests = w * (data_puts + 1) + SAVE_FIXED
+    restore_requests = w * (math.ceil(loaded / s.read_size) + 1) + RESTORE_FIXED  # ranged GETs of its data, its index
+    write_bw = min(s.store_bandwidth, s.nodes * s.write_bandwidth)
+    read_bw = min(s.store_bandwidth, s.nodes * s.read_bandwidth)
+    save_bytes_s = checkpoint_bytes / write_bw
+    save_requests_s = save_requests / (PUT_PER_S * s.prefixes)
+    save_metadata_s = (metadata + shared) / PICKLE_RATE + (metadata + shared) / s.write_bandwidth
+    restore_bytes_s = loaded * w / read_bw  # every rank's loads, over the nodes' (or the store's) bandwidth
+    restore_requests_s = restore_requests / (GET_PER_S * s.prefixes)
+    restore_metadata_s = (index + shared) / UNPICKLE_RATE + (index + shared) / s.read_bandwidth
+    save_s = max(save_bytes_s, save_requests_s) + save_metadata_s
+    restore_s = max(restore_bytes_s, restore_requests_s) + restore_metadata_s
+    return AtScale(
+        saved_per_rank=per_rank,
+        loaded_per_rank=loaded,
+        metadata_bytes=metadata,
+        index_bytes=index,
+        shared_index_bytes=shared,
+        save_requests=save_requests,
+        restore_requests=restore_requests,
+        save_bytes_s=save_bytes_s,
+        save_requests_s=save_requests_s,
+        save_metadata_s=save_metadata_s,
+        save_s=save_s,
+        save_binds="requests" if save_requests_s > save_bytes_s else "bandwidth",
+        restore_bytes_s=restore_bytes_s,
+        restore_requests_s=restore_requests_s,
+        restore_metadata_s=restore_metadata_s,
+        restore_s=restore_s,
+        restore_binds="requests" if restore_requests_s > restore_bytes_s else "bandwidth",
+        restore_resharded_metadata_s=metadata / s.read_bandwidth + metadata / UNPICKLE_RATE,
+    )
+
+
+def llama_tensors(params: float) -> int:
+    """The parameter tensors of a Llama-like model of `params` parameters: 9 per layer (4
+    attention, 3 MLP, 2 norms) and 3 more, with layers ≈ 0.0175·params^(1/3) (Llama 3 8B: 32
+    layers, 291 tensors; 70B: 80, 723; 405B: 126, 1,137; this gives 318, 651, 1,164)."""
+    return 9 * max(1, round(0.0175 * params ** (1 / 3))) + 3

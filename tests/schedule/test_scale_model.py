@@ -1,0 +1,67 @@
+"""`ckpt plan` at scale (`ckpt.schedule.scale_model`, issue 40): what grows with the world size
+and what does not, by layout, and which limit binds. Its constants come from bench/scale.py."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ckpt.schedule.scale_model import (
+    METADATA_ENTRY,
+    METADATA_PER_TENSOR,
+    Scale,
+    at_scale,
+    llama_tensors,
+)
+from tests.support.cli import ckpt_cli
+
+GB = 1e9
+SEVENTY_B = 70e9 * 14  # bytes: BF16 weights, FP32 Adam moments and master weights
+
+
+def test_metadata_grows_with_the_ranks_that_shard_a_tensor_and_a_ranks_part_does_not():
+    by_world = {w: at_scale(SEVENTY_B, Scale(world=w, nodes=w // 8, tensors=723)) for w in (1024, 8192)}
+    assert by_world[8192].metadata_bytes == pytest.approx(8 * by_world[1024].metadata_bytes, rel=0.01)
+    assert by_world[8192].metadata_bytes == pytest.approx(723 * 3 * 8192 * METADATA_ENTRY, rel=0.01)
+    assert by_world[8192].index_bytes == by_world[1024].index_bytes  # a piece of every tensor, whatever W
+    assert by_world[8192].shared_index_bytes == by_world[1024].shared_index_bytes
+    ddp = at_scale(8 * 14e9, Scale(world=64, nodes=8, tensors=291, layout="ddp"))
+    hsdp = at_scale(SEVENTY_B, Scale(world=8192, nodes=1024, tensors=723, layout="hsdp:8"))
+    assert ddp.metadata_bytes == pytest.approx(291 * (3 * METADATA_ENTRY + METADATA_PER_TENSOR))  # one piece of each: no growth
+    assert hsdp.metadata_bytes == pytest.approx(by_world[8192].metadata_bytes / 8, rel=0.01)
+    assert ddp.loaded_per_rank == pytest.approx(8 * 14e9) and hsdp.loaded_per_rank == pytest.approx(8 * SEVENTY_B / 8192)
+
+
+def test_a_restore_on_many_ranks_is_bound_by_the_stores_request_rate_until_it_spreads_over_prefixes():
+    base = dict(world=10_000, nodes=1250, tensors=723, read_bandwidth=12.5 * GB, write_bandwidth=12.5 * GB, store_bandwidth=1000 * GB)
+    one = at_scale(SEVENTY_B, Scale(**base))
+    assert one.restore_binds == "requests" and one.restore_requests_s > 5 * one.restore_bytes_s
+    spread = at_scale(SEVENTY_B, Scale(**base, prefixes=100))
+    assert spread.restore_requests_s == pytest.approx(one.restore_requests_s / 100) and spread.restore_binds == "bandwidth"
+    assert spread.restore_s < 1.2 * spread.restore_bytes_s + 1.0  # the index keeps a rank's metadata small
+    assert spread.restore_resharded_metadata_s > 10 * spread.restore_metadata_s  # .metadata on another world size
+    few = at_scale(SEVENTY_B, Scale(world=64, nodes=8, tensors=723, write_bandwidth=2 * GB))
+    assert few.save_binds == "bandwidth" and few.save_requests > 64  # several parts per file
+
+
+def test_a_bad_layout_is_refused_saying_what_is_allowed():
+    with pytest.raises(ValueError, match="fsdp, ddp or hsdp:R"):
+        at_scale(GB, Scale(world=8, nodes=1, tensors=10, layout="zero3"))
+    with pytest.raises(ValueError, match="cannot hold 3 replicas"):
+        at_scale(GB, Scale(world=8, nodes=1, tensors=10, layout="hsdp:3"))
+
+
+def test_llama_like_tensor_counts_are_near_llama_3s():
+    for params, tensors in ((8e9, 291), (70e9, 723), (405e9, 1137)):
+        assert abs(llama_tensors(params) - tensors) / tensors < 0.12
+
+
+def test_plan_prints_the_scale_table_and_its_json():
+    args = ("plan", "--params", "70B", "--nodes", "1250", "--write-bandwidth", "12.5GB/s", "--mtbf", "3h")
+    out = ckpt_cli(*args, "--layout", "hsdp:8").stdout
+    assert "at 10000 ranks (hsdp:8)" in out and ".metadata" in out and "bind)" in out
+    doc = json.loads(ckpt_cli(*args, "--json").stdout)
+    assert doc["at_scale"]["restore_binds"] == "requests" and doc["at_scale"]["loaded_per_rank"] > 0
+    bad = ckpt_cli(*args, "--layout", "zero3", check=False)
+    assert bad.returncode != 0 and "fsdp, ddp or hsdp:R" in bad.stderr
