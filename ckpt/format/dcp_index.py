@@ -69,18 +69,31 @@ def _shared(md: Metadata, index: MetadataIndex, info: _StorageInfo) -> bool:
 def shared_part(md: Metadata) -> Metadata:
     """`.index`: the entries of the shared items of the whole `md` (rank 0, at a save)."""
     keep = {index: info for index, info in md.storage_data.items() if _shared(md, index, info)}
-    return Metadata({i.fqn: md.state_dict_metadata[i.fqn] for i in keep}, storage_data=keep, storage_meta=StorageMeta())
+    # planner_data (a dict: DCP's own .metadata keeps its flattening there): every key the
+    # checkpoint holds, which a restore warns of when no rank asked for it.
+    held = {_HELD: sorted(md.state_dict_metadata)}
+    return Metadata({i.fqn: md.state_dict_metadata[i.fqn] for i in keep}, planner_data=held, storage_data=keep, storage_meta=StorageMeta())
 
 
-def own_part(items: list[WriteItem], written: dict[MetadataIndex, _StorageInfo]) -> Metadata:
-    """A rank's index: the entries of the items it wrote (`items`, where `written` says)."""
+def own_part(items: list[WriteItem], written: dict[MetadataIndex, _StorageInfo], asked: list[WriteItem] = ()) -> Metadata:
+    """A rank's index: the entries of the items it wrote (`items`, where `written` says), and
+    of every other value it asked to save (`asked`: its plan before DCP kept one copy of each
+    replicated piece) with no piece of it here: an empty shard, a copy saved by another rank.
+    A restore then knows the key and finds what it covers (an empty shard: all of it)."""
     entries: dict[str, BytesStorageMetadata | TensorStorageMetadata] = {}
+    for item in asked:
+        if item.type != WriteItemType.BYTE_IO and item.tensor_data is not None:
+            entries.setdefault(item.index.fqn, TensorStorageMetadata(item.tensor_data.properties, item.tensor_data.size, []))
+        else:
+            entries.setdefault(item.index.fqn, BytesStorageMetadata())
     for item in items:
         if item.type == WriteItemType.BYTE_IO or item.tensor_data is None:
             entries[item.index.fqn] = BytesStorageMetadata()
             continue
         data = item.tensor_data
-        entry = entries.setdefault(item.index.fqn, TensorStorageMetadata(data.properties, data.size, []))
+        entry = entries.get(item.index.fqn)
+        if not isinstance(entry, TensorStorageMetadata):
+            entries[item.index.fqn] = entry = TensorStorageMetadata(data.properties, data.size, [])
         if isinstance(entry, TensorStorageMetadata):
             entry.chunks.append(data.chunk)
     return Metadata(entries, storage_data=dict(written), storage_meta=StorageMeta())
@@ -90,7 +103,30 @@ def merged(*parts: Metadata) -> Metadata:
     """One metadata of several parts (a rank's index and `.index`)."""
     entries: dict = {}
     storage: dict = {}
+    keys = None
     for part in parts:
-        entries.update(part.state_dict_metadata)
+        for fqn, entry in part.state_dict_metadata.items():
+            had = entries.get(fqn)
+            if isinstance(had, TensorStorageMetadata) and isinstance(entry, TensorStorageMetadata):
+                seen = {(tuple(c.offsets), tuple(c.sizes)) for c in had.chunks}
+                chunks = had.chunks + [c for c in entry.chunks if (tuple(c.offsets), tuple(c.sizes)) not in seen]
+                entries[fqn] = TensorStorageMetadata(had.properties, had.size, chunks)
+            else:
+                entries[fqn] = entry
         storage.update(part.storage_data or {})
-    return Metadata(entries, storage_data=storage, storage_meta=StorageMeta())
+        keys = part.planner_data if _held_list(part) is not None else keys
+    return Metadata(entries, planner_data=keys, storage_data=storage, storage_meta=StorageMeta())
+
+
+def held_keys(md: Metadata) -> list[str]:
+    """Every key the checkpoint holds: `.index`'s list (a part of the metadata), else its own."""
+    held = _held_list(md)
+    return held if held is not None else list(md.state_dict_metadata)
+
+
+_HELD = "ckpt.held_keys"
+
+
+def _held_list(md: Metadata) -> list[str] | None:
+    held = md.planner_data.get(_HELD) if isinstance(md.planner_data, dict) else None
+    return held if isinstance(held, list) and all(type(k) is str for k in held) else None

@@ -21,6 +21,7 @@ from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
     Metadata,
+    MetadataIndex,
     TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner_helpers import _create_chunk_list
@@ -46,10 +47,10 @@ def metadata_of(
     part and the shared part (`partial_metadata`), or else `.metadata`, read once per job
     (`metadata_once`: its bytes, if read or kept, and whether they came from rank 0).
     `metadata`: on rank 0, the bytes of `.index` or `.metadata` the catalog checked and kept.
-    `spooled`: the files are read from a node spool (`ckpt.node.handoff.Tiered`), where each rank
-    reads `.metadata` itself (a local file, mostly)."""
+    `spooled`: this rank reads the files from its node's spool (`ckpt.node.handoff.Tiered`): if
+    any rank does, each rank reads `.metadata` itself (a local file, mostly)."""
     kept = {name: metadata for name in (SHARED_INDEX, METADATA_NAME) if metadata is not None and _is(name, metadata, manifest)}
-    if ctrl.world == 1 or spooled:
+    if ctrl.world == 1 or ctrl.any(spooled):  # a node's spool may hold the step and another's not: agreed
         return kept.get(METADATA_NAME), False, None
     parts = partial_metadata(ctrl, store, rel, manifest, state_dict, kept.get(SHARED_INDEX)) if usable(manifest, ctrl.world) else None
     if parts is not None:
@@ -99,7 +100,7 @@ def partial_metadata(
             why = uncovered(part, state_dict)
             read = len(own_bytes) + (len(shared_bytes) if ctrl.rank == 0 else 0)  # kept: read by this restore's catalog
             parts = Parts(part, shared, read) if not why else None
-        except (InvalidCheckpoint, OSError, StopIteration) as e:
+        except Exception as e:  # IMPORTANT: on this rank alone (a store error, a bad index): all read .metadata, none left in `any`
             why = f"{type(e).__name__}: {e}"
             log.warning("rank %d: the index of %s/%s could not be used (%s): reading .metadata", ctrl.rank, store.display, rel, why)
     if ctrl.any(parts is None):
@@ -121,6 +122,8 @@ def uncovered(md: Metadata, state_dict: dict[str, Any]) -> str:
         if not isinstance(obj, torch.Tensor):
             if not isinstance(entry, BytesStorageMetadata):
                 return f"{fqn}: a tensor in the index"
+            if MetadataIndex(fqn) not in md.storage_data:
+                return f"{fqn}: held in another rank's file"
             continue
         if not isinstance(entry, TensorStorageMetadata) or entry.size != obj.size():
             return f"{fqn}: another kind or size in the index"
@@ -128,6 +131,8 @@ def uncovered(md: Metadata, state_dict: dict[str, Any]) -> str:
             continue
         if type(obj) not in (torch.Tensor, torch.nn.Parameter, DTensor):
             return f"{fqn}: a {type(obj).__name__}"
+        if any(_overlap(a, b) for i, a in enumerate(entry.chunks) for b in entry.chunks[i + 1 :]):
+            return f"{fqn}: saved pieces that overlap"  # never written so: the count below would lie
         for chunk in _create_chunk_list(obj):
             if sum(_overlap(chunk, saved) for saved in entry.chunks) != math.prod(chunk.sizes):
                 return f"{fqn}: a piece at {tuple(chunk.offsets)} is not whole in the index"

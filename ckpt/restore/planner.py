@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.planner_helpers import (
 from torch.distributed.tensor import DTensor
 
 from ckpt.format import bytes_item
+from ckpt.format.dcp_index import held_keys
 
 _OPTIM_STATE = "optim.state."  # DCP's flattened keys of the optimizers' state: <this><param fqn>.<name>
 
@@ -92,7 +93,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         removed since the save)."""
         if self.metadata is None:
             return []
-        return sorted(k for k in self.metadata.state_dict_metadata if k.startswith(prefixes) and k not in self.state_dict)
+        return sorted(k for k in held_keys(self.metadata) if k.startswith(prefixes) and k not in self.state_dict)
 
     def not_in_checkpoint(self, prefix: str) -> list[str]:
         """The values under `prefix` asked for that the checkpoint lacks (`optional` let them

@@ -88,6 +88,7 @@ class Writer(StorageWriter):
         self.metadata: Metadata | None = None  # rank 0, once finished, and its pickle:
         self.metadata_image: Image | None = None
         self.index: Metadata | None = None  # this rank's index (`ckpt.format.dcp_index`)
+        self.asked: list[WriteItem] = []
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         self.files = {}
@@ -96,6 +97,7 @@ class Writer(StorageWriter):
         self.rank = int(kwargs.get("rank") or 0)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        self.asked = list(plan.items)  # before DCP keeps one copy of each replicated piece: for the index
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
@@ -132,7 +134,7 @@ class Writer(StorageWriter):
             results.append(written(item, name, offset, length))
         self.files[name] = write_file(self.sink, f"{self.step_dir}/{name}", layout, self.arenas, self.rank, self.step)
         if self.indexed:
-            self.index = own_part(plan.items, {r.index: r.storage_data for r in results})
+            self.index = own_part(plan.items, {r.index: r.storage_data for r in results}, self.asked)
             self.files.update(write_index(self.store, self.step_dir, name, self.index, self.rank))
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)

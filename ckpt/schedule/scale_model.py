@@ -12,8 +12,9 @@ the ranks, so every rank writes S/W bytes whatever the layout):
              are read by every rank)
 
 `.metadata` holds one entry per piece of every tensor: T·pieces of them (pieces W for FSDP,
-W/R for HSDP, 1 for DDP). A restore on the world size that saved reads each rank's own index
-(its pieces) and the shared `.index` instead (`ckpt.restore.partial`); on another it reads
+W/R for HSDP, 1 for DDP). An FSDP restore on the world size that saved reads each rank's own
+index (its pieces) and the shared `.index` instead (`ckpt.restore.partial`); DDP and HSDP
+(whose replicated pieces lie in one replica's file) and a restore on another world size read
 `.metadata` once (rank 0) and every rank unpickles it.
 """
 
@@ -119,7 +120,11 @@ def at_scale(checkpoint_bytes: float, s: Scale) -> AtScale:
     save_metadata_s = (metadata + shared) / PICKLE_RATE + (metadata + shared) / s.write_bandwidth
     restore_bytes_s = loaded * w / read_bw  # every rank's loads, over the nodes' (or the store's) bandwidth
     restore_requests_s = restore_requests / (GET_PER_S * s.prefixes)
-    restore_metadata_s = (index + shared) / UNPICKLE_RATE + (index + shared) / s.read_bandwidth
+    whole_metadata_s = metadata / s.read_bandwidth + metadata / UNPICKLE_RATE
+    # A replicated piece is saved in one rank's file (DCP keeps one copy): the other replicas'
+    # indexes hold the key but not the piece, so a restore of DDP or HSDP reads `.metadata`.
+    indexed = r == 1
+    restore_metadata_s = (index + shared) / UNPICKLE_RATE + (index + shared) / s.read_bandwidth if indexed else whole_metadata_s
     save_s = max(save_bytes_s, save_requests_s) + save_metadata_s
     restore_s = max(restore_bytes_s, restore_requests_s) + restore_metadata_s
     return AtScale(
@@ -140,7 +145,7 @@ def at_scale(checkpoint_bytes: float, s: Scale) -> AtScale:
         restore_metadata_s=restore_metadata_s,
         restore_s=restore_s,
         restore_binds="requests" if restore_requests_s > restore_bytes_s else "bandwidth",
-        restore_resharded_metadata_s=metadata / s.read_bandwidth + metadata / UNPICKLE_RATE,
+        restore_resharded_metadata_s=whole_metadata_s,
     )
 
 

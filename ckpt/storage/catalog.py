@@ -114,7 +114,7 @@ def inspect(
         first = SHARED_INDEX if usable else METADATA_NAME
         names = manifest.files if deep else [first] if metadata else []
         for name in names:
-            if deep and name == METADATA_NAME:
+            if deep and (name == METADATA_NAME or name.endswith(".index")):
                 # Needs torch: only for deep checks (ls, verify and gc run without it).
                 from ckpt.format.dcp_metadata import load_metadata
 

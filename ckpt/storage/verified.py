@@ -44,7 +44,10 @@ def read_verified(store: Store, step_dir: str, name: str, manifest: Manifest) ->
     files: `.metadata`; data files are streamed through `VerifyingReader`)."""
     where = f"{store.display}/{step_dir}/{name}"
     entry = _entry(where, name, manifest)
-    return _checked(where, entry, store.read_bytes(f"{step_dir}/{name}"))
+    data = store.read_small(f"{step_dir}/{name}", entry.size)  # never more than the manifest says, in memory
+    if data is None:
+        raise InvalidCheckpoint(f"{where}: longer than the {entry.size} bytes the manifest says")
+    return _checked(where, entry, data)
 
 
 def checked(where: str, name: str, manifest: Manifest, data: bytes) -> bytes:

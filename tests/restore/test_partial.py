@@ -5,6 +5,8 @@ a real save; the restores that use them are in test_shared_reads.py and tests/sy
 
 from __future__ import annotations
 
+import json
+
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
@@ -24,7 +26,7 @@ from ckpt.restore.partial import first_reads, uncovered, usable
 from ckpt.storage.catalog import find
 from ckpt.storage.store import Store
 from tests.support.jobs import RANKS, WORKER, rank_logs
-from tests.support.launch import run
+from tests.support.launch import WORKERS, run
 
 
 def _tensor(size: tuple[int, ...], *chunks: tuple[tuple[int, ...], tuple[int, ...]]) -> TensorStorageMetadata:
@@ -119,3 +121,53 @@ def test_one_process_writes_no_index_it_would_never_read(tmp_path):
         cp.save(blocking=True)
     manifest = find(Store(str(tmp_path)), None).manifest
     assert sorted(manifest.files) == [".metadata", "__0_0.distcp"]
+
+
+def test_a_rank_that_cannot_read_its_index_sends_every_rank_to_metadata_and_none_is_left_waiting(tmp_path):
+    """A store error on one rank alone (its index unreadable): every rank gets None from
+    `partial_metadata` (all read `.metadata`), none raises, none hangs in a collective."""
+    root = tmp_path / "root"
+    args = ("--mode", "fsdp2", "--root", str(root), "--steps", "2", "--every", "2")
+    assert run(RANKS, WORKER, *args, log_dir=tmp_path) == [0] * RANKS, rank_logs(tmp_path)
+    out = tmp_path / "out"
+    out.mkdir()
+    assert run(RANKS, WORKERS / "partial_worker.py", str(root), str(out), log_dir=out, timeout=120) == [0] * RANKS, rank_logs(out)
+    seen = [json.loads((out / f"rank{r}.json").read_text()) for r in range(RANKS)]
+    assert all(isinstance(s["intact"], list) and s["intact"] for s in seen), seen
+    assert [s["rank 1's index unreadable"] for s in seen] == [None, None], seen
+
+
+UNEVEN = """
+import json, sys, torch, torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+import ckpt
+dist.init_process_group("gloo")
+torch.manual_seed(0)
+# out_features 1 on 3 ranks: ranks 1 and 2 hold equal empty shards of the last weight and bias,
+# which DCP saves once (one copy of equal pieces): the other's index must still know those keys.
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 1))
+for layer in model:
+    fully_shard(layer)
+fully_shard(model)
+opt = torch.optim.AdamW(model.parameters())
+with ckpt.Checkpointer(sys.argv[1], model=model, optimizer=opt, interval=None, save_on_exit=False) as cp:
+    if cp.restored_step is None:
+        model(torch.randn(4, 8)).sum().backward()
+        opt.step()
+        cp.save(blocking=True)
+    m = cp.last_commit
+    own = sum(e.size for e in m.files.values() if e.rank == dist.get_rank())
+    print("READ", json.dumps([cp.restored_step, cp.metrics.read._value.get(), own, m.files[".index"].size]), flush=True)
+"""
+
+
+def test_an_empty_shard_keeps_the_index_path_and_restores_bit_for_bit(tmp_path):
+    script = tmp_path / "uneven.py"
+    script.write_text(UNEVEN)
+    root = tmp_path / "root"
+    assert run(3, script, str(root), log_dir=tmp_path) == [0] * 3, rank_logs(tmp_path)
+    assert run(3, script, str(root), log_dir=tmp_path) == [0] * 3, rank_logs(tmp_path)
+    for r in range(3):
+        line = [x for x in (tmp_path / f"rank{r}.log").read_text().splitlines() if x.startswith("READ")][-1]
+        step, read, own, shared = json.loads(line.removeprefix("READ "))
+        assert step == 0 and read == own + (shared if r == 0 else 0), (r, read, own, shared)  # no .metadata

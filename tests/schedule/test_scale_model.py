@@ -31,6 +31,8 @@ def test_metadata_grows_with_the_ranks_that_shard_a_tensor_and_a_ranks_part_does
     assert ddp.metadata_bytes == pytest.approx(291 * (3 * METADATA_ENTRY + METADATA_PER_TENSOR))  # one piece of each: no growth
     assert hsdp.metadata_bytes == pytest.approx(by_world[8192].metadata_bytes / 8, rel=0.01)
     assert ddp.loaded_per_rank == pytest.approx(8 * 14e9) and hsdp.loaded_per_rank == pytest.approx(8 * SEVENTY_B / 8192)
+    # replicated pieces lie in one replica's file: their restores read .metadata, and say so
+    assert hsdp.restore_metadata_s == hsdp.restore_resharded_metadata_s > 10 * by_world[8192].restore_metadata_s
 
 
 def test_a_restore_on_many_ranks_is_bound_by_the_stores_request_rate_until_it_spreads_over_prefixes():
