@@ -316,14 +316,15 @@ class Tiered:
     def local_path(self, rel: str) -> str | None:
         return self.local.path(rel) if self._from(rel) == "spool" else self.store.local_path(rel)
 
-    def read_bytes(self, rel: str) -> bytes:
+    def read_small(self, rel: str, at_most: int) -> bytes | None:
+        """`Store.read_small` from the spool where it holds the file, else from the root."""
         if self._from(rel) == "spool":
             with contextlib.suppress(NotFound):
-                data = self.local.read_bytes(rel)
-                self._count("spool", len(data))
+                data = self.local.read_small(rel, at_most)
+                self._count("spool", len(data or b""))
                 return data
-        data = self.store.read_bytes(rel)
-        self._count("store", len(data))
+        data = self.store.read_small(rel, at_most)
+        self._count("store", len(data or b""))
         return data
 
     @contextlib.contextmanager
