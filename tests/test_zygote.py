@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from tests.support import zygote
+from tests.support import launch, zygote
 
 SCRIPTS = {
     "exit code": "import sys; sys.exit(3)",
@@ -85,3 +85,21 @@ def test_the_log_file_is_there_once_the_process_is_started(tmp_path):
     p = zygote.Forked(script, [], dict(os.environ), tmp_path / "log")
     assert (tmp_path / "log").read_text() == ""
     assert p.wait(30) == 0
+
+
+def test_ranks_that_outlive_the_tests_timeout_are_killed_saying_where_they_were(tmp_path):
+    """`launch.wait`'s timeout asks each rank still running for its threads' stacks (SIGUSR1,
+    to the log) before it kills them: a hang in CI says where it hung."""
+    script = tmp_path / "hangs.py"
+    script.write_text("import time\n\ndef stuck_in_a_collective():\n    time.sleep(600)\n\nprint('up', flush=True)\nstuck_in_a_collective()\n")
+    procs = launch.start(2, script, log_dir=tmp_path)
+    deadline = time.monotonic() + 60
+    while not all((tmp_path / f"rank{r}.log").exists() and "up" in (tmp_path / f"rank{r}.log").read_text() for r in range(2)):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    with pytest.raises(subprocess.TimeoutExpired) as e:
+        launch.wait(procs, timeout=1)
+    assert "still running" in str(e.value), str(e.value)
+    # a rank forked from the zygote says where it was (a new interpreter has no SIGUSR1 handler)
+    assert ("stuck_in_a_collective" in str(e.value)) == zygote.enabled(), str(e.value)
+    assert all(p.poll() is not None for p in procs)

@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from tests.support import zygote
@@ -39,7 +40,9 @@ def spawn(script: str | Path, *args: str, env: dict[str, str], log: Path | None 
     if zygote.enabled():
         return zygote.Forked(script, list(args), env, log)  # type: ignore[return-value]
     out = open(log, "ab") if log else subprocess.DEVNULL
-    return subprocess.Popen([sys.executable, str(script), *args], env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen([sys.executable, str(script), *args], env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    proc.log_path = log  # type: ignore[attr-defined]
+    return proc
 
 
 def start(nprocs: int, script: str | Path, *args: str, env: dict[str, str] | None = None, log_dir: Path | None = None) -> list[subprocess.Popen]:
@@ -74,14 +77,42 @@ def kill_all(procs: list[subprocess.Popen]) -> None:
         q.wait()
 
 
+class RanksTimedOut(subprocess.TimeoutExpired):
+    """`wait`'s timeout, saying where each rank still running was (its threads' stacks, which
+    a rank forked from the zygote writes to its log on SIGUSR1)."""
+
+    def __init__(self, e: subprocess.TimeoutExpired, stacks: str) -> None:
+        super().__init__(e.cmd, e.timeout)
+        self.stacks = stacks
+
+    def __str__(self) -> str:
+        return f"{super().__str__()}; where the ranks were:\n{self.stacks}"
+
+
+def _stacks(procs: list[subprocess.Popen]) -> str:
+    """Ask every rank still running for its stacks; the end of each one's log after."""
+    alive = [p for p in procs if p.poll() is None]
+    for p in alive:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(p.pid, signal.SIGUSR1)
+    time.sleep(1.0)
+    tails = []
+    for i, p in enumerate(procs):
+        path = getattr(p, "log_path", None)
+        if p in alive and path is not None and Path(path).exists():
+            tails.append(f"--- process {i} (still running)\n" + Path(path).read_text(errors="replace")[-6000:])
+    return "\n".join(tails) or "(no log of a running rank)"
+
+
 def wait(procs: list[subprocess.Popen], timeout: float = 180) -> list[int]:
     codes = []
     for p in procs:
         try:
             codes.append(p.wait(timeout=timeout))
-        except subprocess.TimeoutExpired:
+        except subprocess.TimeoutExpired as e:
+            stacks = _stacks(procs)
             kill_all(procs)
-            raise
+            raise RanksTimedOut(e, stacks) from None
     # What a rank started and left behind goes with it: a rank that killed itself (a lost
     # GPU) leaves its DataLoader's forkserver and workers waiting for it for good otherwise.
     for p in procs:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import faulthandler
 import multiprocessing
 import os
 import runpy
@@ -77,6 +78,9 @@ def _run(what: str, module: bool, args: list[str], env: dict[str, str], out: str
         _redirect(err, 2)
     else:
         _redirect(out, 1, 2)
+    # A rank that hangs says where: the test's timeout sends SIGUSR1 first (`launch.wait`),
+    # and every thread's stack goes to its log.
+    faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True)
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.close(null)
@@ -125,6 +129,7 @@ class Forked:
         stdout in `out` (None: nowhere) and stderr in `err` (None: with stdout)."""
         self.args = [sys.executable, *(["-m"] if module else []), str(what), *args]
         self.returncode: int | None = None
+        self.log_path = err or out  # where its stack goes when a test's timeout asks (`launch.wait`)
         for path in (out, err):  # there once this returns, as `Popen(stdout=open(path, "ab"))` leaves it
             if path:
                 open(path, "ab").close()
