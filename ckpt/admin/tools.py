@@ -212,7 +212,7 @@ def plan_reads(store: Store, entry: catalog.Entry, world: int) -> list[dict[str,
     assert manifest is not None
     shared = set(shared_refs(md))  # read by the rank that serves their file, sent to the others
     servers = {n: e.rank % world for n, e in manifest.files.items() if e.rank >= 0}
-    indexed = world > 1 and world == manifest.world_size and SHARED_INDEX in manifest.files
+    indexed = manifest.indexed_for(world)
     plans: list[dict[str, Any]] = []
     for rank in range(world):
         spans: dict[str, list[tuple[int, int]]] = {}

@@ -31,11 +31,9 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
-from ckpt.format.manifest import SHARED_INDEX
+from ckpt.format.manifest import SHARED_INDEX, index_name
 
 __all__ = ["SHARED_INDEX", "index_name", "merged", "own_part", "shared_part", "shared_refs"]
-
-INDEX_SUFFIX = ".index"
 
 # An item this long or shorter is shared when it is held once: a torch.save'd scalar takes
 # about 1 KiB, a pickled optimizer's hyperparameters a few hundred bytes. Longer replicated
@@ -46,11 +44,6 @@ SHARE_MAX = 64 << 10
 _PER_RANK = re.compile(r"(^|\.)rank_\d+(\.|$)")
 
 Ref = tuple[str, int, int]  # an item: its file, offset and length
-
-
-def index_name(data_name: str) -> str:
-    """A rank's index beside its data file: __3_0.distcp -> __3_0.index."""
-    return data_name.rpartition(".")[0] + INDEX_SUFFIX
 
 
 def shared_refs(md: Metadata) -> list[Ref]:

@@ -21,6 +21,12 @@ _XXH3_FORMAT = 2  # what a manifest of xxh3 checksums is still written as: every
 MANIFEST_NAME = "manifest.json"
 METADATA_NAME = ".metadata"  # DCP's pickled global metadata, written by rank 0
 SHARED_INDEX = ".index"  # the part of it every rank reads, beside each rank's own (`ckpt.format.dcp_index`)
+INDEX_SUFFIX = ".index"
+
+
+def index_name(data_name: str) -> str:
+    """A rank's index beside its data file: __3_0.distcp -> __3_0.index."""
+    return data_name.rpartition(".")[0] + INDEX_SUFFIX
 # The most bytes of a manifest read before it is parsed (it is held whole, and parsing takes
 # about twice its size again): a larger one is not a checkpoint. The manifest of 10,000 ranks,
 # each with one data file of the most block checksums (64) in the longest form (BLAKE3), is
@@ -79,6 +85,15 @@ class Manifest:
         if not self.format_version:
             blake3 = any(f.checksum.startswith("blake3") for f in self.files.values())
             self.format_version = FORMAT_VERSION if blake3 else _XXH3_FORMAT
+
+    def indexed_for(self, world: int) -> bool:
+        """Whether a restore by `world` ranks can read each rank's index and `.index` instead
+        of `.metadata` (`ckpt.restore.partial`): the world size that saved it, of several
+        ranks, and an index beside every rank's data file."""
+        if world < 2 or self.world_size != world or SHARED_INDEX not in self.files:
+            return False
+        data = [n for n, e in self.files.items() if e.rank >= 0 and n.endswith(".distcp")]
+        return len(data) == world and all(index_name(n) in self.files for n in data)
 
     @property
     def total_bytes(self) -> int:

@@ -201,11 +201,6 @@ class _Reader(FileSystemReader):
                 if not isinstance(state_dict[key], Stateful):
                     state_dict[key] = loaded[key]
 
-    @property
-    def received_bytes(self) -> int:
-        """Bytes of shared values this rank got from another rank instead of the store."""
-        return self.sharing.received_bytes if self.sharing is not None else 0
-
     def _ref(self, req: ReadItem) -> Ref:
         info: _StorageInfo = self.storage_data[req.storage_index]
         return info.relative_path, info.offset, info.length

@@ -52,7 +52,7 @@ def metadata_of(
     kept = {name: metadata for name in (SHARED_INDEX, METADATA_NAME) if metadata is not None and _is(name, metadata, manifest)}
     if ctrl.world == 1 or ctrl.any(spooled):  # a node's spool may hold the step and another's not: agreed
         return kept.get(METADATA_NAME), False, None
-    parts = partial_metadata(ctrl, store, rel, manifest, state_dict, kept.get(SHARED_INDEX)) if usable(manifest, ctrl.world) else None
+    parts = partial_metadata(ctrl, store, rel, manifest, state_dict, kept.get(SHARED_INDEX)) if manifest.indexed_for(ctrl.world) else None
     if parts is not None:
         return None, False, parts
     return (*metadata_once(ctrl, store, rel, manifest, kept.get(METADATA_NAME)), None)
@@ -65,15 +65,6 @@ def _is(name: str, data: bytes, manifest: Manifest) -> bool:
         return True
     except InvalidCheckpoint:
         return False
-
-
-def usable(manifest: Manifest, world: int) -> bool:
-    """Whether the checkpoint has an index for every rank of a job of `world` ranks (the same
-    on every rank: it depends on the manifest alone)."""
-    if world < 2 or manifest.world_size != world or SHARED_INDEX not in manifest.files:
-        return False
-    own = {n for n, e in manifest.files.items() if e.rank >= 0 and n.endswith(".distcp")}
-    return len(own) == world and all(index_name(n) in manifest.files for n in own)
 
 
 def partial_metadata(
@@ -171,7 +162,7 @@ def first_reads(manifest: Manifest, rank: int, world: int) -> list[str]:
     """The files a rank reads first: its metadata (its index, and on rank 0 `.index`; else
     `.metadata`), then, on the world size that saved the checkpoint, its own data files (on
     another, its plan picks parts of several)."""
-    if usable(manifest, world):
+    if manifest.indexed_for(world):
         mine = sorted((n for n, e in manifest.files.items() if e.rank == rank), key=lambda n: (not n.endswith(".index"), n))
         return ([SHARED_INDEX] if rank == 0 else []) + mine
     names = [METADATA_NAME]

@@ -110,8 +110,7 @@ def inspect(
                 raise InvalidCheckpoint(_odd(where, name, listing) if name in listing.odd else f"{where}/{name}: missing")
             if size != f.size:
                 raise InvalidCheckpoint(f"{where}/{name}: {size} bytes, manifest says {f.size}")
-        usable = world > 1 and manifest.world_size == world and SHARED_INDEX in manifest.files
-        first = SHARED_INDEX if usable else METADATA_NAME
+        first = SHARED_INDEX if manifest.indexed_for(world) else METADATA_NAME
         names = manifest.files if deep else [first] if metadata else []
         for name in names:
             if deep and (name == METADATA_NAME or name.endswith(".index")):

@@ -22,7 +22,7 @@ import ckpt
 from ckpt.format.dcp_index import SHARE_MAX, index_name, merged, shared_part, shared_refs
 from ckpt.format.dcp_metadata import load_metadata
 from ckpt.format.manifest import SHARED_INDEX
-from ckpt.restore.partial import first_reads, uncovered, usable
+from ckpt.restore.partial import first_reads, uncovered
 from ckpt.storage.catalog import find
 from ckpt.storage.store import Store
 from tests.support.jobs import RANKS, WORKER, rank_logs
@@ -109,7 +109,7 @@ def test_a_job_of_ranks_writes_each_ranks_index_and_the_shared_one_and_a_restore
             if isinstance(entry, TensorStorageMetadata):
                 assert entry.size == whole.size and entry.properties == whole.properties
                 assert all(c in whole.chunks for c in entry.chunks)
-    assert usable(manifest, RANKS) and not usable(manifest, 1) and not usable(manifest, RANKS + 1)
+    assert manifest.indexed_for(RANKS) and not manifest.indexed_for(1) and not manifest.indexed_for(RANKS + 1)
     assert first_reads(manifest, 0, RANKS) == [SHARED_INDEX, "__0_0.index", "__0_0.distcp"]
     assert first_reads(manifest, 1, RANKS) == ["__1_0.index", "__1_0.distcp"]
     assert first_reads(manifest, 0, 1) == [".metadata"]
