@@ -28,8 +28,10 @@ with ckpt.Checkpointer(sys.argv[1], model=model, optimizer=opt) as cp:
         cp.step_done()
         print("step", cp.step, flush=True)
         time.sleep(0.02)
-        # A kill -9 a few steps after the first commit (a loaded machine may commit late).
+        # A kill -9 a few steps after the first commit (a loaded machine may commit late),
+        # once the save has also said so: its line comes after the manifest, from its thread.
         if cp.step >= int(os.environ.get("KILL_AT", 10**9)) and glob.glob(sys.argv[1] + "/step-*/manifest.json"):
+            cp.wait()
             os.kill(os.getpid(), 9)
 """
 
