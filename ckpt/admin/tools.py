@@ -197,15 +197,16 @@ def plan_reads(store: Store, entry: catalog.Entry, world: int) -> list[dict[str,
     shards model and optimizer state along the first dimension as FSDP2 does (evenly, the
     last ranks shorter), where rank r reads the RNG (and, on the same world size, the data
     loader state) saved by rank r, and every rank reads the rest (counters, data position,
-    extras) whole. Counts what the verified reader fetches from the store: the metadata (on
-    the world size that saved, each rank's index and rank 0's `.index`; else `.metadata` on
-    rank 0, which sends it on: `ckpt.restore.partial`); whole blocks of the files holding the
+    extras) whole. Counts what the verified reader fetches from the store: the metadata (the
+    indexes of the files a rank reads from and rank 0's `.index`, where the checkpoint has
+    them; else `.metadata` on rank 0, which sends it on: `ckpt.restore.partial`); whole blocks of the files holding the
     rows (a file without block checksums is read whole); the small values all ranks load only
     on the rank that serves their file (`ckpt.restore.shared_items`).
     Rank r's dict: bytes, files, and the bytes of state it ends up holding."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     from ckpt.format.dcp_index import index_name, shared_refs
+    from ckpt.restore.partial import MAX_INDEXES
 
     md = inventory(store, entry)
     manifest = entry.manifest
@@ -216,6 +217,7 @@ def plan_reads(store: Store, entry: catalog.Entry, world: int) -> list[dict[str,
     plans: list[dict[str, Any]] = []
     for rank in range(world):
         spans: dict[str, list[tuple[int, int]]] = {}
+        needs: set[str] = set()  # the files whose index this rank reads
         holds = 0
         for key, item in md.state_dict_metadata.items():
             owner = _PER_RANK.match(key)
@@ -224,6 +226,8 @@ def plan_reads(store: Store, entry: catalog.Entry, world: int) -> list[dict[str,
             if not isinstance(item, TensorStorageMetadata) or (len(item.chunks) == 1 and not item.size):
                 holds += tensor_bytes(item) if isinstance(item, TensorStorageMetadata) else 0
                 info = md.storage_data[_index(key, item.chunks[0].offsets if isinstance(item, TensorStorageMetadata) else None)]
+                if (info.relative_path, info.offset, info.length) not in shared:
+                    needs.add(info.relative_path)
                 if world == 1 or (info.relative_path, info.offset, info.length) not in shared or servers.get(info.relative_path) == rank:
                     spans.setdefault(info.relative_path, []).append((info.offset, info.offset + info.length))
                 continue
@@ -238,6 +242,7 @@ def plan_reads(store: Store, entry: catalog.Entry, world: int) -> list[dict[str,
                 if first >= last:
                     continue
                 info = md.storage_data[_index(key, chunk.offsets, i)]
+                needs.add(info.relative_path)
                 row = info.length // max(n, 1)  # a chunk's rows lie one after another
                 end = info.offset + info.length
                 spans.setdefault(info.relative_path, []).extend(
@@ -248,12 +253,12 @@ def plan_reads(store: Store, entry: catalog.Entry, world: int) -> list[dict[str,
                     ]
                 )
         fetched = sum(_fetched(manifest, name, s) for name, s in spans.items())
-        if indexed:  # its index, and on rank 0 the shared one (`ckpt.restore.partial`)
-            mine = [index_name(n) for n, e in manifest.files.items() if e.rank == rank and n.endswith(".distcp")]
-            metadata = sum(manifest.files[n].size for n in mine) + (manifest.files[SHARED_INDEX].size if rank == 0 else 0)
+        if indexed and len(needs) <= MAX_INDEXES:  # those files' indexes, on rank 0 the shared one too
+            names = [index_name(n) for n in needs] + ([SHARED_INDEX] if rank == 0 else [])
         else:  # rank 0 reads .metadata and sends it on
-            metadata = manifest.files[METADATA_NAME].size if rank == 0 else 0
-        plans.append({"rank": rank, "bytes": fetched + metadata, "files": len(spans) + 1, "state_bytes": holds})
+            names = [METADATA_NAME] if rank == 0 else []
+        metadata = sum(manifest.files[n].size for n in names)
+        plans.append({"rank": rank, "bytes": fetched + metadata, "files": len(spans) + len(names), "state_bytes": holds})
     return plans
 
 

@@ -10,9 +10,10 @@ Beside it (which stays, unchanged: the step directory is plain DCP), a save writ
                     (`shared_refs`: a replicated tensor saved as one piece, a pickled value),
                     as DCP metadata
 
-A rank that restores on the world size that saved reads its own index and gets `.index`
-from rank 0; their union covers what it loads (`ckpt.restore.partial` checks that, and reads
-the whole `.metadata` where it does not: another world size, another model). Each is a pickle
+A rank that restores gets `.index` from rank 0 and reads the indexes of the files its pieces
+are in (`.index` says which: `ckpt.format.dcp_layout`; its own, on the world size that
+saved); their union covers what it loads (`ckpt.restore.partial` checks that, and reads the
+whole `.metadata` where it does not: another model, a layout that is not a grid). Each is a pickle
 of DCP's own metadata classes, read through `.metadata`'s allowlist after its checksum
 matched the manifest.
 """
@@ -31,6 +32,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
+from ckpt.format.dcp_layout import LAYOUT, layout_of
 from ckpt.format.manifest import SHARED_INDEX, index_name
 
 __all__ = ["SHARED_INDEX", "index_name", "merged", "own_part", "shared_part", "shared_refs"]
@@ -64,7 +66,9 @@ def shared_part(md: Metadata) -> Metadata:
     keep = {index: info for index, info in md.storage_data.items() if _shared(md, index, info)}
     # planner_data (a dict: DCP's own .metadata keeps its flattening there): every key the
     # checkpoint holds, which a restore warns of when no rank asked for it.
-    held = {_HELD: sorted(md.state_dict_metadata)}
+    # And where each piece of each value is (`ckpt.format.dcp_layout`): a restore on another
+    # world size reads the indexes of the files it loads from.
+    held = {_HELD: sorted(md.state_dict_metadata), LAYOUT: layout_of(md)}
     return Metadata({i.fqn: md.state_dict_metadata[i.fqn] for i in keep}, planner_data=held, storage_data=keep, storage_meta=StorageMeta())
 
 

@@ -87,13 +87,13 @@ class Manifest:
             self.format_version = FORMAT_VERSION if blake3 else _XXH3_FORMAT
 
     def indexed_for(self, world: int) -> bool:
-        """Whether a restore by `world` ranks can read each rank's index and `.index` instead
-        of `.metadata` (`ckpt.restore.partial`): the world size that saved it, of several
-        ranks, and an index beside every rank's data file."""
-        if world < 2 or self.world_size != world or SHARED_INDEX not in self.files:
+        """Whether a restore by `world` ranks can read `.index` and the indexes of the files
+        it loads from instead of `.metadata` (`ckpt.restore.partial`): several ranks restore
+        a checkpoint saved with an index beside every rank's data file."""
+        if world < 2 or SHARED_INDEX not in self.files:
             return False
         data = [n for n, e in self.files.items() if e.rank >= 0 and n.endswith(".distcp")]
-        return len(data) == world and all(index_name(n) in self.files for n in data)
+        return len(data) == self.world_size and all(index_name(n) in self.files for n in data)
 
     @property
     def total_bytes(self) -> int:

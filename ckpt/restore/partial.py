@@ -1,18 +1,20 @@
 """A restore reads the part of `.metadata` it needs, not all of it (issue 40).
 
-Where the checkpoint has the index files (`ckpt.format.dcp_index`: each rank's own, and the
-shared `.index`) for every rank of this job, each rank reads its own index, rank 0 reads
-`.index` and sends it over the job's group (each rank checks it against the manifest), and
-their union stands in for `.metadata`, if it covers every value this rank loads: each piece
-of each tensor, whole. Where it does not on any rank (another world size, a model that
-changed, a value held once that is too long to be shared), every rank reads `.metadata` as
-before. A rank then reads O(its own part) of metadata, not O(tensors × ranks).
-"""
+Where the checkpoint has the index files (`ckpt.format.dcp_index`: one beside each data
+file, and the shared `.index`), rank 0 reads `.index` and sends it over the job's group (each
+rank checks it against the manifest); each rank reads the indexes of the data files that
+hold its pieces (`.index`'s layout says which: `ckpt.format.dcp_layout`; on the world size
+that saved, its own), and their union stands in for `.metadata`, if it covers every value
+this rank loads: each piece of each tensor, whole. Where it does not on any rank (a model
+that changed, a layout that is not a grid, a replicated model whose every rank would read
+every index), every rank uses `.metadata` as before. A rank then reads O(what it loads) of
+metadata, not O(tensors × ranks), on any world size."""
 
 from __future__ import annotations
 
 import logging
 import math
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -30,6 +32,7 @@ from torch.distributed.tensor import DTensor
 from ckpt.collectives import Group
 from ckpt.errors import InvalidCheckpoint
 from ckpt.format.dcp_index import index_name, merged
+from ckpt.format.dcp_layout import LAYOUT, files_for
 from ckpt.format.dcp_metadata import load_metadata
 from ckpt.format.manifest import METADATA_NAME, SHARED_INDEX, Manifest
 from ckpt.restore.dcp_read import Parts
@@ -37,6 +40,11 @@ from ckpt.storage.store import Store
 from ckpt.storage.verified import checked, read_verified
 
 log = logging.getLogger(__name__)
+
+# The most indexes a rank reads instead of `.metadata`: a restore on fewer ranks reads about
+# (saving ranks / restoring ranks) + 1; more, and one `.metadata` from rank 0 costs less.
+MAX_INDEXES = 64
+_READERS = 8  # indexes read at once
 
 
 def metadata_of(
@@ -85,12 +93,15 @@ def partial_metadata(
     if shared_bytes is not None:
         try:
             shared = load_metadata(checked(f"{store.display}/{rel}/{SHARED_INDEX}", SHARED_INDEX, manifest, shared_bytes), f"{rel}/{SHARED_INDEX}")
-            name = next(n for n, e in manifest.files.items() if e.rank == ctrl.rank and n.endswith(".distcp"))
-            own_bytes = read_verified(store, rel, index_name(name), manifest)
-            part = merged(shared, load_metadata(own_bytes, f"{rel}/{index_name(name)}"))
-            why = uncovered(part, state_dict)
-            read = len(own_bytes) + (len(shared_bytes) if ctrl.rank == 0 else 0)  # kept: read by this restore's catalog
-            parts = Parts(part, shared, read) if not why else None
+            names = indexes_to_read(shared, state_dict, manifest, ctrl.rank, ctrl.world)
+            if names is None:
+                why = "the index does not say where all of it is"
+            else:
+                read = _read_indexes(store, rel, manifest, names)
+                part = merged(shared, *(load_metadata(data, f"{rel}/{name}") for name, data in read.items()))
+                why = uncovered(part, state_dict)
+                got = sum(map(len, read.values())) + (len(shared_bytes) if ctrl.rank == 0 else 0)  # kept: read by this restore's catalog
+                parts = Parts(part, shared, got) if not why else None
         except Exception as e:  # IMPORTANT: on this rank alone (a store error, a bad index): all read .metadata, none left in `any`
             why = f"{type(e).__name__}: {e}"
             log.warning("rank %d: the index of %s/%s could not be used (%s): reading .metadata", ctrl.rank, store.display, rel, why)
@@ -99,6 +110,37 @@ def partial_metadata(
             log.debug("rank %d reads .metadata of %s: %s", ctrl.rank, rel, why)
         return None
     return parts
+
+
+def indexes_to_read(shared: Metadata, state_dict: dict[str, Any], manifest: Manifest, rank: int, world: int) -> list[str] | None:
+    """The indexes a rank reads besides `.index`: those of the data files that hold the pieces
+    it loads (`.index`'s layout says which), at most `MAX_INDEXES`; None: read `.metadata`
+    (a key without a layout; a replicated model, which loads from every file)."""
+    layout = shared.planner_data.get(LAYOUT) if isinstance(shared.planner_data, dict) else None
+    if not isinstance(layout, dict):  # saved before the layout: its own index, on the same world size
+        own = [n for n, e in manifest.files.items() if e.rank == rank and n.endswith(".distcp")]
+        return [index_name(n) for n in own] if manifest.world_size == world and len(own) == 1 else None
+    flat, _ = flatten_state_dict(state_dict)
+    need: set[str] = set()
+    for fqn, obj in flat.items():
+        if fqn in shared.state_dict_metadata or (isinstance(obj, DTensor) and obj.device_mesh.get_coordinate() is None):
+            continue  # held in `.index`; a tensor this rank holds no piece of
+        pieces = [(tuple(c.offsets), tuple(c.sizes)) for c in _create_chunk_list(obj)] if isinstance(obj, torch.Tensor) else []
+        files = files_for(layout, fqn, pieces)
+        if files is None:
+            return None
+        need |= files
+        if len(need) > MAX_INDEXES:
+            return None
+    return sorted(index_name(n) for n in need)
+
+
+def _read_indexes(store: Store, rel: str, manifest: Manifest, names: list[str]) -> dict[str, bytes]:
+    """The indexes `names`, each checked against the manifest, read side by side."""
+    if len(names) <= 1:
+        return {n: read_verified(store, rel, n, manifest) for n in names}
+    with ThreadPoolExecutor(min(len(names), _READERS), thread_name_prefix="ckpt-index") as pool:
+        return dict(zip(names, pool.map(lambda n: read_verified(store, rel, n, manifest), names), strict=True))
 
 
 def uncovered(md: Metadata, state_dict: dict[str, Any]) -> str:
@@ -159,13 +201,14 @@ def metadata_once(ctrl: Group, store: Store, rel: str, manifest: Manifest, metad
 
 
 def first_reads(manifest: Manifest, rank: int, world: int) -> list[str]:
-    """The files a rank reads first: its metadata (its index, and on rank 0 `.index`; else
-    `.metadata`), then, on the world size that saved the checkpoint, its own data files (on
-    another, its plan picks parts of several)."""
+    """The files a rank reads first: its metadata (on rank 0 `.index`; on the world size that
+    saved, its own index; else `.metadata`), then, on the world size that saved the
+    checkpoint, its own data files (on another, its plan picks parts of several)."""
+    same = manifest.world_size == world
     if manifest.indexed_for(world):
-        mine = sorted((n for n, e in manifest.files.items() if e.rank == rank), key=lambda n: (not n.endswith(".index"), n))
+        mine = sorted((n for n, e in manifest.files.items() if e.rank == rank and same), key=lambda n: (not n.endswith(".index"), n))
         return ([SHARED_INDEX] if rank == 0 else []) + mine
     names = [METADATA_NAME]
-    if manifest.world_size == world:
+    if same:
         names += sorted(n for n, e in manifest.files.items() if e.rank == rank and n.endswith(".distcp"))
     return names

@@ -25,7 +25,8 @@ def proxy(s3_endpoint):
 def test_metadata_is_read_in_part_and_once_per_job_not_once_per_rank(tmp_path, proxy, s3_root, s3_options):
     """On the world size that saved, no rank reads `.metadata` (every rank's part of it grows
     with tensors x ranks): each rank reads its own index, and rank 0 the shared `.index`, once,
-    and sends it on. On another world size, `.metadata` is read once, by rank 0, and sent on."""
+    and sends it on. On another world size, each rank reads the indexes of the saving ranks
+    whose pieces it loads."""
     options = {**s3_options, "endpoint_url": proxy.url}
     args = ("--mode", "fsdp2", "--root", s3_root, "--steps", 5, "--every", 5, "--storage-options", json.dumps(options))
     assert run(RANKS, WORKER, *map(str, args), "--out", str(tmp_path / "out"), log_dir=tmp_path) == [0] * RANKS, rank_logs(tmp_path)
@@ -35,12 +36,13 @@ def test_metadata_is_read_in_part_and_once_per_job_not_once_per_rank(tmp_path, p
     got = Counter(path.rpartition("/")[2] for kind, path in proxy.requests if kind in ("get", "range") and "step-0000000005/" in path)
     assert got[".metadata"] == 0 and got[".index"] == 1, got
     assert all(got[f"__{r}_0.index"] == 1 for r in range(RANKS)), got
-    # on more ranks: the whole .metadata, read by rank 0 and sent to the others
+    # on more ranks: no .metadata either; `.index` says which saving ranks' pieces each loads
+    # (FSDP2's rows: new rank 0 those of saving rank 0, rank 1 of both, rank 2 of rank 1)
     proxy.requests.clear()
     assert run(3, WORKER, *map(str, args), "--steps", "6", "--out", str(tmp_path / "three"), log_dir=tmp_path) == [0] * 3, rank_logs(tmp_path)
     assert [torch.load(f"{tmp_path}/three.rank{r}.pt", weights_only=True)["restored_step"] for r in range(3)] == [5] * 3
     got = Counter(path.rpartition("/")[2] for kind, path in proxy.requests if kind in ("get", "range") and "step-0000000005/" in path)
-    assert got[".metadata"] == 1 and got[".index"] == 0, got  # checked by the catalog, kept, sent on; no index read
+    assert got[".metadata"] == 0 and got[".index"] == 1 and got["__0_0.index"] == got["__1_0.index"] == 2, got
 
 
 @pytest.mark.parametrize("store", ["local", "s3"])

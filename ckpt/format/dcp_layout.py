@@ -1,0 +1,154 @@
+"""Which data file holds which piece of each value, in a few bytes per key (issue 40), so a
+restore on another world size reads the indexes of the files it loads from, and no others.
+
+`.metadata` lists every piece of every tensor (O(tensors × ranks)); a rank that restores on
+another world size needs the entries of the few saving ranks whose pieces overlap its own.
+Rank 0 writes each key's layout in `.index`'s planner_data:
+
+    int              a value held whole in one file (the file's number in `files`)
+    ()               a tensor with no piece (no element): nothing to read
+    (dims, cells)    a tensor cut along a grid. `dims`, per dimension: a tuple
+                     `(chunk, count)`, piece i starting at i * chunk (an even split, DCP's
+                     and FSDP's; the last piece clipped), or a list of the pieces' offsets.
+                     `cells`, the file of each cell in row-major order: a tuple
+                     `(first, step)`, cell i in file first + i * step, or a list of file
+                     numbers (-1: no piece there, an empty shard)
+
+A key whose pieces are not such a grid has no layout: a rank that loads it reads `.metadata`.
+Plain ints, tuples, lists and strings only: `.index` unpickles through `.metadata`'s
+allowlist. A layout only picks which indexes to read: `ckpt.restore.partial` still checks
+that what they hold covers every piece a rank loads.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import math
+import re
+from collections.abc import Iterable
+from typing import Any
+
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+__all__ = ["LAYOUT", "files_for", "layout_of"]
+
+LAYOUT = "ckpt.layout"
+Piece = tuple[tuple[int, ...], tuple[int, ...]]  # offsets, sizes
+Dim = tuple[int, int] | list[int]
+# Cells a rank may look up for one key: more means a layout no save writes (a hostile one).
+_MAX_CELLS = 1 << 16
+
+
+def layout_of(md: Metadata) -> dict[str, Any]:
+    """The layout of every key of a whole metadata (rank 0, at a save)."""
+    held: dict[str, dict[tuple[int, ...], str]] = {}
+    for index, info in md.storage_data.items():
+        held.setdefault(index.fqn, {})[tuple(index.offset or ())] = info.relative_path
+    files = sorted({info.relative_path for info in md.storage_data.values()}, key=_natural)  # rank order: runs
+    number = {name: i for i, name in enumerate(files)}
+    keys: dict[str, Any] = {}
+    for fqn, entry in md.state_dict_metadata.items():
+        where = {offsets: number[name] for offsets, name in held.get(fqn, {}).items()}
+        if not isinstance(entry, TensorStorageMetadata):
+            if len(where) == 1:
+                keys[fqn] = next(iter(where.values()))
+            continue
+        pieces = [(tuple(c.offsets), tuple(c.sizes)) for c in entry.chunks if math.prod(c.sizes)]  # an empty one holds nothing
+        if all(p[0] in where for p in pieces) and len({p[0] for p in pieces}) == len(pieces):
+            spec = _grid(tuple(entry.size), pieces, where)
+            if spec is not None:
+                keys[fqn] = spec
+    return {"files": files, "keys": keys}
+
+
+def _grid(size: tuple[int, ...], pieces: list[Piece], file_at: dict[tuple[int, ...], int]) -> Any:
+    """A tensor's layout, or None where its pieces are not the cells of a grid."""
+    if not pieces:
+        return ()
+    if len(pieces) == 1 and pieces[0] == ((0,) * len(size), size):
+        return file_at[pieces[0][0]]
+    dims: list[Dim] = []
+    for d, n in enumerate(size):
+        starts = sorted({offsets[d] for offsets, sizes in pieces})
+        step = starts[1] - starts[0] if len(starts) > 1 else n
+        even = starts[0] == 0 and step > 0 and all(s == i * step for i, s in enumerate(starts))
+        dims.append((step, len(starts)) if even else starts)
+    cells = [-1] * math.prod(_count(dim) for dim in dims)
+    for offsets, sizes in pieces:
+        at = [_first(dim, o) for dim, o in zip(dims, offsets, strict=True)]
+        bounds = [_span(dim, i, n) for dim, i, n in zip(dims, at, size, strict=True)]
+        if any(o != lo or s != hi - lo for o, s, (lo, hi) in zip(offsets, sizes, bounds, strict=True)):
+            return None  # a piece that is not exactly one cell
+        cells[_row_major(dims, at)] = file_at[offsets]
+    step = cells[1] - cells[0] if len(cells) > 1 else 0
+    if all(f == cells[0] + i * step for i, f in enumerate(cells)):
+        return (tuple(dims), (cells[0], step))
+    return (tuple(dims), cells)
+
+
+def files_for(layout: dict[str, Any], fqn: str, pieces: Iterable[Piece]) -> set[str] | None:
+    """The data files that hold the parts of `pieces` of `fqn` (for a value that is not a
+    tensor, no `pieces`: where it is), or None where the layout does not say. Pieces with no
+    element (an empty shard) need one file all the same: one whose index says what `fqn` is."""
+    spec = layout["keys"].get(fqn)
+    files = layout["files"]
+    pieces = [p for p in pieces if math.prod(p[1])]
+    if spec is None:
+        return None
+    if isinstance(spec, int):
+        return {files[spec]}
+    if spec == ():
+        return set()
+    dims, cells = spec
+    if not pieces:  # the file of the first piece
+        first = cells[0] if isinstance(cells, tuple) else next((f for f in cells if f >= 0), -1)
+        return {files[first]} if first >= 0 else set()
+    found: set[str] = set()
+    for offsets, sizes in pieces:
+        ranges = [_overlapping(dim, o, o + s) for dim, o, s in zip(dims, offsets, sizes, strict=True)]
+        if math.prod(len(r) for r in ranges) > _MAX_CELLS:
+            return None
+        for cell in itertools.product(*ranges):
+            i = _row_major(dims, list(cell))
+            f = cells[0] + i * cells[1] if isinstance(cells, tuple) else cells[i]
+            if f >= 0:
+                found.add(files[f])
+    return found
+
+
+def _natural(name: str) -> list[Any]:
+    """`__2_0.distcp` before `__10_0.distcp`."""
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
+
+
+def _count(dim: Dim) -> int:
+    return dim[1] if isinstance(dim, tuple) else len(dim)
+
+
+def _first(dim: Dim, offset: int) -> int:
+    """The cell along `dim` that starts at or before `offset`."""
+    if isinstance(dim, tuple):
+        return min(offset // dim[0], dim[1] - 1)
+    return max(bisect.bisect_right(dim, offset) - 1, 0)
+
+
+def _span(dim: Dim, i: int, n: int) -> tuple[int, int]:
+    """Where cell i along `dim` starts and ends, in a dimension of n."""
+    if isinstance(dim, tuple):
+        return i * dim[0], (min((i + 1) * dim[0], n) if i < dim[1] - 1 else n)
+    return dim[i], (dim[i + 1] if i + 1 < len(dim) else n)
+
+
+def _overlapping(dim: Dim, lo: int, hi: int) -> range:
+    """The cells along `dim` that [lo, hi) overlaps (none if it is empty)."""
+    if hi <= lo:
+        return range(0)
+    return range(_first(dim, lo), _first(dim, hi - 1) + 1)
+
+
+def _row_major(dims: list[Dim] | tuple[Dim, ...], at: list[int]) -> int:
+    i = 0
+    for dim, j in zip(dims, at, strict=True):
+        i = i * _count(dim) + j
+    return i

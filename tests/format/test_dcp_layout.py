@@ -1,0 +1,164 @@
+"""Where each piece of each value is (`ckpt.format.dcp_layout`): for every kind of layout a
+save makes (FSDP's rows, tensor parallel's columns, a 2-D mesh, HSDP's copies spread over the
+replicas, uneven splits, empty shards, whole values), the files a restore reads for any piece
+it asks for are exactly the files whose pieces overlap it, checked against a brute force over
+`.metadata`'s own entries; pieces that are not a grid have no layout, and a hostile layout
+gives no answer rather than a long walk."""
+
+from __future__ import annotations
+
+import math
+import pickle
+import random
+
+import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+
+from ckpt.format.dcp_index import shared_part
+from ckpt.format.dcp_layout import LAYOUT, files_for, layout_of
+from ckpt.format.dcp_metadata import load_metadata
+
+Piece = tuple[tuple[int, ...], tuple[int, ...]]
+
+
+def even(n: int, parts: int) -> list[tuple[int, int]]:
+    """torch.chunk's split of n into `parts`: (offset, size), empty ones last."""
+    step = -(-n // parts)
+    return [(min(i * step, n), max(0, min(step, n - i * step))) for i in range(parts)]
+
+
+def rows(size: tuple[int, ...], parts: int) -> list[Piece]:
+    return [((o,) + (0,) * (len(size) - 1), (s,) + size[1:]) for o, s in even(size[0], parts)]
+
+
+def cols(size: tuple[int, int], parts: int) -> list[Piece]:
+    return [((0, o), (size[0], s)) for o, s in even(size[1], parts)]
+
+
+def grid(size: tuple[int, int], a: int, b: int) -> list[Piece]:
+    return [((r0, c0), (rs, cs)) for r0, rs in even(size[0], a) for c0, cs in even(size[1], b)]
+
+
+# name -> (size, the pieces, the file of piece i), as the saves of each kind write them
+LAYOUTS: dict[str, tuple[tuple[int, ...], list[Piece], list[int]]] = {
+    "fsdp rows, 4 ranks": ((10, 3), rows((10, 3), 4), [0, 1, 2, 3]),
+    "fsdp rows, empty shards at the end": ((3, 5), rows((3, 5), 4), [0, 1, 2, 3]),
+    "fsdp rows of a vector": ((17,), rows((17,), 5), [0, 1, 2, 3, 4]),
+    "tensor parallel columns": ((4, 9), cols((4, 9), 3), [0, 1, 2]),
+    "fsdp x tp, a 2-D mesh": ((8, 6), grid((8, 6), 2, 3), [0, 1, 2, 3, 4, 5]),
+    "2-D mesh, files in column order": ((8, 6), grid((8, 6), 2, 3), [0, 2, 4, 1, 3, 5]),
+    "hsdp: each shard in one replica's file": ((12, 2), rows((12, 2), 3), [4, 1, 5]),
+    "an uneven split": ((10, 2), [((0, 0), (3, 2)), ((3, 0), (1, 2)), ((4, 0), (6, 2))], [2, 0, 1]),
+    "one piece, the whole": ((5, 5), [((0, 0), (5, 5))], [3]),
+    "a scalar": ((), [((), ())], [1]),
+    "no element": ((0, 4), [((0, 0), (0, 4))], [0]),
+}
+
+NOT_A_GRID = {
+    "a piece over two cells": ((4, 4), [((0, 0), (2, 4)), ((2, 0), (2, 2)), ((2, 2), (2, 2))]),
+    "a hole": ((6,), [((0,), (2,)), ((4,), (2,))]),
+}
+
+
+def _file(f: int) -> str:
+    return f"__{f}_0.distcp"
+
+
+def _md(tensors: dict[str, tuple[tuple[int, ...], list[Piece], list[int]]]) -> Metadata:
+    """`.metadata` as DCP writes it: equal pieces (the empty shards at the end) saved once."""
+    entries, storage = {}, {}
+    for fqn, (size, pieces, files) in tensors.items():
+        chunks: list[ChunkStorageMetadata] = []
+        for (o, s), f in zip(pieces, files, strict=True):
+            if (o, s) not in [(tuple(c.offsets), tuple(c.sizes)) for c in chunks[-1:]]:
+                chunks.append(ChunkStorageMetadata(torch.Size(o), torch.Size(s)))
+                storage[MetadataIndex(fqn, chunks[-1].offsets, len(chunks) - 1)] = _StorageInfo(_file(f), 0, 100)
+        entries[fqn] = TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size(size), chunks)
+    entries["optim.param_groups"] = BytesStorageMetadata()
+    storage[MetadataIndex("optim.param_groups")] = _StorageInfo(_file(2), 0, 80)
+    return Metadata(entries, storage_data=storage)
+
+
+def _overlap(a: Piece, b: Piece) -> int:
+    return math.prod(max(0, min(ao + asz, bo + bsz) - max(ao, bo)) for ao, asz, bo, bsz in zip(*a, *b, strict=True))
+
+
+def _brute(size: tuple[int, ...], pieces: list[Piece], files: list[int], ask: list[Piece]) -> set[str]:
+    """The files whose pieces overlap what is asked (an ask of no element: any one piece's)."""
+    found = {_file(f) for p, f in zip(pieces, files, strict=True) for a in ask if math.prod(a[1]) and _overlap(p, a)}
+    if not any(math.prod(a[1]) for a in ask):
+        held = [_file(f) for p, f in zip(pieces, files, strict=True) if math.prod(p[1])]
+        return set(held[:1])
+    return found
+
+
+def _asks(size: tuple[int, ...], rng: random.Random) -> list[list[Piece]]:
+    """What ranks ask for: the whole; a new world's rows (2 and 3 ranks); random boxes; an
+    empty shard."""
+    asks: list[list[Piece]] = [[((0,) * len(size), size)]]
+    if size:
+        asks += [[p] for parts in (2, 3, 7) for p in rows(size, parts)]
+        for _ in range(20):
+            lo = [rng.randrange(n + 1) for n in size]
+            asks.append([(tuple(lo), tuple(rng.randrange(n - o + 1) for o, n in zip(lo, size, strict=True)))])
+    return asks
+
+
+def test_for_every_kind_of_layout_a_restore_reads_the_files_its_pieces_are_in_and_no_others():
+    md = _md(LAYOUTS)
+    layout = layout_of(md)
+    rng = random.Random(0)
+    for name, (size, pieces, files) in LAYOUTS.items():
+        assert name in layout["keys"], name
+        for ask in _asks(size, rng):
+            assert files_for(layout, name, ask) == _brute(size, pieces, files, ask), (name, ask, layout["keys"][name])
+    assert files_for(layout, "optim.param_groups", []) == {_file(2)}
+    # the layout of an even split is a few numbers, whatever the ranks
+    assert layout["keys"]["fsdp rows, 4 ranks"] == (((3, 4), (3, 1)), (0, 1))
+
+
+def test_pieces_that_are_not_a_grid_have_no_layout_and_a_restore_then_reads_metadata():
+    md = _md({name: (size, pieces, list(range(len(pieces)))) for name, (size, pieces) in NOT_A_GRID.items()})
+    layout = layout_of(md)
+    for name in NOT_A_GRID:
+        assert name not in layout["keys"] and files_for(layout, name, [((0,), (1,))]) is None, name
+    assert files_for(layout, "a key it never held", []) is None
+
+
+def test_a_layout_stays_small_at_ten_thousand_ranks_and_unpickles_through_the_allowlist():
+    ranks = 10_000
+    tensors = {f"layers.{i}.w": ((8192, 1024), rows((8192, 1024), ranks), list(range(ranks))) for i in range(4)}
+    md = _md(tensors)
+    layout = layout_of(md)
+    keys = pickle.dumps(layout["keys"])
+    assert len(keys) < 1000, len(keys)  # per key: a handful of numbers, not one per rank
+    shared = load_metadata(pickle.dumps(shared_part(md)), ".index")
+    assert shared.planner_data[LAYOUT] == layout
+    # a rank of 1,000 restoring reads the ~10 files its rows are in
+    want = rows((8192, 1024), 1000)[500]
+    assert len(files_for(layout, "layers.0.w", [want])) <= 11
+
+
+def test_a_hostile_layout_gives_no_answer_rather_than_a_long_walk():
+    layout = {"files": [_file(0)], "keys": {"w": (((1, 10**9), (1, 10**9)), (0, 0))}}
+    assert files_for(layout, "w", [((0, 0), (10**6, 10**6))]) is None
+
+
+def test_cells_in_row_major_order_match_every_piece():
+    """A 3-D grid with files in a scrambled order: each cell is found where it is."""
+    size = (4, 6, 5)
+    pieces = [((a, b, c), (sa, sb, sc)) for a, sa in even(4, 2) for b, sb in even(6, 3) for c, sc in even(5, 2)]
+    files = list(range(len(pieces)))
+    random.Random(1).shuffle(files)
+    layout = layout_of(_md({"t": (size, pieces, files)}))
+    for p, f in zip(pieces, files, strict=True):
+        assert files_for(layout, "t", [p]) == {_file(f)}
+    assert files_for(layout, "t", [((0, 0, 0), size)]) == {_file(f) for f in files}
