@@ -1,7 +1,8 @@
 """What a save and a restore cost per rank and per job as the job grows (issue 40).
 
 For each world size, N processes on loopback (gloo) train a stack of FSDP2-sharded linear layers
-one step, save it with ckpt, and restore it on the same world size in a new job. The root is a
+one step, save it with ckpt, and restore it on the same world size in a new job, and (N >= 4)
+on N/2 ranks in another. The root is a
 moto S3 server behind a proxy that records every request (`--store s3`, the default) or a local
 directory (`--store local`). Per rank it records the bytes its restore read from the store
 (`ckpt_read_bytes`), the bytes of its own files, the time of the save and of the restore, and
@@ -113,7 +114,8 @@ def _worker(args: argparse.Namespace) -> None:
             out["sizes"] = {n: e.size for n, e in manifest.files.items() if not n.startswith("__")}
             out["own_index_bytes"] = sum(e.size for n, e in manifest.files.items() if e.rank == rank and n.endswith(".index"))
             out["files"] = len(manifest.files)
-            if rank == 0:  # two GETs more, taken off the restore's count (`_BENCH_GETS`)
+            out["file_sizes"] = {n: e.size for n, e in manifest.files.items()}
+            if rank == 0 and args.phase == "restore":  # two GETs more, taken off the restore's count (`_BENCH_GETS`)
                 rel = f"step-{manifest.step:010d}"
                 out["sizes"]["manifest.json"] = len(cp.store.read_bytes(f"{rel}/manifest.json"))
                 out["rates"] = _rates(cp.store.read_bytes(f"{rel}/.metadata"))
@@ -217,7 +219,7 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=24)
     p.add_argument("--width", type=int, default=256)
     p.add_argument("--out", default=str(REPO / "bench" / "results" / "scale.json"))
-    p.add_argument("--worker", choices=["save", "restore"], help=argparse.SUPPRESS)
+    p.add_argument("--worker", choices=["save", "restore", "reshard"], help=argparse.SUPPRESS)
     p.add_argument("--root", help=argparse.SUPPRESS)
     p.add_argument("--options", default="", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -242,6 +244,18 @@ def main() -> None:
                     "requests": _requests(proxy.requests, phase) if proxy is not None else {},
                     "per_rank": ranks,
                 }
+            if n >= 4:  # and on half as many ranks (each loads the rows of about 2 saving ranks)
+                if proxy is not None:
+                    proxy.requests.clear()
+                half = _job(n // 2, "reshard", root, Path(d, f"reshard{n}"), args, options)
+                data = sum(v for k, v in half[0]["file_sizes"].items() if k.endswith(".distcp"))
+                row["reshard"] = {
+                    "ranks": n // 2,
+                    "s_max": max(r["restore_s"] for r in half),
+                    "read_bytes_max": max(r["read_bytes"] for r in half),
+                    "data_bytes_per_rank": data / (n // 2),
+                    "requests": _requests(proxy.requests, "reshard") if proxy is not None else {},
+                }
             restored = row["restore"]["per_rank"]
             beyond = [r["read_bytes"] - r["own_file_bytes"] for r in restored]
             row.update(
@@ -264,6 +278,15 @@ def main() -> None:
                 + (f"; restore GETs {sum(v for k, v in req.items() if k.startswith(('get', 'range', 'head')))}" if req else ""),
                 flush=True,
             )
+            if "reshard" in row:
+                rs = row["reshard"]
+                got = Counter({k.partition(".")[2]: v for k, v in rs["requests"].items() if k.startswith(("get.", "range."))})
+                print(
+                    f"     on {rs['ranks']} ranks: busiest rank read {rs['read_bytes_max'] / 1e6:6.2f} MB (the data files / {rs['ranks']}: "
+                    f"{rs['data_bytes_per_rank'] / 1e6:.2f} MB), restore {rs['s_max']:.2f} s"
+                    + (f"; GETs of .metadata {got['metadata']}, of indexes {got['index']}" if rs["requests"] else ""),
+                    flush=True,
+                )
     fits = _fits(rows)
     model = _model_check(rows[-1], args)
     for line in fits["lines"] + model["lines"]:

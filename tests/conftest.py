@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -15,6 +16,12 @@ from pathlib import Path
 import pytest
 
 from tests.support.launch import free_port
+
+# A suite started in the background of a shell without job control (`make test &`) inherits
+# SIGINT ignored, and so would every process it starts: the Ctrl-C tests would see a trainer
+# that ignores Ctrl-C. The processes a test starts get the handler a terminal's command has.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 S3_ENV = {
     "AWS_ACCESS_KEY_ID": "testing",

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckpt._faults import fault_point
 from ckpt.errors import CheckpointError, InvalidCheckpoint, dcp_causes, dcp_failures
-from ckpt.format.manifest import MANIFEST_NAME, METADATA_NAME, SHARED_INDEX, Manifest
+from ckpt.format.manifest import MANIFEST_NAME, MAX_INDEXES, METADATA_NAME, SHARED_INDEX, Manifest
 from ckpt.storage import catalog, verified
 from ckpt.storage.store import Store, step_dir_name
 
@@ -206,7 +206,6 @@ def plan_reads(store: Store, entry: catalog.Entry, world: int) -> list[dict[str,
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     from ckpt.format.dcp_index import index_name, shared_refs
-    from ckpt.restore.partial import MAX_INDEXES
 
     md = inventory(store, entry)
     manifest = entry.manifest

@@ -122,7 +122,7 @@ def scale_rows(a: AtScale) -> list[list[str]]:
         ["save, predicted", f"{duration(a.save_s)} ({a.save_binds} bind)"],
         ["restore: bytes / requests (GET) bound", f"{duration(a.restore_bytes_s)} / {duration(a.restore_requests_s)} ({a.restore_requests:,.0f} requests)"],
         ["restore, predicted", f"{duration(a.restore_s)} ({a.restore_binds} bind)"],
-        ["restore on another world size: .metadata", f"+{duration(a.restore_resharded_metadata_s)} (every rank unpickles it)"],
+        ["restore on half the ranks: a rank's metadata", duration(a.restore_resharded_metadata_s)],
     ]
 
 

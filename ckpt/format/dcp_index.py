@@ -20,8 +20,6 @@ matched the manifest.
 
 from __future__ import annotations
 
-import re
-
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
@@ -32,7 +30,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
-from ckpt.format.dcp_layout import LAYOUT, layout_of
+from ckpt.format.dcp_layout import LAYOUT, PER_RANK, layout_of
 from ckpt.format.manifest import SHARED_INDEX, index_name
 
 __all__ = ["SHARED_INDEX", "index_name", "merged", "own_part", "shared_part", "shared_refs"]
@@ -41,9 +39,6 @@ __all__ = ["SHARED_INDEX", "index_name", "merged", "own_part", "shared_part", "s
 # about 1 KiB, a pickled optimizer's hyperparameters a few hundred bytes. Longer replicated
 # values (a DDP model's weights) are read by each rank that loads them.
 SHARE_MAX = 64 << 10
-# ckpt's per-rank values (rng.rank_3, loader.rank_3, extra.<name>.rank_3): held once, loaded
-# by their own rank only, from its own file.
-_PER_RANK = re.compile(r"(^|\.)rank_\d+(\.|$)")
 
 Ref = tuple[str, int, int]  # an item: its file, offset and length
 
@@ -55,7 +50,7 @@ def shared_refs(md: Metadata) -> list[Ref]:
 
 
 def _shared(md: Metadata, index: MetadataIndex, info: _StorageInfo) -> bool:
-    if info.length > SHARE_MAX or info.transform_descriptors or _PER_RANK.search(index.fqn):
+    if info.length > SHARE_MAX or info.transform_descriptors or PER_RANK.search(index.fqn):
         return False
     entry = md.state_dict_metadata.get(index.fqn)
     return isinstance(entry, BytesStorageMetadata) or (isinstance(entry, TensorStorageMetadata) and len(entry.chunks) == 1)
@@ -68,7 +63,10 @@ def shared_part(md: Metadata) -> Metadata:
     # checkpoint holds, which a restore warns of when no rank asked for it.
     # And where each piece of each value is (`ckpt.format.dcp_layout`): a restore on another
     # world size reads the indexes of the files it loads from.
-    held = {_HELD: sorted(md.state_dict_metadata), LAYOUT: layout_of(md)}
+    # ckpt's own per-rank RNG and loader states, restored by their rank's rules, are not
+    # listed: at 10,000 ranks they would be most of the list.
+    listed = sorted(k for k in md.state_dict_metadata if not (k.startswith(("rng.", "loader.")) and PER_RANK.search(k)))
+    held = {_HELD: listed, LAYOUT: layout_of(md)}
     return Metadata({i.fqn: md.state_dict_metadata[i.fqn] for i in keep}, planner_data=held, storage_data=keep, storage_meta=StorageMeta())
 
 
@@ -116,7 +114,8 @@ def merged(*parts: Metadata) -> Metadata:
 
 
 def held_keys(md: Metadata) -> list[str]:
-    """Every key the checkpoint holds: `.index`'s list (a part of the metadata), else its own."""
+    """Every key the checkpoint holds (`.index`'s list, in a part of the metadata, leaves out
+    ckpt's per-rank RNG and loader states), else its own."""
     held = _held_list(md)
     return held if held is not None else list(md.state_dict_metadata)
 

@@ -14,7 +14,9 @@ Rank 0 writes each key's layout in `.index`'s planner_data:
                      `(first, step)`, cell i in file first + i * step, or a list of file
                      numbers (-1: no piece there, an empty shard)
 
-A key whose pieces are not such a grid has no layout: a rank that loads it reads `.metadata`.
+A family of per-rank values (`rng.rank_7.torch`: rank 7's, in rank 7's file) is one entry of
+`ranked`, its name with `rank_*`, whatever the world size. A key whose pieces are not such a
+grid has no layout: a rank that loads it reads `.metadata`.
 Plain ints, tuples, lists and strings only: `.index` unpickles through `.metadata`'s
 allowlist. A layout only picks which indexes to read: `ckpt.restore.partial` still checks
 that what they hold covers every piece a rank loads.
@@ -31,11 +33,14 @@ from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-__all__ = ["LAYOUT", "files_for", "layout_of"]
+__all__ = ["LAYOUT", "PER_RANK", "files_for", "layout_of"]
 
 LAYOUT = "ckpt.layout"
 Piece = tuple[tuple[int, ...], tuple[int, ...]]  # offsets, sizes
 Dim = tuple[int, int] | list[int]
+# ckpt's per-rank values (rng.rank_3, loader.rank_3, extra.<name>.rank_3): held once, loaded
+# by their own rank only, from its own file.
+PER_RANK = re.compile(r"(^|\.)rank_(\d+)(\.|$)")
 # Cells a rank may look up for one key: more means a layout no save writes (a hostile one).
 _MAX_CELLS = 1 << 16
 
@@ -48,8 +53,13 @@ def layout_of(md: Metadata) -> dict[str, Any]:
     files = sorted({info.relative_path for info in md.storage_data.values()}, key=_natural)  # rank order: runs
     number = {name: i for i, name in enumerate(files)}
     keys: dict[str, Any] = {}
+    ranked: dict[str, bool] = {}  # each family: is every member in its own rank's file?
     for fqn, entry in md.state_dict_metadata.items():
         where = {offsets: number[name] for offsets, name in held.get(fqn, {}).items()}
+        rank = PER_RANK.search(fqn)
+        if rank is not None:
+            own = len(where) == 1 and next(iter(where.values())) == number.get(f"__{rank.group(2)}_0.distcp")
+            ranked[_family(fqn, rank)] = ranked.get(_family(fqn, rank), True) and own
         if not isinstance(entry, TensorStorageMetadata):
             if len(where) == 1:
                 keys[fqn] = next(iter(where.values()))
@@ -59,7 +69,9 @@ def layout_of(md: Metadata) -> dict[str, Any]:
             spec = _grid(tuple(entry.size), pieces, where)
             if spec is not None:
                 keys[fqn] = spec
-    return {"files": files, "keys": keys}
+    families = sorted(f for f, own in ranked.items() if own)
+    keys = {k: v for k, v in keys.items() if not ((m := PER_RANK.search(k)) and _family(k, m) in families)}
+    return {"files": files, "keys": keys, "ranked": families}
 
 
 def _grid(size: tuple[int, ...], pieces: list[Piece], file_at: dict[tuple[int, ...], int]) -> Any:
@@ -95,6 +107,10 @@ def files_for(layout: dict[str, Any], fqn: str, pieces: Iterable[Piece]) -> set[
     files = layout["files"]
     pieces = [p for p in pieces if math.prod(p[1])]
     if spec is None:
+        rank = PER_RANK.search(fqn)
+        if rank is not None and _family(fqn, rank) in layout.get("ranked", ()):
+            name = f"__{rank.group(2)}_0.distcp"
+            return {name} if name in files else None
         return None
     if isinstance(spec, int):
         return {files[spec]}
@@ -115,6 +131,10 @@ def files_for(layout: dict[str, Any], fqn: str, pieces: Iterable[Piece]) -> set[
             if f >= 0:
                 found.add(files[f])
     return found
+
+
+def _family(fqn: str, rank: re.Match[str]) -> str:
+    return f"{fqn[: rank.start(2)]}*{fqn[rank.end(2) :]}"
 
 
 def _natural(name: str) -> list[Any]:

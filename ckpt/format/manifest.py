@@ -21,6 +21,10 @@ _XXH3_FORMAT = 2  # what a manifest of xxh3 checksums is still written as: every
 MANIFEST_NAME = "manifest.json"
 METADATA_NAME = ".metadata"  # DCP's pickled global metadata, written by rank 0
 SHARED_INDEX = ".index"  # the part of it every rank reads, beside each rank's own (`ckpt.format.dcp_index`)
+# The most indexes a restoring rank reads instead of `.metadata` (`ckpt.restore.partial`): a
+# restore on fewer ranks reads about (saving ranks / restoring ranks) + 1; a replicated model
+# one per rank, and there one `.metadata` from rank 0 costs less.
+MAX_INDEXES = 64
 INDEX_SUFFIX = ".index"
 
 

@@ -343,7 +343,7 @@ def _load(
     # Each rank plans and reads its part alone (DCP's default load planning has no global
     # step: its collectives would only carry the plans around and wait); the ranks then
     # agree on the outcome before anything is applied, as applying may take collectives.
-    metadata, received, parts = metadata_of(ctrl, store, rel, manifest, sd, metadata, spooled=tiered is not None)
+    metadata, received, parts = metadata_of(ctrl, store, rel, manifest, sd, metadata, spool=tiered)
     reader = make_reader(tiered or store, rel, manifest, before_read, metadata, received, ctrl, parts)  # type: ignore[arg-type]
     planner = SafeLoadPlanner(state.optional())
     loaded = _outcome(lambda: dcp.load(sd, storage_reader=reader, planner=planner, no_dist=True))

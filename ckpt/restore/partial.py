@@ -34,35 +34,35 @@ from ckpt.errors import InvalidCheckpoint
 from ckpt.format.dcp_index import index_name, merged
 from ckpt.format.dcp_layout import LAYOUT, files_for
 from ckpt.format.dcp_metadata import load_metadata
-from ckpt.format.manifest import METADATA_NAME, SHARED_INDEX, Manifest
+from ckpt.format.manifest import MAX_INDEXES, METADATA_NAME, SHARED_INDEX, Manifest
 from ckpt.restore.dcp_read import Parts
 from ckpt.storage.store import Store
 from ckpt.storage.verified import checked, read_verified
 
 log = logging.getLogger(__name__)
 
-# The most indexes a rank reads instead of `.metadata`: a restore on fewer ranks reads about
-# (saving ranks / restoring ranks) + 1; more, and one `.metadata` from rank 0 costs less.
-MAX_INDEXES = 64
 _READERS = 8  # indexes read at once
 
 
 def metadata_of(
     ctrl: Group, store: Store, rel: str, manifest: Manifest, state_dict: dict[str, Any], metadata: bytes | None,
-    spooled: bool = False,
+    spool: Any = None,
 ) -> tuple[bytes | None, bool, Parts | None]:
     """What a rank of a job reads its metadata from (a collective when world > 1): this rank's
     part and the shared part (`partial_metadata`), or else `.metadata`, read once per job
     (`metadata_once`: its bytes, if read or kept, and whether they came from rank 0).
     `metadata`: on rank 0, the bytes of `.index` or `.metadata` the catalog checked and kept.
-    `spooled`: this rank reads the files from its node's spool (`ckpt.node.handoff.Tiered`): if
-    any rank does, each rank reads `.metadata` itself (a local file, mostly)."""
+    `spool`: this rank's reader of its node's spool (`ckpt.node.handoff.Tiered`), where it holds
+    files of the step: the indexes are read through it, and if any rank has one, each rank
+    reads `.metadata`, where it must, itself (from its spool, mostly)."""
     kept = {name: metadata for name in (SHARED_INDEX, METADATA_NAME) if metadata is not None and _is(name, metadata, manifest)}
-    if ctrl.world == 1 or ctrl.any(spooled):  # a node's spool may hold the step and another's not: agreed
+    if ctrl.world == 1:
         return kept.get(METADATA_NAME), False, None
-    parts = partial_metadata(ctrl, store, rel, manifest, state_dict, kept.get(SHARED_INDEX)) if manifest.indexed_for(ctrl.world) else None
+    parts = partial_metadata(ctrl, spool or store, rel, manifest, state_dict, kept.get(SHARED_INDEX)) if manifest.indexed_for(ctrl.world) else None
     if parts is not None:
         return None, False, parts
+    if ctrl.any(spool is not None):  # a node's spool may hold the step and another's not: agreed
+        return kept.get(METADATA_NAME), False, None
     return (*metadata_once(ctrl, store, rel, manifest, kept.get(METADATA_NAME)), None)
 
 

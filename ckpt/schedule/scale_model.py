@@ -12,16 +12,19 @@ the ranks, so every rank writes S/W bytes whatever the layout):
              are read by every rank)
 
 `.metadata` holds one entry per piece of every tensor: T·pieces of them (pieces W for FSDP,
-W/R for HSDP, 1 for DDP). An FSDP restore on the world size that saved reads each rank's own
-index (its pieces) and the shared `.index` instead (`ckpt.restore.partial`); DDP and HSDP
-(whose replicated pieces lie in one replica's file) and a restore on another world size read
-`.metadata` once (rank 0) and every rank unpickles it.
+W/R for HSDP, 1 for DDP). A restore reads instead the shared `.index` and the indexes of the
+files that hold its pieces (`ckpt.restore.partial`): FSDP its own, HSDP up to R (DCP keeps
+each replicated piece in one replica's file), DDP every rank's; on half the ranks that saved,
+about 3. Where that is more than `MAX_INDEXES` files (DDP on many ranks), rank 0 reads
+`.metadata` once and every rank unpickles it.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+
+from ckpt.format.manifest import MAX_INDEXES
 
 # Measured by bench/scale.py on 2-16 ranks of a 24-layer FSDP2 stack (48 parameter tensors,
 # 144 pieces per rank with AdamW's moments; bench/results/scale.json): bytes of `.metadata` per
@@ -93,7 +96,7 @@ class AtScale:
     restore_metadata_s: float  # reading and unpickling this rank's metadata
     restore_s: float
     restore_binds: str
-    restore_resharded_metadata_s: float  # on another world size: `.metadata`, whole, on every rank
+    restore_resharded_metadata_s: float  # on half the ranks that saved: each rank's metadata
 
 
 def at_scale(checkpoint_bytes: float, s: Scale) -> AtScale:
@@ -121,10 +124,13 @@ def at_scale(checkpoint_bytes: float, s: Scale) -> AtScale:
     restore_bytes_s = loaded * w / read_bw  # every rank's loads, over the nodes' (or the store's) bandwidth
     restore_requests_s = restore_requests / (GET_PER_S * s.prefixes)
     whole_metadata_s = metadata / s.read_bandwidth + metadata / UNPICKLE_RATE
-    # A replicated piece is saved in one rank's file (DCP keeps one copy): the other replicas'
-    # indexes hold the key but not the piece, so a restore of DDP or HSDP reads `.metadata`.
-    indexed = r == 1
-    restore_metadata_s = (index + shared) / UNPICKLE_RATE + (index + shared) / s.read_bandwidth if indexed else whole_metadata_s
+    # A rank reads the indexes of the files its pieces are in (a replicated piece is in one
+    # replica's file: HSDP's R, DDP's W), in all about its own index's entries, and `.index`.
+    part = index if r == 1 else entries * INDEX_ENTRY
+    indexed = min(r, w) <= MAX_INDEXES
+    restore_metadata_s = _read_s(part + shared, s) if indexed else whole_metadata_s
+    # On half the ranks, an FSDP rank loads the pieces of 2 saving ranks (3 where they straddle).
+    resharded_s = _read_s(3 * part + shared, s) if min(r, w) * 3 <= MAX_INDEXES else whole_metadata_s
     save_s = max(save_bytes_s, save_requests_s) + save_metadata_s
     restore_s = max(restore_bytes_s, restore_requests_s) + restore_metadata_s
     return AtScale(
@@ -145,8 +151,13 @@ def at_scale(checkpoint_bytes: float, s: Scale) -> AtScale:
         restore_metadata_s=restore_metadata_s,
         restore_s=restore_s,
         restore_binds="requests" if restore_requests_s > restore_bytes_s else "bandwidth",
-        restore_resharded_metadata_s=whole_metadata_s,
+        restore_resharded_metadata_s=resharded_s,
     )
+
+
+def _read_s(nbytes: float, s: Scale) -> float:
+    """Reading and unpickling `nbytes` of metadata on one rank."""
+    return nbytes / UNPICKLE_RATE + nbytes / s.read_bandwidth
 
 
 def llama_tensors(params: float) -> int:

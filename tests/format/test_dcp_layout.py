@@ -72,9 +72,13 @@ def _file(f: int) -> str:
     return f"__{f}_0.distcp"
 
 
-def _md(tensors: dict[str, tuple[tuple[int, ...], list[Piece], list[int]]]) -> Metadata:
-    """`.metadata` as DCP writes it: equal pieces (the empty shards at the end) saved once."""
+def _md(tensors: dict[str, tuple[tuple[int, ...], list[Piece], list[int]]], values: dict[str, int] | None = None) -> Metadata:
+    """`.metadata` as DCP writes it: equal pieces (the empty shards at the end) saved once;
+    `values`: pickled values, in that file."""
     entries, storage = {}, {}
+    for fqn, f in (values or {}).items():
+        entries[fqn] = BytesStorageMetadata()
+        storage[MetadataIndex(fqn)] = _StorageInfo(_file(f), 0, 80)
     for fqn, (size, pieces, files) in tensors.items():
         chunks: list[ChunkStorageMetadata] = []
         for (o, s), f in zip(pieces, files, strict=True):
@@ -136,11 +140,16 @@ def test_pieces_that_are_not_a_grid_have_no_layout_and_a_restore_then_reads_meta
 def test_a_layout_stays_small_at_ten_thousand_ranks_and_unpickles_through_the_allowlist():
     ranks = 10_000
     tensors = {f"layers.{i}.w": ((8192, 1024), rows((8192, 1024), ranks), list(range(ranks))) for i in range(4)}
-    md = _md(tensors)
+    own = {f"rng.rank_{r}.{kind}": r for r in range(ranks) for kind in ("torch", "python.state")}  # each rank's, in its file
+    md = _md(tensors, own)
     layout = layout_of(md)
+    assert layout["ranked"] == ["rng.rank_*.python.state", "rng.rank_*.torch"]
+    assert files_for(layout, "rng.rank_7.torch", []) == {_file(7)} and files_for(layout, f"rng.rank_{ranks}.torch", []) is None
     keys = pickle.dumps(layout["keys"])
     assert len(keys) < 1000, len(keys)  # per key: a handful of numbers, not one per rank
-    shared = load_metadata(pickle.dumps(shared_part(md)), ".index")
+    index = pickle.dumps(shared_part(md))
+    assert len(index) < len(layout["files"]) * 20 + 4000, len(index)  # the files' names, and little else
+    shared = load_metadata(index, ".index")
     assert shared.planner_data[LAYOUT] == layout
     # a rank of 1,000 restoring reads the ~10 files its rows are in
     want = rows((8192, 1024), 1000)[500]
@@ -162,3 +171,12 @@ def test_cells_in_row_major_order_match_every_piece():
     for p, f in zip(pieces, files, strict=True):
         assert files_for(layout, "t", [p]) == {_file(f)}
     assert files_for(layout, "t", [((0, 0, 0), size)]) == {_file(f) for f in files}
+
+
+def test_a_per_rank_value_outside_its_ranks_file_keeps_its_own_entry():
+    """A family is one entry only where each member is in its own rank's file."""
+    md = _md({}, {"rng.rank_0.torch": 0, "rng.rank_1.torch": 0, "extra.s.rank_0": 0, "extra.s.rank_1": 1})
+    layout = layout_of(md)
+    assert layout["ranked"] == ["extra.s.rank_*"]
+    assert layout["keys"]["rng.rank_1.torch"] == 0 and files_for(layout, "rng.rank_1.torch", []) == {_file(0)}
+    assert files_for(layout, "extra.s.rank_1", []) == {_file(1)}
