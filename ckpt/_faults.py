@@ -18,7 +18,7 @@ copies, the writer under way), `write_item` (between two items of a data file),
 `retention` (rank 0 deleting an old checkpoint, `<step>` the deleted one: its manifest gone,
 its files not yet); with a node agent, `after_handoff` (this rank's files handed off to the
 agent) and, in the agent, `agent_upload` (a chunk of a rank's file written to the root, the
-upload not complete). Unset in production: one dict lookup.
+upload not complete) and `agent_durable` (a rank's marker written, the commit not tried). Unset in production: one dict lookup.
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ from typing import Any
 
 import fsspec
 
+from ckpt.node.durable import TAKE_OVER_S
 from ckpt.redact import redact
 
 _SIZE = re.compile(r"^\s*([0-9.]+)\s*([kmgt]?)(i?)b?\s*$", re.IGNORECASE)
@@ -46,6 +47,7 @@ class Config:
     shutdown_grace: float = 120.0  # seconds after SIGTERM before uploads are abandoned
     retries: int = 0  # tries of a hand-off's upload; 0: until commit_wait has passed
     commit_wait: float = 3600.0  # seconds a hand-off is retried and waits for the other ranks
+    commit_takeover: float = TAKE_OVER_S  # seconds after which a node without rank 0 lists the markers too
     allowed_roots: list[str] = field(default_factory=list)  # URL prefixes it uploads to; empty: any
     log_format: str = "text"
     storage_options: dict[str, Any] = field(default_factory=dict)
@@ -141,6 +143,10 @@ def parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     p.add_argument("--shutdown-grace", type=float, help="seconds after SIGTERM before uploads are abandoned (default 120)")
     p.add_argument("--retries", type=int, help="tries of a hand-off's upload before it fails (default 0: until --commit-wait)")
     p.add_argument("--commit-wait", type=float, help="seconds a hand-off is retried and waits for the other ranks (default 3600)")
+    p.add_argument(
+        "--commit-takeover", type=float,
+        help=f"seconds after its ranks are durable that a node without rank 0 also lists the other ranks' markers, to commit if rank 0's node died (default {TAKE_OVER_S:.0f})",
+    )  # fmt: skip
     p.add_argument("--allowed-roots", help="comma-separated URL prefixes the agent uploads to (default: any)")
     p.add_argument("--log-format", choices=["text", "json"], help="log lines as text or JSON objects")
     p.add_argument("--config", help="a TOML file of these settings (env CKPT_AGENT_CONFIG)")

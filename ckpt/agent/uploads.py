@@ -50,6 +50,10 @@ from ckpt.storage.store import Store
 log = logging.getLogger(__name__)
 
 CHUNK = 8 << 20  # bytes read from the spool per write to the store
+# When a durable party looks again at a commit it waits for: seconds after its last look (the
+# first, after it was durable), the last one repeated. A rank leaving its job waits for its
+# node to see the commit: at most the last of these after it landed.
+LOOKS_S = (2.0, 4.0, 8.0)
 
 
 class Abandoned(BaseException):
@@ -102,6 +106,7 @@ class Uploads:
         self._pool = concurrent.futures.ThreadPoolExecutor(config.upload_concurrency, thread_name_prefix="ckpt-upload")
         self._running: dict[str, concurrent.futures.Future[None]] = {}  # request path -> its upload
         self._waiting: dict[tuple[str, str], tuple[str, Request, float]] = {}  # (path, save id) -> durable since
+        self._looks: dict[tuple[str, str, str], tuple[int, float]] = {}  # a save -> its looks so far, the next one's time
         self._lock = threading.Lock()
         self._abandon = threading.Event()
 
@@ -164,6 +169,7 @@ class Uploads:
                 if why:
                     raise Superseded(why)
                 mark_durable(store, request.rel, request.save_id, request.rank, {n: request.manifest["files"][n]["checksum"] for n in request.files})
+                fault_point("agent_durable", request.rank, request.step)
                 self.metrics.uploads.labels("durable").inc()
                 self.metrics.upload_time.observe(max(0.0, time.time() - request.submitted))  # queued and earlier agents' tries too
                 log.info("step %d rank %d durable in %s (%.1f MB in %.2f s)", request.step, request.rank, store.display, done / 1e6, time.monotonic() - began, extra=where)
@@ -246,14 +252,25 @@ class Uploads:
     def check_commits(self) -> None:
         """The durable ranks wait for the others: commit when all are (a party that died
         before committing is covered), or give up `commit_wait` seconds after being durable.
-        One look per save, however many of its ranks this node has."""
+        One look per save, however many of its ranks this node has, less and less often
+        (`LOOKS_S`): the last party to be durable has committed already, unless it died there.
+        At each look the node with rank 0 lists the markers; the others look for the manifest
+        alone, and list too once `commit_takeover` seconds passed (rank 0's node died)."""
         saves: dict[tuple[str, str, str], list[tuple[str, Request, float]]] = {}
         for path, request, since in list(self._waiting.values()):
             saves.setdefault((request.root, request.rel, request.save_id), []).append((path, request, since))
-        for ranks in saves.values():
+        self._looks = {key: look for key, look in self._looks.items() if key in saves}
+        now = time.time()
+        for key, ranks in saves.items():
             request = ranks[0][1]
+            since = min(s for _, _, s in ranks)
+            looked, due = self._looks.get(key, (0, since + LOOKS_S[0]))
+            if now < due:
+                continue
+            self._looks[key] = (looked + 1, now + LOOKS_S[min(looked + 1, len(LOOKS_S) - 1)])
+            lead = any(r.rank == 0 for _, r, _ in ranks)
             try:
-                outcome = commit_if_complete(self.roots.store(request), request)
+                outcome = commit_if_complete(self.roots.store(request), request, markers=lead or now - since > self.config.commit_takeover)
             except CheckpointError as e:
                 log.warning("checking the commit of step %d: %s", request.step, e)
                 continue

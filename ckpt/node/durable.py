@@ -10,7 +10,10 @@ the rank itself), and the checkpoint commits when every rank's are:
 Each party writes its marker and then lists the markers, so of any two the later one sees
 both: the last one always commits. Writing the manifest twice is harmless (the same
 checkpoint), and a party that died between its marker and the manifest is covered by the
-others, which look again while they wait. A rank whose node has no agent (or a full spool)
+others, which look again while they wait: the party of rank 0 lists the markers again, the
+others look for the manifest alone and list only once the save is `TAKE_OVER_S` overdue (rank
+0's party died too). A party's requests per save stay O(1) at any number of ranks, not a LIST
+of every rank's marker from every node every few seconds. A rank whose node has no agent (or a full spool)
 writes to the root itself and takes part the same way. On a local root every write here
 goes through no link (`ckpt.storage.nofollow`): the agent writes there for whoever wrote
 the request.
@@ -33,6 +36,8 @@ from ckpt.storage.nofollow import fsync_dir, new_file, put_file
 from ckpt.storage.store import Store, storage_errors
 
 DURABLE_DIR = ".durable"
+# Seconds after its own marker a party that does not hold rank 0 starts listing the markers too.
+TAKE_OVER_S = 60.0
 CLAIM_NAME = ".claim"  # in a step directory of the root: the save that owns it now
 
 
@@ -46,19 +51,22 @@ def mark_durable(store: Store, rel: str, save_id: str, rank: int, files: dict[st
     put(store, f"{rel}/{DURABLE_DIR}/{marker_name(save_id, rank)}", json.dumps(doc).encode())
 
 
-def commit_if_complete(store: Store, request: Request) -> str | None:
+def commit_if_complete(store: Store, request: Request, markers: bool = True) -> str | None:
     """Write the manifest if every rank's marker of this save is there. Returns "committed"
     (this call wrote it), "found" (it was there already), "superseded" (another save of the
-    step committed it, or claimed it) or None (a rank is not durable yet). Idempotent: any
-    party may call it any number of times."""
+    step committed it, or claimed it) or None (a rank is not durable yet, or, without
+    `markers`, not committed yet: the markers are not listed). Idempotent: any party may call
+    it any number of times."""
     rel = request.rel
     found = committed_as_requested(store, request)
     if found is not None:
         return "found" if found else "superseded"
     if superseded(store, request):
         return "superseded"
-    markers = set(store.list_dir(f"{rel}/{DURABLE_DIR}"))
-    if not all(marker_name(request.save_id, r) in markers for r in range(request.world)):
+    if not markers:
+        return None
+    durable = set(store.list_dir(f"{rel}/{DURABLE_DIR}"))
+    if not all(marker_name(request.save_id, r) in durable for r in range(request.world)):
         return None
     manifest = request.manifest_obj()
     # `created` stays the draft's: commits of different steps may land out of order (one

@@ -25,7 +25,7 @@ from typing import Any, BinaryIO
 
 from ckpt.errors import NotFound
 from ckpt.format.manifest import Manifest
-from ckpt.node.durable import commit_if_complete, committed_as_requested, mark_durable
+from ckpt.node.durable import TAKE_OVER_S, commit_if_complete, committed_as_requested, mark_durable
 from ckpt.node.spool import (
     COMMITTED,
     DURABLE,
@@ -247,7 +247,8 @@ class Handoff:
 
     def _state(self, h: _Handed) -> str | None:
         if not h.status:  # written to the root by this rank: look (and commit, for a party that died before it)
-            outcome = commit_if_complete(self.store, h.request)
+            overdue = time.time() - h.request.submitted > TAKE_OVER_S
+            outcome = commit_if_complete(self.store, h.request, markers=self.rank == 0 or overdue)
             return FAILED if outcome == "superseded" else COMMITTED if outcome else None
         state = h.request.state(read_json(h.status))
         if state is not None or os.path.exists(request_of(h.status)):

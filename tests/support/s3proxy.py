@@ -12,7 +12,7 @@ import threading
 import time
 from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from urllib.parse import urlsplit
+from urllib.parse import parse_qs, urlsplit
 
 # What a flaky store does to a request: answer 500 (InternalError) or 503 (SlowDown), drop
 # the connection without an answer ("reset"), answer after a delay ("delay"), send only part
@@ -34,6 +34,7 @@ class FaultyProxy:
         self.seen: Counter[str] = Counter()
         self.ranges: list[str] = []  # the Range header of every ranged GET
         self.requests: list[tuple[str, str]] = []  # (kind, path) of every request, in order
+        self.listed: list[str] = []  # the prefix of every listing (a GET of the bucket), in order
         self.failed: Counter[str] = Counter()
         self.injected: Counter[str] = Counter()  # by fault, for the random ones
         self._plan: dict[str, list[str]] = {}
@@ -104,6 +105,8 @@ class FaultyProxy:
         with self._lock:
             self.seen[kind] += 1
             self.requests.append((kind, urlsplit(req.path).path))
+            if req.command == "GET" and "prefix" in parse_qs(query):
+                self.listed.append(parse_qs(query)["prefix"][0])
             plan = self._plan.get(kind, [])
             action = plan[0] if plan else None
             if plan and plan[0] != "always":
