@@ -206,12 +206,13 @@ def plan_reads(store: Store, entry: catalog.Entry, world: int) -> list[dict[str,
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     from ckpt.format.dcp_index import index_name, shared_refs
+    from ckpt.restore.shared_items import server
 
     md = inventory(store, entry)
     manifest = entry.manifest
     assert manifest is not None
     shared = set(shared_refs(md))  # read by the rank that serves their file, sent to the others
-    servers = {n: e.rank % world for n, e in manifest.files.items() if e.rank >= 0}
+    servers = {n: server(e.rank, manifest.world_size, world) for n, e in manifest.files.items() if e.rank >= 0}
     indexed = manifest.indexed_for(world)
     plans: list[dict[str, Any]] = []
     for rank in range(world):

@@ -6,8 +6,9 @@ ranks' files, so a rank that loads them all would read at least one checksum blo
 more) of every other rank's file to get a few bytes of each: N blocks per rank at N ranks.
 
 Here each such item (`ckpt.format.dcp_index.shared_refs`: short, held once, not a rank's own)
-belongs to the rank that serves its file: the rank that wrote it, or on fewer
-ranks `rank % world`, which reads that file anyway. A rank does not read the items of files it
+belongs to the rank that serves its file (`server`): the rank that wrote it, or on another
+world size the first rank that takes over its rows under FSDP's even split, which reads that
+file anyway. A rank does not read the items of files it
 does not serve; once every rank has read its own part (`exchange`), the ranks say which items
 they wait for (one all-reduce of a bitmap), the serving ranks send those to rank 0 (a gather),
 and rank 0 sends them all to every rank (a broadcast): a few collectives per restore, whatever
@@ -43,6 +44,13 @@ log = logging.getLogger(__name__)
 _BITS = 63  # bits of the need bitmap per int64 (the sign bit is left alone)
 
 
+def server(rank: int, saved_on: int, world: int) -> int:
+    """The rank of `world` that serves the file saving rank `rank` of `saved_on` wrote: the
+    rank that loads its first rows when every tensor is split evenly along its first
+    dimension (FSDP), where the pieces of saving ranks r·world/saved_on onwards go."""
+    return min(rank * world // max(saved_on, 1), world - 1)
+
+
 @dataclass
 class Sharing:
     """One rank's part in sharing the small items of one restore."""
@@ -59,7 +67,7 @@ class Sharing:
     def of(cls, ctrl: Group, manifest: Manifest, metadata: Metadata) -> Sharing:
         """`metadata`: the whole `.metadata`, or the shared part of the index (`.index`)."""
         refs = shared_refs(metadata)
-        servers = {name: entry.rank % ctrl.world for name, entry in manifest.files.items() if entry.rank >= 0}
+        servers = {name: server(entry.rank, manifest.world_size, ctrl.world) for name, entry in manifest.files.items() if entry.rank >= 0}
         return cls(ctrl.rank, ctrl.world, refs, servers)
 
     def __post_init__(self) -> None:

@@ -29,11 +29,13 @@ from ckpt.format.manifest import MAX_INDEXES
 # Measured by bench/scale.py on 2-16 ranks of a 24-layer FSDP2 stack (48 parameter tensors,
 # 144 pieces per rank with AdamW's moments; bench/results/scale.json): bytes of `.metadata` per
 # piece of a tensor (its fit: 22,730 bytes more per rank for 144 pieces), of a rank's index per
-# piece it holds (about 31 KB for 144), and of `.index` per parameter tensor (10.7 KB for 48).
+# piece it holds (38.2 KB for 144 at 16 ranks, a little more on fewer: its RNG state and
+# values), and of `.index` per parameter tensor (20.7 KB for 48: the values held once and each
+# key's layout, at any W).
 METADATA_ENTRY = 158.0
 METADATA_PER_TENSOR = 680.0  # and per parameter tensor, whatever W (the fit's 32.6 KB for 48)
-INDEX_ENTRY = 215.0
-SHARED_ENTRY = 223.0
+INDEX_ENTRY = 265.0
+SHARED_ENTRY = 432.0
 # ckpt's restricted unpickler of any metadata (pure Python: it checks every opcode) and pickling
 # at the save, bytes/s, on this 2-core machine (bench/scale.py's `rates`, at 2 ranks).
 UNPICKLE_RATE = 2.3e6
