@@ -15,9 +15,13 @@ are `ckpt.lifecycle`'s, the background save and what follows a commit `ckpt.back
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import os
 import time
 from typing import Any, Literal
+
+import torch.distributed as dist
 
 from ckpt._faults import fault_point
 from ckpt._gc import gc_paused
@@ -78,7 +82,8 @@ class Checkpointer(Lifecycle, BackgroundSaves):
         keep: retention, applied by rank 0 after each commit, in the background.
         storage_options: passed to fsspec (``{"endpoint_url": ...}`` for an S3-compatible store).
         transfer: how files move to and from an S3 root (``ckpt.Transfer``: part size, parts
-            in flight, read size and readahead, retries and backoff).
+            in flight, read size and readahead, retries and backoff, and the job's request
+            rate, `requests_per_s`, which each rank paces itself at its share of).
         restore: "latest" (default) restores the newest committed checkpoint; "none" starts
             fresh whatever the root holds; a step number restores exactly that step.
         save_on_exit: leaving the block normally takes a final save if the last step is unsaved.
@@ -196,6 +201,8 @@ class Checkpointer(Lifecycle, BackgroundSaves):
             timeout_s=timeout_s, budget=host_memory_budget, agree_every_s=agree_every_s, frozen=frozen,
         )  # fmt: skip
         interval = checked_interval(interval)
+        if transfer is not None and transfer.requests_per_s > 0:  # each rank paces itself at its share
+            transfer = dataclasses.replace(transfer, ranks=_world_size())
         self.store = Store(root, storage_options, transfer)
         self._signing_key = SigningKey.resolve(signing_key)
         if self._signing_key is not None:  # a signature over xxh3 checksums would not cover the data
@@ -418,3 +425,10 @@ class Checkpointer(Lifecycle, BackgroundSaves):
         from (measured blocking and busy times, the MTBF, the nodes, failures seen). Rank 0
         decides, from its own costs; on other ranks this stays the initial choice."""
         return self._cadence.schedule
+
+
+def _world_size() -> int:
+    """The job's ranks, as torch.distributed (or torchrun's environment) says."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return max(1, int(os.environ.get("WORLD_SIZE", "1") or 1))

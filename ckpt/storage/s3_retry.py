@@ -9,6 +9,7 @@ import asyncio
 import logging
 import random
 import re
+import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
@@ -18,6 +19,7 @@ from botocore.exceptions import ConnectionError as BotoConnectionError
 from s3fs.core import S3_RETRYABLE_ERRORS
 
 from ckpt.redact import redact
+from ckpt.storage.pacing import pace_for
 from ckpt.storage.transfer import Transfer
 
 logger = logging.getLogger("ckpt.storage.s3")  # a retry is the S3 layer's news
@@ -35,6 +37,13 @@ _TRANSIENT_CODES = frozenset(
         "TooManyRequestsException", "RequestLimitExceeded", "BandwidthLimitExceeded",
         "XAmzContentSHA256Mismatch",
     }
+)  # fmt: skip
+
+
+# Of those, the ones that mean "too many requests": the pace slows (`ckpt.storage.pacing`).
+_THROTTLING = (
+    "SlowDown", "Throttling", "ThrottlingException", "ThrottledException", "RequestThrottled",
+    "RequestThrottledException", "TooManyRequestsException", "RequestLimitExceeded",
 )  # fmt: skip
 
 
@@ -101,16 +110,33 @@ class GaveUp(Exception):
 
 
 async def tried(cfg: Transfer, what: str, request: Callable[[], Awaitable[T]]) -> T:
-    """`request()`, sent again after a transient failure (with `backoff_s`), at most
-    `cfg.attempts` times; GaveUp with the last failure otherwise."""
-    attempt = 1
+    """`request()` at this process's pace (`ckpt.storage.pacing`), sent again after a
+    transient failure (with `backoff_s`), at most `cfg.attempts` times, and after a throttling
+    answer (which slows the pace) for up to `cfg.throttled_s`; GaveUp with the last failure
+    otherwise."""
+    pace = pace_for(cfg.requests_per_s, cfg.ranks)
+    attempt, throttled, throttled_since = 1, 0, time.monotonic()
     while True:
+        if wait := pace.delay():
+            await asyncio.sleep(wait)
         try:
             return await request()
         except Exception as e:
+            if is_throttled(e) and (not throttled or time.monotonic() - throttled_since < cfg.throttled_s):
+                pace.slow_down()
+                throttled, throttled_since = throttled + 1, throttled_since if throttled else time.monotonic()
+                delay = backoff_s(cfg, throttled)
+                logger.info("%s: %s; sent again in %.2f s (throttled %d time(s); pace %.3g requests/s)", what, describe(e), delay, throttled, pace.current)
+                await asyncio.sleep(delay)
+                continue
             if attempt >= cfg.attempts or not is_transient(e):
                 raise GaveUp(e, attempt) from e
             delay = backoff_s(cfg, attempt)
             logger.info("%s: %s; attempt %d of %d in %.2f s", what, describe(e), attempt + 1, cfg.attempts, delay)
             await asyncio.sleep(delay)
             attempt += 1
+
+
+def is_throttled(e: BaseException) -> bool:
+    """Whether the store asked this process to slow down (SlowDown, 503, 429, a throttling code)."""
+    return is_code(e, *_THROTTLING, "503", "429")

@@ -38,9 +38,18 @@ class Transfer:
     """Seconds one request may wait for the store, to connect and then for each read of its
     answer; past it the request counts as a transient failure and is retried. A store that
     hangs thus fails a save after about `attempts` times this, never later."""
+    requests_per_s: float = 0.0
+    """Requests a second the whole job may send to the root, shared evenly by its ranks
+    (`ranks`): S3 takes about 3,500 writes and 5,500 reads a second per prefix. 0: no bound.
+    Either way a SlowDown halves a rank's pace for a while (`ckpt.storage.pacing`)."""
+    ranks: int = 1
+    """The job's ranks: the Checkpointer sets it."""
+    throttled_s: float = 300.0
+    """Seconds one request is sent again while the store answers SlowDown, which does not
+    count against `attempts`: a busy store slows a save down, it does not fail it."""
 
     def __post_init__(self) -> None:
         if not 5 * MiB <= self.part_size <= PUT_MAX:
             raise ValueError(f"Transfer.part_size must be from 5 MiB to 5 GiB (S3's smallest and largest part), not {self.part_size}")
-        if min(self.concurrency, self.read_size, self.readahead, self.attempts) < 1 or self.timeout_s <= 0:
+        if min(self.concurrency, self.read_size, self.readahead, self.attempts, self.ranks) < 1 or self.timeout_s <= 0 or self.requests_per_s < 0:
             raise ValueError(f"Transfer's counts and sizes must be positive: {self}")

@@ -40,6 +40,8 @@ class FaultyProxy:
         self._plan: dict[str, list[str]] = {}
         self._rates: dict[str, float] = {}
         self._rng = random.Random(0)
+        self._limit: tuple[float, float, float] | None = None  # (rate, tokens, when): `limit`
+        self.throttled = 0  # requests answered SlowDown by `limit`
         self.delay_s, self.stall_s = (0.05, 0.5), 30.0
         self._lock = threading.Lock()
         proxy = self
@@ -78,6 +80,12 @@ class FaultyProxy:
     def fail(self, kind: str, *actions: str) -> None:
         self._plan[kind] = list(actions)
 
+    def limit(self, rate: float | None) -> None:
+        """Answer SlowDown (503) to requests beyond `rate` a second (a token bucket of one
+        second's worth), as S3 does to a prefix past its request rate; None: no limit."""
+        with self._lock:
+            self._limit = (rate, rate, time.monotonic()) if rate else None
+
     def flaky(self, seed: int, rates: dict[str, float] | None = None) -> None:
         """From now on, each request meets at most one fault, drawn at these rates (keys of
         FAULTS; "truncate" only hits answers with a body). No arguments: a healthy store."""
@@ -114,6 +122,14 @@ class FaultyProxy:
             if action:
                 self.failed[kind] += 1
                 return "500" if action == "always" else action
+            if self._limit is not None:
+                rate, tokens, at = self._limit
+                now = time.monotonic()
+                tokens = min(rate, tokens + (now - at) * rate)
+                self._limit = (rate, tokens - 1 if tokens >= 1 else tokens, now)
+                if tokens < 1:
+                    self.throttled += 1
+                    return "503"
             draw = self._rng.random()
             for fault, rate in self._rates.items():
                 if draw < rate:

@@ -131,12 +131,12 @@ def test_told_to_stop_after_k_failed_saves_in_a_row_the_kth_raises(proxy, s3_roo
     with cp:
         train_step(cp, model, opt)
         cp.wait()
-        proxy.flaky(seed=3, rates={"503": 1.0})
+        proxy.flaky(seed=3, rates={"500": 1.0})  # a store that fails; one that throttles is waited for (test_pacing.py)
         for _ in range(2):
             train_step(cp, model, opt)
             cp.wait()  # logged: 1, then 2 in a row
         train_step(cp, model, opt)
-        with pytest.raises(ckpt.SaveFailed, match="injected"):  # the proxy's 503, however the client words it
+        with pytest.raises(ckpt.SaveFailed, match="injected"):  # the proxy's 500, however the client words it
             cp.wait()
         proxy.flaky(seed=4)
     assert cp.failures_in_row == 3

@@ -1,0 +1,73 @@
+"""The pace of a process's requests to an object store (issue 40): S3 takes about 3,500
+writes and 5,500 reads a second per prefix, and a job of 10,000 ranks sending as fast as each
+can is answered SlowDown long before it runs out of bandwidth.
+
+With `Transfer.requests_per_s` (the job's rate; each of its `Transfer.ranks` ranks takes an
+even share), a `Pace` starts at most that many requests a second in this process (a token
+bucket holding one second's worth). A throttling answer (SlowDown) halves it, at most once a
+second and down to `FLOOR`; each second without one it climbs back by half, to its bound.
+Without a rate nothing is paced: a throttling answer is only sent again after a backoff.
+`ckpt.storage.s3_retry.tried` waits for the pace before every request, and sends a throttled
+one again without counting it as a failed try (for up to `Transfer.throttled_s`): a busy store
+slows a save down, it does not fail it.
+
+One per process and rate: a process's requests to its root share it, from any thread or event
+loop (the lock is a thread lock, held for arithmetic only).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+
+FLOOR = 0.5  # requests a second: the slowest a throttled process goes
+_CLIMB = 1.5  # per second without a throttling answer
+_paces: dict[float, Pace] = {}
+_paces_lock = threading.Lock()
+
+
+class Pace:
+    def __init__(self, rate: float = 0.0) -> None:
+        self.bound = rate if rate > 0 else math.inf
+        self.current = self.bound
+        self.throttled = 0  # throttling answers so far
+        self._tokens = max(self.bound, 1.0) if rate > 0 else 0.0
+        self._at = self._slowed_at = time.monotonic()
+        self._lock = threading.Lock()
+
+    def delay(self) -> float:
+        """Seconds to wait before the next request starts (counted as started now)."""
+        if math.isinf(self.bound):
+            return 0.0
+        with self._lock:
+            now = time.monotonic()
+            calm = now - self._slowed_at
+            if self.current < self.bound and calm >= 1.0:
+                self.current = min(self.bound, self.current * _CLIMB ** math.floor(calm))
+                self._slowed_at = now - (calm - math.floor(calm))
+            self._tokens = min(max(self.current, 1.0), self._tokens + (now - self._at) * self.current)
+            self._at = now
+            self._tokens -= 1.0  # taken now; below zero, owed: the wait pays it back
+            return 0.0 if self._tokens >= 0 else -self._tokens / self.current
+
+    def slow_down(self) -> None:
+        """The store answered SlowDown (or another throttling code)."""
+        with self._lock:
+            self.throttled += 1
+            now = time.monotonic()
+            if math.isinf(self.bound) or now - self._slowed_at < 1.0 and self.current < self.bound:
+                return  # no pace to slow; halved less than a second ago
+            self.current = max(FLOOR, self.current / 2)
+            self._tokens = min(self._tokens, 0.0)
+            self._slowed_at = now
+
+
+def pace_for(requests_per_s: float, ranks: int) -> Pace:
+    """This process's pace for a job rate of `requests_per_s` (0: no bound) over `ranks`."""
+    rate = requests_per_s / max(ranks, 1) if requests_per_s > 0 else 0.0
+    with _paces_lock:
+        pace = _paces.get(rate)
+        if pace is None:
+            pace = _paces[rate] = Pace(rate)
+        return pace

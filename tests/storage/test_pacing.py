@@ -1,0 +1,100 @@
+"""Request pacing for object stores (issue 40, `ckpt.storage.pacing`): a process keeps to its
+share of the job's request rate, a throttling answer slows it down for a while, and a store
+that throttles slows a save down without failing it. The pace's arithmetic on a clock of the
+test's own; its effect through a proxy in front of the moto S3 server that answers SlowDown
+past a request rate, as S3 does per prefix."""
+
+from __future__ import annotations
+
+import concurrent.futures
+
+import pytest
+
+from ckpt.storage import pacing
+from ckpt.storage.pacing import FLOOR, Pace, pace_for
+from ckpt.storage.store import Store
+from ckpt.storage.transfer import Transfer
+from tests.support.s3proxy import FaultyProxy
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock(monkeypatch) -> Clock:
+    c = Clock()
+    monkeypatch.setattr(pacing.time, "monotonic", c)
+    return c
+
+
+def test_a_pace_lets_one_seconds_worth_go_at_once_then_spaces_the_rest(clock):
+    pace = Pace(10.0)
+    waits = [pace.delay() for _ in range(30)]
+    assert waits[:10] == [0.0] * 10
+    assert waits[10:] == pytest.approx([0.1 * k for k in range(1, 21)])  # each owes one more tenth
+    clock.now += 2.0  # the debt paid, and nothing more saved up
+    assert pace.delay() == pytest.approx(0.1)
+
+
+def test_a_throttling_answer_halves_the_pace_once_a_second_and_calm_seconds_bring_it_back(clock):
+    pace = Pace(8.0)
+    pace.slow_down()
+    pace.slow_down()  # the same second: one halving
+    assert pace.current == 4.0 and pace.throttled == 2
+    for _ in range(10):
+        clock.now += 1.0
+        pace.slow_down()
+    assert pace.current == FLOOR
+    clock.now += 1.0
+    pace.delay()
+    assert pace.current == FLOOR * 1.5
+    clock.now += 10.0
+    pace.delay()
+    assert pace.current == 8.0  # back to its bound, not past it
+
+
+def test_without_a_rate_nothing_waits_and_the_job_rate_is_shared_by_its_ranks(clock):
+    free = Pace(0.0)
+    free.slow_down()
+    assert all(free.delay() == 0.0 for _ in range(1000)) and free.throttled == 1
+    assert pace_for(3500.0, 1000).bound == pytest.approx(3.5)
+    assert pace_for(3500.0, 1000) is pace_for(3500.0, 1000)  # one per process and rate
+    with pytest.raises(ValueError):
+        Transfer(requests_per_s=-1)
+
+
+def _write_many(store: Store, n: int) -> None:
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda i: store.put_atomic(f"many/{i:03d}", b"x" * 100), range(n)))
+
+
+@pytest.fixture
+def proxy(s3_endpoint):
+    p = FaultyProxy(s3_endpoint)
+    yield p
+    p.close()
+
+
+def test_a_store_that_throttles_slows_writes_down_and_fails_none_and_a_paced_job_is_not_throttled(proxy, s3_root, s3_options):
+    """60 PUTs from 8 threads against a store that takes 20 a second. Unpaced, with 2 tries a
+    request: many are answered SlowDown, and every one still lands (a throttled request is sent
+    again without counting as a failed try). Paced at 15 a second, for a job of one rank: none
+    is throttled."""
+    options = {**s3_options, "endpoint_url": proxy.url}
+    proxy.limit(20.0)
+    unpaced = Store(s3_root + "/unpaced", options, Transfer(attempts=2, backoff_s=0.05, max_backoff_s=0.5))
+    _write_many(unpaced, 60)
+    assert proxy.throttled > 0
+    assert len(unpaced.list_dir("many")) == 60
+    throttled = proxy.throttled
+    proxy.limit(None)
+    paced = Store(s3_root + "/paced", options, Transfer(attempts=2, requests_per_s=15.0))
+    proxy.limit(20.0)
+    _write_many(paced, 60)
+    assert proxy.throttled == throttled, proxy.throttled - throttled
+    assert len(paced.list_dir("many")) == 60
