@@ -33,7 +33,7 @@ from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-__all__ = ["LAYOUT", "PER_RANK", "files_for", "layout_of"]
+__all__ = ["LAYOUT", "PER_RANK", "Budget", "checked_layout", "files_for", "layout_of"]
 
 LAYOUT = "ckpt.layout"
 Piece = tuple[tuple[int, ...], tuple[int, ...]]  # offsets, sizes
@@ -41,8 +41,12 @@ Dim = tuple[int, int] | list[int]
 # ckpt's per-rank values (rng.rank_3, loader.rank_3, extra.<name>.rank_3): held once, loaded
 # by their own rank only, from its own file.
 PER_RANK = re.compile(r"(^|\.)rank_(\d+)(\.|$)")
-# Cells a rank may look up for one key: more means a layout no save writes (a hostile one).
+# Cells a rank may look up for one piece, and for a whole restore (`Budget`): more means a
+# layout no save writes (a hostile one). A grid of more cells than this is not a layout.
 _MAX_CELLS = 1 << 16
+_BUDGET = 1 << 20
+_MAX_GRID = 1 << 22
+_MAX_INT = 1 << 62  # an offset, a size, a chunk
 
 
 def layout_of(md: Metadata) -> dict[str, Any]:
@@ -86,7 +90,10 @@ def _grid(size: tuple[int, ...], pieces: list[Piece], file_at: dict[tuple[int, .
         step = starts[1] - starts[0] if len(starts) > 1 else n
         even = starts[0] == 0 and step > 0 and all(s == i * step for i, s in enumerate(starts))
         dims.append((step, len(starts)) if even else starts)
-    cells = [-1] * math.prod(_count(dim) for dim in dims)
+    grid = math.prod(_count(dim) for dim in dims)
+    if grid > 2 * len(pieces) or grid > _MAX_GRID:  # a grid has a few holes at most (empty shards)
+        return None
+    cells = [-1] * grid
     for offsets, sizes in pieces:
         at = [_first(dim, o) for dim, o in zip(dims, offsets, strict=True)]
         bounds = [_span(dim, i, n) for dim, i, n in zip(dims, at, size, strict=True)]
@@ -99,10 +106,56 @@ def _grid(size: tuple[int, ...], pieces: list[Piece], file_at: dict[tuple[int, .
     return (tuple(dims), cells)
 
 
-def files_for(layout: dict[str, Any], fqn: str, pieces: Iterable[Piece]) -> set[str] | None:
+class Budget:
+    """The cells `files_for` may still look up in one restore."""
+
+    def __init__(self, cells: int = _BUDGET) -> None:
+        self.cells = cells
+
+
+def checked_layout(layout: Any) -> dict[str, Any] | None:
+    """`layout` if it is one `layout_of` could have written (its types and ranges), else None:
+    read from storage, it may be anything whose checksum the manifest holds."""
+    if not isinstance(layout, dict):
+        return None
+    files, keys, ranked = layout.get("files"), layout.get("keys"), layout.get("ranked", [])
+    if not (type(files) is list and all(type(f) is str for f in files) and type(keys) is dict):
+        return None
+    if not (type(ranked) is list and all(type(r) is str for r in ranked)):
+        return None
+    n = len(files)
+    return layout if all(type(fqn) is str and _valid(spec, n) for fqn, spec in keys.items()) else None
+
+
+def _valid(spec: Any, files: int) -> bool:
+    if type(spec) is int:
+        return 0 <= spec < files
+    if spec == ():
+        return True
+    if not (type(spec) is tuple and len(spec) == 2 and type(spec[0]) is tuple):
+        return False
+    dims, cells = spec
+    grid = 1
+    for dim in dims:
+        if type(dim) is tuple:
+            ok = len(dim) == 2 and all(type(x) is int for x in dim) and 1 <= dim[0] <= _MAX_INT and 1 <= dim[1] <= _MAX_GRID
+        else:
+            ok = type(dim) is list and 0 < len(dim) <= _MAX_GRID and all(type(x) is int and 0 <= x <= _MAX_INT for x in dim) and dim == sorted(set(dim))
+        if not ok:
+            return False
+        grid *= _count(dim)
+        if grid > _MAX_GRID:
+            return False
+    if type(cells) is tuple:
+        return len(cells) == 2 and all(type(x) is int for x in cells) and 0 <= cells[0] < files and 0 <= cells[0] + cells[1] * (grid - 1) < files
+    return type(cells) is list and len(cells) == grid and all(type(f) is int and -1 <= f < files for f in cells)
+
+
+def files_for(layout: dict[str, Any], fqn: str, pieces: Iterable[Piece], budget: Budget | None = None) -> set[str] | None:
     """The data files that hold the parts of `pieces` of `fqn` (for a value that is not a
-    tensor, no `pieces`: where it is), or None where the layout does not say. Pieces with no
-    element (an empty shard) need one file all the same: one whose index says what `fqn` is."""
+    tensor, no `pieces`: where it is), or None where the layout does not say (or `budget`
+    ran out). Pieces with no element (an empty shard): the file of the key's first piece, whose
+    index says what `fqn` is. `layout`: as `checked_layout` passed it."""
     spec = layout["keys"].get(fqn)
     files = layout["files"]
     pieces = [p for p in pieces if math.prod(p[1])]
@@ -122,9 +175,14 @@ def files_for(layout: dict[str, Any], fqn: str, pieces: Iterable[Piece]) -> set[
         return {files[first]} if first >= 0 else set()
     found: set[str] = set()
     for offsets, sizes in pieces:
+        if len(offsets) != len(dims) or len(sizes) != len(dims):
+            return None  # a tensor of another shape than the one saved
         ranges = [_overlapping(dim, o, o + s) for dim, o, s in zip(dims, offsets, sizes, strict=True)]
-        if math.prod(len(r) for r in ranges) > _MAX_CELLS:
+        cells_here = math.prod(len(r) for r in ranges)
+        if cells_here > _MAX_CELLS or (budget is not None and cells_here > budget.cells):
             return None
+        if budget is not None:
+            budget.cells -= cells_here
         for cell in itertools.product(*ranges):
             i = _row_major(dims, list(cell))
             f = cells[0] + i * cells[1] if isinstance(cells, tuple) else cells[i]

@@ -32,7 +32,7 @@ from torch.distributed.tensor import DTensor
 from ckpt.collectives import Group
 from ckpt.errors import InvalidCheckpoint
 from ckpt.format.dcp_index import index_name, merged
-from ckpt.format.dcp_layout import LAYOUT, files_for
+from ckpt.format.dcp_layout import LAYOUT, Budget, checked_layout, files_for
 from ckpt.format.dcp_metadata import load_metadata
 from ckpt.format.manifest import MAX_INDEXES, METADATA_NAME, SHARED_INDEX, Manifest
 from ckpt.restore.dcp_read import Parts
@@ -114,24 +114,37 @@ def partial_metadata(
 
 def indexes_to_read(shared: Metadata, state_dict: dict[str, Any], manifest: Manifest, rank: int, world: int) -> list[str] | None:
     """The indexes a rank reads besides `.index`: those of the data files that hold the pieces
-    it loads (`.index`'s layout says which), at most `MAX_INDEXES`; None: read `.metadata`
-    (a key without a layout; a replicated model, which loads from every file)."""
-    layout = shared.planner_data.get(LAYOUT) if isinstance(shared.planner_data, dict) else None
-    if not isinstance(layout, dict):  # saved before the layout: its own index, on the same world size
-        own = [n for n, e in manifest.files.items() if e.rank == rank and n.endswith(".distcp")]
-        return [index_name(n) for n in own] if manifest.world_size == world and len(own) == 1 else None
+    it loads (`.index`'s layout says which; on the world size that saved, its own too, which
+    holds every key it saved), at most `MAX_INDEXES`; None: read `.metadata` (a key without a
+    layout on another world size; a replicated model, which loads from every file)."""
+    own = [n for n, e in manifest.files.items() if e.rank == rank and n.endswith(".distcp")] if manifest.world_size == world else []
+    layout = checked_layout(shared.planner_data.get(LAYOUT)) if isinstance(shared.planner_data, dict) else None
+    if layout is None:  # saved before the layout (or a bad one): its own index, on the same world size
+        return [index_name(n) for n in own] if len(own) == 1 else None
     flat, _ = flatten_state_dict(state_dict)
-    need: set[str] = set()
+    need: set[str] = set(own)
+    empty: list[str] = []  # tensors of which this rank holds no element
+    budget = Budget()
     for fqn, obj in flat.items():
         if fqn in shared.state_dict_metadata or (isinstance(obj, DTensor) and obj.device_mesh.get_coordinate() is None):
             continue  # held in `.index`; a tensor this rank holds no piece of
         pieces = [(tuple(c.offsets), tuple(c.sizes)) for c in _create_chunk_list(obj)] if isinstance(obj, torch.Tensor) else []
-        files = files_for(layout, fqn, pieces)
+        if isinstance(obj, torch.Tensor) and not any(math.prod(p[1]) for p in pieces):
+            empty.append(fqn)
+            continue
+        files = files_for(layout, fqn, pieces, budget)
         if files is None:
+            if own:
+                continue  # its own index holds what it saved: `uncovered` decides
             return None
         need |= files
         if len(need) > MAX_INDEXES:
             return None
+    if empty and not need:  # every index holds each key its rank saved: one is needed
+        files = files_for(layout, empty[0], [], budget)
+        if not files:
+            return None
+        need |= files
     return sorted(index_name(n) for n in need)
 
 

@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from ckpt.format.dcp_index import shared_part
-from ckpt.format.dcp_layout import LAYOUT, files_for, layout_of
+from ckpt.format.dcp_layout import LAYOUT, Budget, checked_layout, files_for, layout_of
 from ckpt.format.dcp_metadata import load_metadata
 
 Piece = tuple[tuple[int, ...], tuple[int, ...]]
@@ -156,9 +156,48 @@ def test_a_layout_stays_small_at_ten_thousand_ranks_and_unpickles_through_the_al
     assert len(files_for(layout, "layers.0.w", [want])) <= 11
 
 
-def test_a_hostile_layout_gives_no_answer_rather_than_a_long_walk():
-    layout = {"files": [_file(0)], "keys": {"w": (((1, 10**9), (1, 10**9)), (0, 0))}}
-    assert files_for(layout, "w", [((0, 0), (10**6, 10**6))]) is None
+# What someone who can write the manifest too may put in `.index`'s layout: refused whole.
+HOSTILE = {
+    "huge counts": {"w": (((16, 10**300000), (4, 10**300000)), (0, 0))},
+    "a chunk of zero": {"w": (((0, 4),), (0, 1))},
+    "a negative file": {"w": -2},
+    "a file past the list": {"w": 7},
+    "cells running off the list": {"w": (((1, 4),), (0, 1))},
+    "too few cells": {"w": (((1, 4),), [0, 0])},
+    "unsorted offsets": {"w": (([3, 1],), [0, 0])},
+    "a float": {"w": (((1.0, 2),), (0, 0))},
+    "a bool for an int": {"w": True},
+    "a grid of billions": {"w": (((1, 1 << 20), (1, 1 << 20)), (0, 0))},
+    "a key that is not a string": {3: 0},
+}
+
+
+def test_a_layout_from_storage_is_checked_whole_and_a_hostile_one_is_no_layout():
+    files = [_file(0), _file(1)]
+    assert checked_layout(layout_of(_md(LAYOUTS))) is not None
+    for case, keys in HOSTILE.items():
+        assert checked_layout({"files": files, "keys": keys}) is None, case
+    assert checked_layout({"files": files, "keys": {}, "ranked": "rng.rank_*.torch"}) is None  # a string, not a list
+    assert checked_layout({"files": [b"__0_0.distcp"], "keys": {}}) is None
+    assert checked_layout(["files"]) is None
+
+
+def test_lookups_stop_at_a_budget_per_restore_and_a_tensor_of_another_shape_has_no_answer():
+    """A valid layout of one cell-file for every cell, asked for whole tensors key after key:
+    the lookups end at the restore's budget instead of walking them all."""
+    layout = {"files": [_file(0)], "keys": {f"w{i}": (((1, 256), (1, 256)), (0, 0)) for i in range(100)}}
+    assert checked_layout(layout) is layout
+    budget = Budget(5 * 256 * 256)
+    got = [files_for(layout, f"w{i}", [((0, 0), (256, 256))], budget) for i in range(10)]
+    assert got[:5] == [{_file(0)}] * 5 and got[5:] == [None] * 5
+    assert files_for(layout, "w0", [((0,), (256,))]) is None  # one dimension, where two were saved
+
+
+def test_pieces_of_a_brick_wall_are_not_a_grid_and_cost_no_grid_of_their_own():
+    rows = 2000  # row r cut after column r: 4,000 pieces, whose starts make a 2000 x 2001 grid
+    pieces = [p for r in range(rows) for p in (((r, 0), (1, r + 1)), ((r, r + 1), (1, rows - r)))]
+    md = _md({"wall": ((rows, rows + 1), pieces, [0] * len(pieces))})
+    assert "wall" not in layout_of(md)["keys"]  # refused before a cell list of 4 million
 
 
 def test_cells_in_row_major_order_match_every_piece():
