@@ -59,7 +59,7 @@ class BackgroundSaves:
     def _after_commit(self, save: Save, manifest: Manifest, waited_before: float) -> None:
         """Rank 0, once a save committed (or was handed off): retention, the job's history,
         the interval's retune, the line that says so."""
-        self._apply_retention(save.step)
+        self._apply_retention(save.step, manifest if self._handoff is None else None)
         self.history.beat()
         if self._cadence.coordinator is not None and not self._leaving:  # a last save prices nothing
             # The loop also waited for the copy in the optimizer's pre-hook (overlap mode;
@@ -120,7 +120,8 @@ class BackgroundSaves:
             except CheckpointError as e:  # the checkpoints are safe; an extra one stays
                 log.warning("retention on leaving: %s", e)
 
-    def _apply_retention(self, just_committed: int) -> None:
+    def _apply_retention(self, just_committed: int, manifest: Manifest | None = None) -> None:
+        """`manifest`: the checkpoint this rank just committed itself (not handed off)."""
         if self._lease is not None and self._lease.lost is not None:
             log.warning("retention skipped: the root is not this job's any more")  # nor its checkpoints
             return
@@ -129,4 +130,4 @@ class BackgroundSaves:
         protect = {just_committed} | ({kept} if kept is not None else set())
         # Handed off to the node agent, not committed yet: never debris to delete.
         in_flight = self._handoff.pending if self._handoff is not None else ()
-        catalog.retire(self.store, self._scans, self.keep, self._signing_key, in_flight=in_flight, protect=protect)
+        catalog.retire(self.store, self._scans, self.keep, self._signing_key, in_flight=in_flight, protect=protect, committed=manifest)

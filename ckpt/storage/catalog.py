@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import time
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -22,7 +23,7 @@ from typing import Protocol
 from ckpt.errors import CheckpointError, InvalidCheckpoint, NotFound
 from ckpt.format.checksum import algorithm
 from ckpt.format.manifest import MANIFEST_NAME, METADATA_NAME, SHARED_INDEX, Manifest
-from ckpt.format.signing import BAD, UNSIGNED, SigningKey
+from ckpt.format.signing import BAD, SIGNED_OK, UNSIGNED, SigningKey
 from ckpt.storage.layout import StepListing, Stray, step_dir_name
 from ckpt.storage.store import Store
 from ckpt.storage.verified import read_verified, verify_file
@@ -30,6 +31,8 @@ from ckpt.storage.verified import read_verified, verify_file
 log = logging.getLogger(__name__)
 
 COMMITTED, INCOMPLETE, CORRUPT = "committed", "incomplete", "corrupt"
+# Retention after a job's own commit lists the root at least this often (`Scans.committed`).
+FULL_SCAN_S = 600.0
 
 
 class Retention(Protocol):
@@ -151,13 +154,37 @@ class Scans:
     a step directory committed (or, with a key, untrusted) at the last scan whose listing is
     the same (every file's name and size, the manifest's write time) is not inspected again.
     Keeping a thousand checkpoints then costs one listing per save, not a thousand manifest
-    reads."""
+    reads. And after a commit of the job's own (`committed`), not even that: the root changed
+    by that step alone (its lease keeps other jobs out), so the last scan, with it, stands in
+    for a listing, which at 10,000 ranks is tens of LIST pages for each checkpoint kept. The
+    root is listed again at least every `FULL_SCAN_S` (debris of a failed save, a step copied
+    in by hand)."""
 
     def __init__(self) -> None:
         self._committed: dict[int, tuple[StepListing, Entry]] = {}
+        self._last: list[Entry] | None = None  # the last scan's entries, as retention left them
+        self._listed_at = -math.inf
+        self.listings = 0  # of the whole root, so far
+
+    def committed(self, store: Store, key: SigningKey | None, manifest: Manifest) -> list[Entry]:
+        """What `scan` would return right after this job committed `manifest` (and nothing
+        else changed the root since the last scan): without listing it, where that scan is
+        less than `FULL_SCAN_S` old."""
+        if self._last is None or time.monotonic() - self._listed_at > FULL_SCAN_S:
+            return self.scan(store, key)
+        entry = Entry(manifest.step, COMMITTED, manifest, signature=SIGNED_OK if key is not None else None)
+        self._last = [e for e in self._last if e.step != manifest.step] + [entry]
+        return list(self._last)
+
+    def forget(self, step: int) -> None:
+        """Retention deleted `step`."""
+        self._committed.pop(step, None)
+        if self._last is not None:
+            self._last = [e for e in self._last if e.step != step]
 
     def scan(self, store: Store, key: SigningKey | None = None) -> list[Entry]:
         """What `scan(store, key=key)` returns (the same key at every call)."""
+        self._listed_at, self.listings = time.monotonic(), self.listings + 1
         listings = [lst for _, lst in sorted(store.scan().items())]
         fresh = [lst for lst in listings if not self._unchanged(lst)]
         inspected = dict(zip((lst.step for lst in fresh), _inspect_all(store, fresh, key=key), strict=True))
@@ -168,6 +195,7 @@ class Scans:
             # no write time: no way to tell a rewrite
             if (e.state == COMMITTED or untrusted(e)) and lst.manifest_mtime is not None
         }
+        self._last = list(entries)
         return entries
 
     def _unchanged(self, listing: StepListing) -> bool:
@@ -213,13 +241,20 @@ def retired(entries: list[Entry], keep: Retention, *, in_flight: Collection[int]
     return committed, keep.to_delete(committed, others, in_flight=in_flight, protect=protect)
 
 
-def retire(store: Store, scans: Scans, keep: Retention, key: SigningKey | None, *, in_flight: Collection[int], protect: Collection[int]) -> None:
+def retire(
+    store: Store, scans: Scans, keep: Retention, key: SigningKey | None, *, in_flight: Collection[int], protect: Collection[int],
+    committed: Manifest | None = None,
+) -> None:  # fmt: skip
     """A job's retention, after each commit: delete the checkpoints `keep` lets go of
-    (`retired`). Housekeeping: a store that fails is logged, never fails the save."""
+    (`retired`). `committed`: the checkpoint this job just committed itself (not one handed
+    off, which may yet fail), which spares a listing of the root (`Scans.committed`).
+    Housekeeping: a store that fails is logged, never fails the save."""
     try:
-        for step in retired(scans.scan(store, key), keep, in_flight=in_flight, protect=protect)[1]:
+        entries = scans.committed(store, key, committed) if committed is not None else scans.scan(store, key)
+        for step in retired(entries, keep, in_flight=in_flight, protect=protect)[1]:
             log.debug("retention: deleting %s", step_dir_name(step))
             store.remove_step(step)
+            scans.forget(step)
     except CheckpointError as e:
         log.warning("retention skipped: %s", e)
 

@@ -1,6 +1,7 @@
 """Listing a root and what the catalog makes of it: `Store.scan` lists a local root as any other
 store lists it, and leaves out what goes while it lists; `catalog.Scans` reads again only the
-manifests that changed, so retention reads each kept manifest once."""
+manifests that changed, so retention reads each kept manifest once, and after the job's own
+commits lists the root only now and then."""
 
 from __future__ import annotations
 
@@ -26,12 +27,40 @@ def _manifest_reads(monkeypatch) -> list[str]:
     return reads
 
 
-def test_retention_reads_each_kept_manifest_once_not_at_every_save(tmp_path, monkeypatch):
-    reads = _manifest_reads(monkeypatch)
-    run(tmp_path / "root", 40, ckpt.Keep(last=100))  # 8 saves, all kept
-    assert step_dirs(tmp_path / "root") == [step_dir_name(s) for s in range(5, 41, 5)]
-    # Each save's retention lists the root and reads only the manifest it has not seen.
-    assert sorted(reads) == [step_dir_name(s) for s in range(5, 41, 5)], reads
+def _root_listings(monkeypatch) -> list[int]:
+    """One item per listing of a whole root through a Store from now on."""
+    listed: list[int] = []
+    real = Store.survey
+
+    def counting(self):
+        listed.append(1)
+        return real(self)
+
+    monkeypatch.setattr(Store, "survey", counting)
+    return listed
+
+
+@pytest.mark.parametrize("keep", [ckpt.Keep(last=100), ckpt.Keep(last=2)], ids=["all kept", "last 2"])
+def test_retention_after_the_jobs_own_commits_lists_the_root_once_and_reads_no_manifest_again(tmp_path, monkeypatch, keep):
+    """The root changes by the job's own commits alone (its lease keeps other jobs out): the
+    first save's retention lists it, the next ones go by that listing and their own commits,
+    and delete what `keep` lets go of all the same. At 10,000 ranks a listing is tens of
+    LIST pages for each checkpoint kept."""
+    reads, listed = _manifest_reads(monkeypatch), _root_listings(monkeypatch)
+    run(tmp_path / "root", 40, keep)  # 8 saves
+    kept = range(5, 41, 5) if keep.last == 100 else (35, 40)
+    assert step_dirs(tmp_path / "root") == [step_dir_name(s) for s in kept]
+    # the restore at the start lists the root once (nothing there); the first save's retention once
+    assert len(listed) == 2 and reads == [step_dir_name(5)], (listed, reads)
+
+
+def test_retention_lists_the_root_again_when_its_last_listing_is_old(tmp_path, monkeypatch):
+    """A step directory made by hand (or a failed save's debris) is seen within FULL_SCAN_S."""
+    monkeypatch.setattr(catalog, "FULL_SCAN_S", 0.0)
+    listed = _root_listings(monkeypatch)
+    run(tmp_path / "root", 20, ckpt.Keep(last=2))  # 4 saves
+    assert len(listed) == 1 + 4
+    assert step_dirs(tmp_path / "root") == [step_dir_name(15), step_dir_name(20)]
 
 
 def test_scans_read_again_only_what_changed_and_see_a_manifest_rewritten_or_a_step_gone(tmp_path, monkeypatch):
