@@ -7,8 +7,8 @@ more) of every other rank's file to get a few bytes of each: N blocks per rank a
 
 Here each such item (`ckpt.format.dcp_index.shared_refs`: short, held once, not a rank's own)
 belongs to the rank that serves its file (`server`): the rank that wrote it, or on another
-world size the first rank that takes over its rows under FSDP's even split, which reads that
-file anyway. A rank does not read the items of files it
+world size the rank that takes over the middle of its rows under FSDP's even split, which
+reads that file anyway. A rank does not read the items of files it
 does not serve; once every rank has read its own part (`exchange`), the ranks say which items
 they wait for (one all-reduce of a bitmap), the serving ranks send those to rank 0 (a gather),
 and rank 0 sends them all to every rank (a broadcast): a few collectives per restore, whatever
@@ -46,9 +46,9 @@ _BITS = 63  # bits of the need bitmap per int64 (the sign bit is left alone)
 
 def server(rank: int, saved_on: int, world: int) -> int:
     """The rank of `world` that serves the file saving rank `rank` of `saved_on` wrote: the
-    rank that loads its first rows when every tensor is split evenly along its first
-    dimension (FSDP), where the pieces of saving ranks r·world/saved_on onwards go."""
-    return min(rank * world // max(saved_on, 1), world - 1)
+    rank that loads the middle of its rows when every tensor is split evenly along its first
+    dimension (FSDP), which reads that file anyway. The saving world size itself: the writer."""
+    return min((2 * rank + 1) * world // (2 * max(saved_on, 1)), world - 1)
 
 
 @dataclass

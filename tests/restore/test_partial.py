@@ -173,3 +173,23 @@ def test_an_empty_shard_keeps_the_index_path_and_restores_bit_for_bit(tmp_path):
         step, read, own, shared = json.loads(line.removeprefix("READ "))
         # no .metadata, and no other rank's index: a rank's own holds the key of its empty shard
         assert step == 0 and read == own + (shared if r == 0 else 0), (r, read, own, shared)
+
+
+def test_a_files_shared_values_are_served_by_a_rank_that_loads_rows_of_that_file():
+    """`shared_items.server`: on any world size, the serving rank of saving rank r's file takes
+    some of r's rows under FSDP's even split (so it reads that file anyway), for tensors of many
+    rows a rank (with a few, the rounding of the split may put them elsewhere: the choice then
+    costs a read, never a wrong value)."""
+    from ckpt.restore.shared_items import server
+
+    def rows(n: int, world: int, rank: int) -> range:
+        per = -(-n // world)
+        return range(min(rank * per, n), min((rank + 1) * per, n))
+
+    for saved in range(1, 17):
+        for world in range(1, 33):
+            assert [server(r, saved, world) for r in range(saved)] == sorted(server(r, saved, world) for r in range(saved))
+            for n in (max(saved, world) * 1000, max(saved, world) * 4096 + 3):
+                for r in range(saved):
+                    mine, theirs = rows(n, saved, r), rows(n, world, server(r, saved, world))
+                    assert min(mine.stop, theirs.stop) > max(mine.start, theirs.start), (saved, world, n, r)
