@@ -41,6 +41,7 @@ class Config:
     upload_concurrency: int = 4
     part_concurrency: int = 2  # parts of one file in flight: memory is about files x (this + 1) x 64 MiB
     bandwidth_limit: int = 0  # bytes per second over all uploads; 0: unlimited
+    requests_per_s: float = 0.0  # requests a second to the stores, this node's share of the job's; 0: unbounded
     spool_budget: int = 0  # bytes the spool may hold; 0: the disk's size
     keep_spool: int = 2  # committed checkpoints of each job kept in the spool
     preempt_file: str = ""  # a notice file to relay to the ranks (a cloud's preemption notice)
@@ -137,6 +138,10 @@ def parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     p.add_argument("--upload-concurrency", type=int, help="files uploaded at the same time (default 4)")
     p.add_argument("--part-concurrency", type=int, help="parts of one file in flight, 64 MiB each (default 2)")
     p.add_argument("--bandwidth-limit", help="bytes per second over all uploads: 200MB, 1GiB (default: unlimited)")
+    p.add_argument(
+        "--requests-per-s", type=float,
+        help="requests a second this agent may send to the stores: its node's share of the job's rate (S3: about 3,500 writes a second per prefix); default 0: no bound, a SlowDown is waited out",
+    )  # fmt: skip
     p.add_argument("--spool-budget", help="bytes the spool may hold: 50GiB (default: the disk); a full spool makes ranks write to the store")
     p.add_argument("--keep-spool", type=int, help="committed checkpoints of each job kept in the spool (default 2)")
     p.add_argument("--preempt-file", help="a preemption notice file to relay to the ranks of this node")

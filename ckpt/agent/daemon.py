@@ -69,7 +69,7 @@ class Agent:
             os.close(open_dir(self.spool.path, name, create=True))
         self.metrics = AgentMetrics(os.path.join(self.spool.path, "metrics"), TRAINER_STALE_S * 4)
         requests = Requests()
-        self.roots = Roots(config, Transfer(concurrency=config.part_concurrency))
+        self.roots = Roots(config, Transfer(concurrency=config.part_concurrency, requests_per_s=config.requests_per_s))
         self.uploads = Uploads(config, self.spool, self.metrics, requests, self.roots)
         self.retention = SpoolRetention(config, self.spool, self.metrics, requests)
         self._checker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ckpt-commits")

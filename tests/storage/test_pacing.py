@@ -98,3 +98,11 @@ def test_a_store_that_throttles_slows_writes_down_and_fails_none_and_a_paced_job
     _write_many(paced, 60)
     assert proxy.throttled == throttled, proxy.throttled - throttled
     assert len(paced.list_dir("many")) == 60
+
+
+def test_a_node_agent_takes_its_nodes_share_from_a_flag_or_its_environment(tmp_path, monkeypatch):
+    from ckpt.agent.config import Config
+
+    assert Config.load(["--spool", str(tmp_path), "--requests-per-s", "12"]).requests_per_s == 12.0
+    monkeypatch.setenv("CKPT_AGENT_REQUESTS_PER_S", "3")
+    assert Config.load(["--spool", str(tmp_path)]).requests_per_s == 3.0
