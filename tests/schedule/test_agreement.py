@@ -127,5 +127,7 @@ def test_auto_records_the_interval_as_a_number_of_steps(tmp_path):
     # and 0.1 ms): within a half step, plus what that rounding moves the ratio
     slack = 0.5 + (5e-4 + last["steps"] * 5e-5) / last["step_s"]
     assert last["steps"] >= 1 and abs(last["steps"] - last["seconds"] / last["step_s"]) <= slack, last
-    assert 0.005 <= last["step_s"] <= 0.05, last
+    # a step's time (10 ms of sleep and the loop), not a save's or the interval's; on a loaded
+    # machine a step may take 5x its sleep (it once measured 55 ms under CI's load)
+    assert 0.005 <= last["step_s"] <= 0.5, last
     assert ranks[0]["meetings"] == ranks[1]["meetings"] < steps, ranks
