@@ -109,6 +109,7 @@ class BackgroundSaves:
         if self._handoff is not None:
             for manifest in self._handoff.committed(timeout_s):
                 self.metrics.agent_committed(manifest, time.time() - manifest.created + manifest.costs.persist_s)
+                self._scans.learned(manifest, self._signing_key is not None)  # retention need not list the root for it
 
     def _retire_restored(self) -> None:
         """Leaving with a newer commit than the step this run restored: retention need keep
@@ -121,7 +122,8 @@ class BackgroundSaves:
                 log.warning("retention on leaving: %s", e)
 
     def _apply_retention(self, just_committed: int, manifest: Manifest | None = None) -> None:
-        """`manifest`: the checkpoint this rank just committed itself (not handed off)."""
+        """`manifest`: the checkpoint this rank just committed itself (not handed off: the
+        agent's commits come to the Scans as the trainer learns of them, `_learn_commits`)."""
         if self._lease is not None and self._lease.lost is not None:
             log.warning("retention skipped: the root is not this job's any more")  # nor its checkpoints
             return

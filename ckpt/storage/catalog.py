@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import threading
 import time
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
@@ -155,36 +156,49 @@ class Scans:
     the same (every file's name and size, the manifest's write time) is not inspected again.
     Keeping a thousand checkpoints then costs one listing per save, not a thousand manifest
     reads. And after a commit of the job's own (`committed`), not even that: the root changed
-    by that step alone (its lease keeps other jobs out), so the last scan, with it, stands in
-    for a listing, which at 10,000 ranks is tens of LIST pages for each checkpoint kept. The
-    root is listed again at least every `FULL_SCAN_S` (debris of a failed save, a step copied
-    in by hand)."""
+    by the job's commits alone (its lease keeps other jobs out), so the last scan, with the
+    commits since (its own, and those its node agents made, `learned`), stands in for a
+    listing, which at 10,000 ranks is tens of LIST pages for each checkpoint kept. A save
+    handed off and not committed yet is not among them. The root is listed again at least every
+    `FULL_SCAN_S` (debris of a failed save, a step copied in by hand)."""
 
     def __init__(self) -> None:
         self._committed: dict[int, tuple[StepListing, Entry]] = {}
         self._last: list[Entry] | None = None  # the last scan's entries, as retention left them
         self._listed_at = -math.inf
         self.listings = 0  # of the whole root, so far
+        self._lock = threading.Lock()  # `learned` comes from the metrics thread too
 
-    def committed(self, store: Store, key: SigningKey | None, manifest: Manifest) -> list[Entry]:
-        """What `scan` would return right after this job committed `manifest` (and nothing
-        else changed the root since the last scan): without listing it, where that scan is
-        less than `FULL_SCAN_S` old."""
-        if self._last is None or time.monotonic() - self._listed_at > FULL_SCAN_S:
+    def committed(self, store: Store, key: SigningKey | None, manifest: Manifest | None = None) -> list[Entry]:
+        """What `scan` would return now, this job having just committed `manifest` itself (or
+        nothing new): without listing the root, where the last scan is less than
+        `FULL_SCAN_S` old."""
+        with self._lock:
+            fresh = self._last is not None and time.monotonic() - self._listed_at <= FULL_SCAN_S
+        if not fresh:
             return self.scan(store, key)
-        entry = Entry(manifest.step, COMMITTED, manifest, signature=SIGNED_OK if key is not None else None)
-        self._last = [e for e in self._last if e.step != manifest.step] + [entry]
-        return list(self._last)
+        if manifest is not None:
+            self.learned(manifest, key is not None)
+        with self._lock:
+            return list(self._last or ())
+
+    def learned(self, manifest: Manifest, signed: bool = False) -> None:
+        """A checkpoint of this job's committed (by itself, or by its node agents)."""
+        entry = Entry(manifest.step, COMMITTED, manifest, signature=SIGNED_OK if signed else None)
+        with self._lock:
+            if self._last is not None:
+                self._last = [e for e in self._last if e.step != manifest.step] + [entry]
 
     def forget(self, step: int) -> None:
         """Retention deleted `step`."""
-        self._committed.pop(step, None)
-        if self._last is not None:
-            self._last = [e for e in self._last if e.step != step]
+        with self._lock:
+            self._committed.pop(step, None)
+            if self._last is not None:
+                self._last = [e for e in self._last if e.step != step]
 
     def scan(self, store: Store, key: SigningKey | None = None) -> list[Entry]:
         """What `scan(store, key=key)` returns (the same key at every call)."""
-        self._listed_at, self.listings = time.monotonic(), self.listings + 1
+        listed_at = time.monotonic()
         listings = [lst for _, lst in sorted(store.scan().items())]
         fresh = [lst for lst in listings if not self._unchanged(lst)]
         inspected = dict(zip((lst.step for lst in fresh), _inspect_all(store, fresh, key=key), strict=True))
@@ -195,7 +209,8 @@ class Scans:
             # no write time: no way to tell a rewrite
             if (e.state == COMMITTED or untrusted(e)) and lst.manifest_mtime is not None
         }
-        self._last = list(entries)
+        with self._lock:
+            self._last, self._listed_at, self.listings = list(entries), listed_at, self.listings + 1
         return entries
 
     def _unchanged(self, listing: StepListing) -> bool:
@@ -246,11 +261,12 @@ def retire(
     committed: Manifest | None = None,
 ) -> None:  # fmt: skip
     """A job's retention, after each commit: delete the checkpoints `keep` lets go of
-    (`retired`). `committed`: the checkpoint this job just committed itself (not one handed
-    off, which may yet fail), which spares a listing of the root (`Scans.committed`).
-    Housekeeping: a store that fails is logged, never fails the save."""
+    (`retired`), by the root as `scans` last listed it and the commits since
+    (`Scans.committed`). `committed`: the checkpoint this job just committed itself (not one
+    handed off, which may yet fail). Housekeeping: a store that fails is logged, never fails
+    the save."""
     try:
-        entries = scans.committed(store, key, committed) if committed is not None else scans.scan(store, key)
+        entries = scans.committed(store, key, committed)
         for step in retired(entries, keep, in_flight=in_flight, protect=protect)[1]:
             log.debug("retention: deleting %s", step_dir_name(step))
             store.remove_step(step)

@@ -155,3 +155,25 @@ def test_a_step_directory_deleted_while_the_root_is_listed_is_left_out(tmp_path,
     monkeypatch.setattr(storage.os, "scandir", deleting)
     listed = Store(str(tmp_path)).scan()
     assert sorted(listed) == [1] and listed[1].files == {"f": 2}  # step 1 lost only its empty subdirectory
+
+
+def test_commits_learned_from_the_node_agent_count_for_retention_without_a_listing(tmp_path, monkeypatch):
+    """A save handed off to the node agent commits later; the trainer learns of it
+    (`Scans.learned`) and retention then counts it, and deletes what `keep` lets go of, by
+    the last listing: a save handed off and not committed yet is not counted."""
+    root = tmp_path / "root"
+    run(root, 30, ckpt.Keep(last=100))  # steps 5 .. 30
+    store = Store(str(root))
+    scans = catalog.Scans()
+    manifests = {e.step: e.manifest for e in scans.scan(store)}
+    for step in (25, 30):  # as if committed by an agent after the listing
+        scans.forget(step)
+    listed = _root_listings(monkeypatch)
+    assert [e.step for e in scans.committed(store, None)] == [5, 10, 15, 20]
+    scans.learned(manifests[25])
+    scans.learned(manifests[30])
+    keep = ckpt.Keep(last=2)
+    doomed = catalog.retired(scans.committed(store, None), keep, in_flight={35})[1]
+    assert doomed == [5, 10, 15, 20] and listed == []
+    monkeypatch.setattr(catalog, "FULL_SCAN_S", 0.0)  # and an old listing is done again
+    assert [e.step for e in scans.committed(store, None)] == [5, 10, 15, 20, 25, 30] and len(listed) == 1
