@@ -6,6 +6,7 @@ a real save; the restores that use them are in test_shared_reads.py and tests/sy
 from __future__ import annotations
 
 import json
+import re
 
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
@@ -158,7 +159,9 @@ with ckpt.Checkpointer(sys.argv[1], model=model, optimizer=opt, interval=None, s
         cp.save(blocking=True)
     m = cp.last_commit
     own = sum(e.size for e in m.files.values() if e.rank == dist.get_rank())
-    print("READ", json.dumps([cp.restored_step, cp.metrics.read._value.get(), own, m.files[".index"].size]), flush=True)
+    # one write: another thread's line on stderr (the same file) never lands inside this one
+    sys.stdout.write("READ " + json.dumps([cp.restored_step, cp.metrics.read._value.get(), own, m.files[".index"].size]) + "\\n")
+    sys.stdout.flush()
 """
 
 
@@ -169,8 +172,8 @@ def test_an_empty_shard_keeps_the_index_path_and_restores_bit_for_bit(tmp_path):
     assert run(3, script, str(root), log_dir=tmp_path) == [0] * 3, rank_logs(tmp_path)
     assert run(3, script, str(root), log_dir=tmp_path) == [0] * 3, rank_logs(tmp_path)
     for r in range(3):
-        line = [x for x in (tmp_path / f"rank{r}.log").read_text().splitlines() if x.startswith("READ")][-1]
-        step, read, own, shared = json.loads(line.removeprefix("READ "))
+        line = re.findall(r"^READ (\[[^\]]*\])", (tmp_path / f"rank{r}.log").read_text(), re.M)[-1]
+        step, read, own, shared = json.loads(line)
         # no .metadata, and no other rank's index: a rank's own holds the key of its empty shard
         assert step == 0 and read == own + (shared if r == 0 else 0), (r, read, own, shared)
 
