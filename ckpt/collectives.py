@@ -86,6 +86,16 @@ class Group:
             got.append(pickle.loads(t.numpy()[8 : 8 + n].tobytes()) if n <= cap - 8 else TooLong(n))
         return got
 
+    def all_gather_fixed(self, data: bytes) -> list[bytes]:
+        """Every rank's `data` on every rank, in rank order: one collective; every rank
+        sends the same number of bytes."""
+        if self.pg is None:
+            return [data]
+        mine = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        out = [torch.empty_like(mine) for _ in range(self.world)]
+        dist.all_gather(out, mine, group=self.pg)
+        return [t.numpy().tobytes() for t in out]
+
     def fit(self, n: int) -> None:
         """Make `gather_short` fit an object whose pickle is `n` bytes (all ranks, alike)."""
         need = 1 << (n + 8 - 1).bit_length()

@@ -46,9 +46,12 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.futures import Future
 
 from ckpt.collectives import Group
+from ckpt.format.dcp_layout import PER_RANK
 from ckpt.format.dcp_metadata import load_metadata
 from ckpt.format.manifest import METADATA_NAME, Manifest
-from ckpt.restore.shared_items import Ref, Sharing, exchange
+from ckpt.restore.replicas import Replicas, group
+from ckpt.restore.replicas import exchange as replicate
+from ckpt.restore.shared_items import Ref, Sharing, exchange, server
 from ckpt.restore.tensor_stream import Scratch, disjoint, load_blob, read_tensor_item
 from ckpt.storage.store import Store
 from ckpt.storage.verified import VerifyingReader, read_verified
@@ -133,6 +136,8 @@ class _Reader(FileSystemReader):
         self._parts = parts  # read instead of `.metadata` (`ckpt.restore.partial`)
         self._ctrl = ctrl
         self.sharing: Sharing | None = None  # the small values read once per job (`share`)
+        self.replicas: Replicas | None = None  # the replicated pieces read once per group (`share`)
+        self._grouped = False
         self._before_read = before_read
         self.fs = _VerifiedFiles(store, step_dir, manifest, metadata, received)
         self.path = step_dir
@@ -164,9 +169,8 @@ class _Reader(FileSystemReader):
         if self._before_read is not None:
             self._before_read()
         items = plan.items
-        if self._ctrl is not None and self._ctrl.world > 1 and planner.metadata is not None:
-            self.sharing = Sharing.of(self._ctrl, self.manifest, self._parts.shared if self._parts else planner.metadata)
-            items = self.sharing.defer(items, self._ref)
+        if self._ctrl is not None and self._ctrl.world > 1:
+            items = self._defer(items, planner)
         per_file: dict[str, list[ReadItem]] = {}
         for req in items:
             per_file.setdefault(self.storage_data[req.storage_index].relative_path, []).append(req)
@@ -186,14 +190,57 @@ class _Reader(FileSystemReader):
         fut.set_result(None)
         return fut
 
+    def _defer(self, items: list[ReadItem], planner: LoadPlanner) -> list[ReadItem]:
+        """The items this rank reads from the store: not the small shared values other ranks
+        serve, nor the replicated pieces another rank of its group reads (`_group`, a
+        collective: joined here whatever happened before it)."""
+        pieces: dict[Ref, list[ReadItem]] = {}
+        try:
+            if planner.metadata is not None:
+                self.sharing = Sharing.of(self._ctrl, self.manifest, self._parts.shared if self._parts else planner.metadata)
+                items = self.sharing.defer(items, self._ref)
+            for req in items:
+                if (ref := self._replicable(req)) is not None:
+                    pieces.setdefault(ref, []).append(req)
+        finally:
+            self._group(pieces)
+        if self.replicas is not None and self.replicas.pending:
+            items = [req for req in items if self._replicable(req) not in self.replicas.pending]
+        return items
+
+    def _replicable(self, req: ReadItem) -> Ref | None:
+        """The piece `req` reads, if a rank of its group could read it for this one."""
+        info: _StorageInfo = self.storage_data[req.storage_index]
+        if info.transform_descriptors or PER_RANK.search(req.dest_index.fqn):
+            return None
+        ref = (info.relative_path, info.offset, info.length)
+        return None if self.sharing is not None and self.sharing.number(ref) is not None else ref
+
+    def _group(self, pieces: dict[Ref, list[ReadItem]]) -> None:
+        """`replicas.group`, once per restore on every rank of the job."""
+        assert self._ctrl is not None and not self._grouped
+        self._grouped = True
+        saved_on, world = self.manifest.world_size, self._ctrl.world
+        servers = {name: server(e.rank, saved_on, world) for name, e in self.manifest.files.items() if e.rank >= 0}
+        self.replicas = group(self._ctrl, pieces, servers)
+
     def share(self, planner: LoadPlanner, state_dict: dict[str, Any], ok: bool) -> None:
-        """Send and receive the small values several ranks load (`ckpt.restore.shared_items`)
-        into `state_dict`: a collective, called on every rank once `dcp.load` returned, `ok`
-        or not."""
+        """Send and receive the values several ranks load into `state_dict`: the small ones
+        (`ckpt.restore.shared_items`) and the replicated pieces (`ckpt.restore.replicas`). A
+        collective, called on every rank once `dcp.load` returned, `ok` or not."""
         if self._ctrl is None or self._ctrl.world == 1:
             return
-        exchange(self._ctrl, self.sharing, planner, ok, self._read_refs)
-        if ok and self.sharing is not None and self.sharing.pending:
+        if not self._grouped:  # this rank did not get as far as reading: the others did
+            self._group({})
+        error: Exception | None = None
+        try:
+            exchange(self._ctrl, self.sharing, planner, ok, self._read_refs)
+        except Exception as e:  # the replicas' transfers still take place: the others wait for them
+            error, ok = e, False
+        replicate(self._ctrl, self.replicas, planner, ok, self._read_refs)
+        if error is not None:
+            raise error
+        if ok and any(part is not None and part.pending for part in (self.sharing, self.replicas)):
             # dcp.load loads into a shallow copy of `state_dict` and puts its top-level
             # values back before it returns: the values loaded since go the same way.
             loaded = getattr(planner, "original_state_dict", state_dict)
@@ -277,7 +324,9 @@ class _Reader(FileSystemReader):
         order = sorted(spans)
         after_verified: list[Callable[[], None]] = []
         sharing = self.sharing if self.sharing is not None and self.sharing.serves(name) else None
+        replicas = self.replicas if self.replicas is not None and len(self.replicas.members) > 1 else None
         captured: dict[int, bytes] = {}  # this file's shared items, kept to send
+        pieces: dict[Ref, bytes] = {}  # its replicated pieces this rank reads for its group
         with self._a_scratch() as scratch, VerifyingReader.open(self.store, self.path, name, self.manifest, items=order) as src:
             try:
                 for offset, length in order:
@@ -288,21 +337,26 @@ class _Reader(FileSystemReader):
                     # wholly between two items are not read at all.
                     src.skip(offset - src.pos)
                     shared = sharing.number((name, offset, length)) if sharing is not None else None
+                    sent = replicas is not None and replicas.reads((name, offset, length))
                     if group[0].type == LoadItemType.BYTE_IO:
                         blob = src.read(length)
                         after_verified += [functools.partial(planner.load_bytes, r, io.BytesIO(blob)) for r in group]
-                    elif shared is not None:  # small: kept whole, to send to the ranks that wait for it
+                    elif shared is not None or sent:  # kept whole, to send to the ranks that wait for it
                         blob = src.read(length)
                         after_verified.append(functools.partial(load_blob, blob, group, planner))
                     else:
                         after_verified.append(read_tensor_item(src, scratch, length, group, planner))
                     if shared is not None:
                         captured[shared] = blob
+                    if sent:
+                        pieces[(name, offset, length)] = blob
                 # IMPORTANT: nothing of this file is decoded (or sent) before this returned.
                 src.finish()
-                if sharing is not None:
-                    with self._lock:
+                with self._lock:
+                    if sharing is not None:
                         sharing.captured.update(captured)
+                    if replicas is not None:
+                        replicas.captured.update(pieces)
             finally:
                 scratch.drain()
                 with self._lock:

@@ -123,7 +123,7 @@ def exchange(
     got = read(unsent) if unsent else {}  # raises as a read of this rank's own would
     for i, reqs in sharing.pending.items():
         blob = sent[i] if i in sent else got[sharing.refs[i]]
-        _load(blob, reqs, planner)
+        load_item(blob, reqs, planner)
 
 
 def _serve(sharing: Sharing | None, needed: list[int], read: Callable[[list[Ref]], dict[Ref, bytes]]) -> dict[int, bytes]:
@@ -145,8 +145,8 @@ def _serve(sharing: Sharing | None, needed: list[int], read: Callable[[list[Ref]
     return out
 
 
-def _load(blob: bytes, reqs: list[ReadItem], planner: LoadPlanner) -> None:
-    """Load one shared item (verified by whoever read it) into its targets."""
+def load_item(blob: bytes, reqs: list[ReadItem], planner: LoadPlanner) -> None:
+    """Load one item read by another rank (verified by whoever read it) into its targets."""
     if reqs[0].type == LoadItemType.BYTE_IO:
         for req in reqs:
             planner.load_bytes(req, io.BytesIO(blob))

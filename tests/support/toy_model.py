@@ -22,13 +22,13 @@ class Forwards(torch.nn.Module):
         return x
 
 
-def build(mode: str, world: int, seed: int = 1234, frozen_seed: int | None = None, counter: bool = True) -> torch.nn.Module:
+def build(mode: str, world: int, seed: int = 1234, frozen_seed: int | None = None, counter: bool = True, width: int = 32) -> torch.nn.Module:
     """With `frozen_seed`, the first layer is frozen (requires_grad=False) and its weights are
     drawn from that seed, as a fine-tune loads its base model. A last layer counts the
     forwards in a buffer (`Forwards`), unless `counter` is false."""
     torch.manual_seed(seed)  # the same initial weights on every rank
     model = torch.nn.Sequential(
-        torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8),
+        torch.nn.Linear(16, width), torch.nn.ReLU(), torch.nn.Linear(width, width), torch.nn.ReLU(), torch.nn.Linear(width, 8),
         *([Forwards()] if counter else []),
     )
     if frozen_seed is not None:
@@ -41,11 +41,11 @@ def build(mode: str, world: int, seed: int = 1234, frozen_seed: int | None = Non
         from torch.nn.parallel import DistributedDataParallel
 
         return DistributedDataParallel(model)
-    if mode == "fsdp2":
+    if mode in ("fsdp2", "hsdp"):  # HSDP: 2 replicas, each sharded over half the ranks
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
-        mesh = init_device_mesh("cpu", (world,))
+        mesh = init_device_mesh("cpu", (world,)) if mode == "fsdp2" else init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
         for layer in model:
             if isinstance(layer, torch.nn.Linear):
                 fully_shard(layer, mesh=mesh)

@@ -29,7 +29,8 @@ from tests.support.toy_model import build, optimizer
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--mode", default="plain", choices=["plain", "ddp", "fsdp2", "fsdp1"])
+    p.add_argument("--mode", default="plain", choices=["plain", "ddp", "fsdp2", "fsdp1", "hsdp"])
+    p.add_argument("--width", type=int, default=32, help="the toy model's hidden width")
     p.add_argument("--root", required=True)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--every", type=int, default=5)
@@ -57,7 +58,7 @@ def main() -> None:
     np.random.seed(200 + rank)
     torch.manual_seed(300 + rank)
 
-    model = build(args.mode, world, frozen_seed=args.frozen_seed)
+    model = build(args.mode, world, frozen_seed=args.frozen_seed, width=args.width)
     opt, sched = optimizer(model)
     restore = int(args.restore) if args.restore.isdigit() else args.restore
     preempted: SystemExit | None = None
