@@ -250,14 +250,17 @@ class Spool:
 
     def usage(self, rel: str) -> tuple[int, float]:
         """Bytes of the regular files under the spool's directory `rel` and the newest
-        modification time there (now, if none); no link followed."""
+        modification time there (now, if none) of a file the trainer wrote: not of the agent's
+        own records (`STATUS_DIR`), written as late as an upload ends, which would make an
+        older save look newer than the next one; no link followed."""
         size, newest = 0, 0.0
         for base, _, names in os.walk(os.path.join(self.path, rel)):
+            ours = os.path.basename(base) == STATUS_DIR
             for n in names:
                 with contextlib.suppress(OSError):
                     st = os.lstat(os.path.join(base, n))
                     size += st.st_size if stat.S_ISREG(st.st_mode) else 0
-                    newest = max(newest, st.st_mtime)
+                    newest = newest if ours else max(newest, st.st_mtime)
         return size, newest or time.time()
 
     def writing(self, rel: str, within_s: float) -> bool:

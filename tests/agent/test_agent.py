@@ -431,6 +431,30 @@ def test_the_spool_keeps_a_failed_hand_offs_step_directory_while_a_later_save_of
     assert not marker.exists()
 
 
+def test_the_spool_keeps_the_newest_saves_even_when_an_older_ones_upload_ended_last(tmp_path):
+    """Step 10's upload of one rank ended after steps 15 and 20 were handed off (the agent
+    writes its record then): the spool's retention still keeps 15 and 20, the newest saves,
+    not 10 because a file of the agent's own in it is newer."""
+    spool = Spool(str(tmp_path / "spool"))
+    handoff = Handoff(Store(str(tmp_path / "root")), spool, 0)
+    now = time.time()
+    for age, step in ((30, 10), (20, 15), (10, 20)):
+        rel = f"step-{step:010d}"
+        request = spool.request_path(handoff.job, rel, 0)
+        os.makedirs(os.path.dirname(request))
+        Path(handoff.local.path(rel, "__0_0.distcp")).write_bytes(b"bytes")
+        doc = {"root": str(tmp_path / "root"), "storage_options": {}, "rel": rel, "step": step, "save_id": f"s{step}", "rank": 0,
+               "world": 1, "files": ["__0_0.distcp"], "manifest": {}, "started": 0.0}  # fmt: skip
+        Path(request).write_text(json.dumps(doc))
+        os.makedirs(os.path.dirname(status_of(request)))
+        Path(status_of(request)).write_text(json.dumps({"state": "committed", "save_id": f"s{step}"}))
+        for f in Path(spool.job_dir(handoff.job), rel).rglob("*"):
+            os.utime(f, (now - age, now - age))
+        os.utime(status_of(request), (now - 30 + 25 if step == 10 else now - age,) * 2)  # step 10's record: last
+    Agent(Config(spool=spool.path, metrics_port=-1, keep_spool=2)).retention.prune()
+    assert sorted(p.name for p in Path(spool.job_dir(handoff.job)).glob("step-*")) == ["step-0000000015", "step-0000000020"]
+
+
 @pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"), reason="needs root, to run the trainer as another user")
 def test_a_trainer_that_cannot_write_the_spool_writes_to_the_root_and_commits_itself(tmp_path):
     """A spool the agent made for its own user (a systemd StateDirectory, root's and 0755):
