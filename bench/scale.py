@@ -14,7 +14,8 @@ It then fits each count and time as a + b·N on the world sizes below the larges
 far that line is from what the largest one measured. Counts are exact functions of the layout;
 times on this 2-core machine grow with N because N processes share 2 cores (a rank's CPU time,
 also reported, is what its own work costs). Rank 0 also times the restricted unpickler and
-pickling on `.metadata` (the rates `ckpt.schedule.scale_model` uses).
+pickling on `.metadata`, and the index decoder on `.index` and its own index (the rates
+`ckpt.schedule.scale_model` uses).
 
     .venv/bin/python bench/scale.py                       # 2, 4, 8, 16 ranks on S3: bench/results/scale.json
     .venv/bin/python bench/scale.py --ranks 2,4,8 --store local
@@ -118,24 +119,33 @@ def _worker(args: argparse.Namespace) -> None:
             if rank == 0 and args.phase == "restore":  # two GETs more, taken off the restore's count (`_BENCH_GETS`)
                 rel = f"step-{manifest.step:010d}"
                 out["sizes"]["manifest.json"] = len(cp.store.read_bytes(f"{rel}/manifest.json"))
-                out["rates"] = _rates(cp.store.read_bytes(f"{rel}/.metadata"))
+                indexes = [cp.store.read_bytes(f"{rel}/{name}") for name in (".index", "__0_0.index")]
+                out["rates"] = _rates(cp.store.read_bytes(f"{rel}/.metadata"), indexes)
     Path(f"{args.out}.rank{rank}.json").write_text(json.dumps(out))
     dist.barrier()
     dist.destroy_process_group()
 
 
-def _rates(blob: bytes) -> dict[str, float]:
-    """Bytes per second of ckpt's restricted unpickler and of pickling, on this `.metadata`."""
+def _rates(blob: bytes, indexes: list[bytes]) -> dict[str, float]:
+    """Bytes per second of ckpt's restricted unpickler and of pickling, on this `.metadata`,
+    and of the index decoder on `.index` and rank 0's index (read at every restore)."""
     import pickle
 
     from ckpt.format.dcp_metadata import load_metadata
+    from ckpt.format.index_file import decode_index
 
     began = time.perf_counter()
     md = load_metadata(blob)
     unpickle = time.perf_counter() - began
     began = time.perf_counter()
     pickle.dumps(md)
-    return {"unpickle_bytes_per_s": len(blob) / unpickle, "pickle_bytes_per_s": len(blob) / (time.perf_counter() - began)}
+    pickled = time.perf_counter() - began
+    began = time.perf_counter()
+    for index in indexes:
+        decode_index(index, "index")
+    decoded = time.perf_counter() - began
+    return {"unpickle_bytes_per_s": len(blob) / unpickle, "pickle_bytes_per_s": len(blob) / pickled,
+            "index_decode_bytes_per_s": sum(map(len, indexes)) / decoded}  # fmt: skip
 
 
 def _free_port() -> int:
@@ -178,7 +188,7 @@ def _requests(seen: list[tuple[str, str]], phase: str) -> dict[str, int]:
     return {k: v for k, v in got.items() if v}
 
 
-_BENCH_GETS = Counter({"range.manifest": 1, "range.metadata": 1})  # rank 0's, for the sizes and `_rates`
+_BENCH_GETS = Counter({"range.manifest": 1, "range.metadata": 1, "range.index": 2})  # rank 0's, for the sizes and `_rates`
 
 
 def _fit(xs: list[int], ys: list[float]) -> tuple[float, float]:
@@ -291,6 +301,9 @@ def main() -> None:
     model = _model_check(rows[-1], args)
     for line in fits["lines"] + model["lines"]:
         print(line)
+    rates = rows[-1]["rates"]
+    print(f"rates on rank 0 of {rows[-1]['ranks']}: restricted unpickler {rates['unpickle_bytes_per_s'] / 1e6:.1f} MB/s, "
+          f"pickling {rates['pickle_bytes_per_s'] / 1e6:.1f} MB/s, index decoder {rates['index_decode_bytes_per_s'] / 1e6:.1f} MB/s")  # fmt: skip
     Path(args.out).write_text(json.dumps({"config": {k: v for k, v in vars(args).items() if k not in ("worker", "root", "options")}, "rows": rows, "fits": fits["table"], "model": model["table"]}, indent=1))
     print(f"[scale] results: {args.out}")
 

@@ -121,6 +121,7 @@ def scale_rows(a: AtScale) -> list[list[str]]:
         ["save: rank 0's .metadata", duration(a.save_metadata_s)],
         ["save, predicted", f"{duration(a.save_s)} ({a.save_binds} bind)"],
         ["restore: bytes / requests (GET) bound", f"{duration(a.restore_bytes_s)} / {duration(a.restore_requests_s)} ({a.restore_requests:,.0f} requests)"],
+        *([["restore: replicas send each other what they read", duration(a.restore_exchange_s)]] if a.restore_exchange_s else []),
         ["restore, predicted", f"{duration(a.restore_s)} ({a.restore_binds} bind)"],
         ["restore on half the ranks: a rank's metadata", duration(a.restore_resharded_metadata_s)],
     ]

@@ -154,7 +154,7 @@ def load_metadata(blob: bytes, where: str = METADATA_NAME) -> Metadata:
         raise InvalidCheckpoint(f"{where} does not parse: {type(e).__name__}: {e}") from e
     if not isinstance(md, Metadata):
         raise InvalidCheckpoint(f"{where} holds {_describe(md)}, not DCP metadata")
-    problem = _malformed(md)
+    problem = malformed(md)
     if problem:
         raise InvalidCheckpoint(f"{where} is not DCP metadata as DCP writes it: {problem}")
     return md
@@ -164,7 +164,7 @@ def load_metadata(blob: bytes, where: str = METADATA_NAME) -> Metadata:
 _DIM_MAX = 1 << 62
 
 
-def _malformed(md: Metadata) -> str | None:
+def malformed(md: Metadata) -> str | None:
     """What in `md` is not of the types and ranges DCP writes (the unpickler only proves which
     classes it is made of: BUILD may still have set a field to any plain value, which a verb
     would crash on, or allocate from, far from here); None if nothing. Every entry is looked

@@ -33,7 +33,7 @@ from ckpt.collectives import Group
 from ckpt.errors import InvalidCheckpoint
 from ckpt.format.dcp_index import index_name, merged
 from ckpt.format.dcp_layout import LAYOUT, Budget, checked_layout, files_for
-from ckpt.format.dcp_metadata import load_metadata
+from ckpt.format.index_file import decode_index
 from ckpt.format.manifest import MAX_INDEXES, METADATA_NAME, SHARED_INDEX, Manifest
 from ckpt.restore.dcp_read import Parts
 from ckpt.storage.store import Store
@@ -92,13 +92,13 @@ def partial_metadata(
     why = ""
     if shared_bytes is not None:
         try:
-            shared = load_metadata(checked(f"{store.display}/{rel}/{SHARED_INDEX}", SHARED_INDEX, manifest, shared_bytes), f"{rel}/{SHARED_INDEX}")
+            shared = decode_index(checked(f"{store.display}/{rel}/{SHARED_INDEX}", SHARED_INDEX, manifest, shared_bytes), f"{rel}/{SHARED_INDEX}")
             names = indexes_to_read(shared, state_dict, manifest, ctrl.rank, ctrl.world)
             if names is None:
                 why = "the index does not say where all of it is"
             else:
                 read = _read_indexes(store, rel, manifest, names)
-                part = merged(shared, *(load_metadata(data, f"{rel}/{name}") for name, data in read.items()))
+                part = merged(shared, *(decode_index(data, f"{rel}/{name}") for name, data in read.items()))
                 why = uncovered(part, state_dict)
                 got = sum(map(len, read.values())) + (len(shared_bytes) if ctrl.rank == 0 else 0)  # kept: read by this restore's catalog
                 parts = Parts(part, shared, got) if not why else None

@@ -38,6 +38,7 @@ from torch.futures import Future
 
 from ckpt._faults import fault_point
 from ckpt.format.dcp_index import SHARED_INDEX, index_name, own_part, shared_part
+from ckpt.format.index_file import encode_index
 from ckpt.format.manifest import METADATA_NAME, FileEntry
 from ckpt.save.arena import PAGE, Arena
 from ckpt.save.filewrite import Fixed, Piece, piece_len
@@ -184,7 +185,7 @@ def write_index(store: Store, step_dir: str, name: str, md: Metadata, rank: int 
     data file `name`, rank `rank`'s index `md`; as `.index` (`name`), the shared part of the
     whole metadata `md` (rank 0)."""
     rel, part = (name, shared_part(md)) if name == SHARED_INDEX else (index_name(name), md)
-    entry = Image(pickle.dumps(part), store.checksum_algo).write(store, f"{step_dir}/{rel}")
+    entry = Image(encode_index(part), store.checksum_algo).write(store, f"{step_dir}/{rel}")
     return {rel: dataclasses.replace(entry, rank=rank)}
 
 

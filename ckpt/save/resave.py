@@ -35,6 +35,7 @@ from ckpt._faults import fault_point
 from ckpt._gc import gc_paused
 from ckpt.capture.state import ATOMS
 from ckpt.format.dcp_index import SHARED_INDEX, index_name, shared_part
+from ckpt.format.index_file import encode_index
 from ckpt.format.manifest import METADATA_NAME, FileEntry
 from ckpt.save.arena import Arena
 from ckpt.save.dcp_write import FileLayout, Sink, Writer, write_file
@@ -256,7 +257,7 @@ class Layout:
         moved = {i: info for i, info in placed.items() if self.index.storage_data.get(i) != info}
         if moved or self.index_image is None:
             self.index.storage_data.update(moved)
-            self.index_image = Image(pickle.dumps(self.index), store.checksum_algo)
+            self.index_image = Image(encode_index(self.index), store.checksum_algo)
         name = index_name(self.name)
         return {name: dataclasses.replace(self.index_image.write(store, f"{step_dir}/{name}"), rank=rank)}
 
@@ -268,7 +269,7 @@ class Layout:
             self.metadata.storage_data.update(moved)
             self.metadata_image = Image(pickle.dumps(self.metadata), store.checksum_algo)
             if self.index is not None:
-                self.shared_image = Image(pickle.dumps(shared_part(self.metadata)), store.checksum_algo)
+                self.shared_image = Image(encode_index(shared_part(self.metadata)), store.checksum_algo)
         files = {METADATA_NAME: self.metadata_image.write(store, f"{step_dir}/{METADATA_NAME}")}
         if self.index is not None:  # a job of several ranks (`Writer.indexed`)
             files[SHARED_INDEX] = self.shared_image.write(store, f"{step_dir}/{SHARED_INDEX}")

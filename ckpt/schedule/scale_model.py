@@ -7,9 +7,12 @@ the ranks, so every rank writes S/W bytes whatever the layout):
 
     fsdp     every tensor sharded over all W ranks: each rank loads S/W
     hsdp:R   sharded over W/R ranks, replicated R times: each rank loads S·R/W
-    ddp      replicated on every rank: each rank loads all S (the values of `SHARE_MAX` or
-             less are read once per job and sent, `ckpt.restore.shared_items`; the weights
-             are read by every rank)
+    ddp      replicated on every rank: each rank loads all S
+
+Whatever the layout, the store is read once per restore: each rank reads S/W of it, and the
+ranks that load the same pieces send each other what they read (`ckpt.restore.replicas`; the
+small values, `ckpt.restore.shared_items`): an HSDP or DDP rank then receives the rest of what
+it loads, S·R/W - S/W, over the job's network (`exchange_bandwidth` per node, gloo over TCP).
 
 `.metadata` holds one entry per piece of every tensor: T·pieces of them (pieces W for FSDP,
 W/R for HSDP, 1 for DDP). A restore reads instead the shared `.index` and the indexes of the
@@ -40,6 +43,9 @@ SHARED_ENTRY = 432.0
 # at the save, bytes/s, on this 2-core machine (bench/scale.py's `rates`, at 2 ranks).
 UNPICKLE_RATE = 2.3e6
 PICKLE_RATE = 17e6
+# ckpt's index decoder (`ckpt.format.index_file`: JSON, then DCP's classes built and checked),
+# bytes/s, on `.index` and a rank's index (bench/scale.py's `rates`).
+INDEX_DECODE_RATE = 20e6
 # A save's and a restore's requests besides each rank's files (lease, manifest, listing,
 # events, `.metadata` and `.index`): bench/scale.py's fits, 20 + 2·N and 13 + 2·N.
 SAVE_FIXED = 20
@@ -60,6 +66,7 @@ class Scale:
     layout: str = "fsdp"  # fsdp, ddp, or hsdp:R
     write_bandwidth: float = 2e9  # per node, bytes/s
     read_bandwidth: float = 2e9
+    exchange_bandwidth: float = 12.5e9  # per node, between nodes: what the replicas send each other
     store_bandwidth: float = math.inf  # all nodes together, bytes/s (the store's own bound)
     prefixes: int = 1  # partitions S3 spreads the step directory over (1 until it splits)
     part_size: int = 64 * MiB  # ckpt.storage.transfer.Transfer
@@ -95,6 +102,7 @@ class AtScale:
     save_binds: str
     restore_bytes_s: float
     restore_requests_s: float
+    restore_exchange_s: float  # the replicas' parts, sent to each other once read
     restore_metadata_s: float  # reading and unpickling this rank's metadata
     restore_s: float
     restore_binds: str
@@ -117,24 +125,25 @@ def at_scale(checkpoint_bytes: float, s: Scale) -> AtScale:
     # and its index; the job's few (SAVE_FIXED, RESTORE_FIXED).
     data_puts = 1 if per_rank <= 2 * s.part_size else math.ceil(per_rank / s.part_size) + 2
     save_requests = w * (data_puts + 1) + SAVE_FIXED
-    restore_requests = w * (math.ceil(loaded / s.read_size) + 1) + RESTORE_FIXED  # ranged GETs of its data, its index
+    restore_requests = w * (math.ceil(per_rank / s.read_size) + 1) + RESTORE_FIXED  # ranged GETs of its part, its index
     write_bw = min(s.store_bandwidth, s.nodes * s.write_bandwidth)
     read_bw = min(s.store_bandwidth, s.nodes * s.read_bandwidth)
     save_bytes_s = checkpoint_bytes / write_bw
     save_requests_s = save_requests / (PUT_PER_S * s.prefixes)
     save_metadata_s = (metadata + shared) / PICKLE_RATE + (metadata + shared) / s.write_bandwidth
-    restore_bytes_s = loaded * w / read_bw  # every rank's loads, over the nodes' (or the store's) bandwidth
+    restore_bytes_s = checkpoint_bytes / read_bw  # read once, over the nodes' (or the store's) bandwidth
     restore_requests_s = restore_requests / (GET_PER_S * s.prefixes)
+    restore_exchange_s = (loaded - per_rank) * (w / s.nodes) / s.exchange_bandwidth  # what a node receives
     whole_metadata_s = metadata / s.read_bandwidth + metadata / UNPICKLE_RATE
     # A rank reads the indexes of the files its pieces are in (a replicated piece is in one
     # replica's file: HSDP's R, DDP's W), in all about its own index's entries, and `.index`.
     part = index if r == 1 else entries * INDEX_ENTRY
     indexed = min(r, w) <= MAX_INDEXES
-    restore_metadata_s = _read_s(part + shared, s) if indexed else whole_metadata_s
+    restore_metadata_s = _index_s(part + shared, s) if indexed else whole_metadata_s
     # On half the ranks, an FSDP rank loads the pieces of 2 saving ranks (3 where they straddle).
-    resharded_s = _read_s(3 * part + shared, s) if min(r, w) * 3 <= MAX_INDEXES else whole_metadata_s
+    resharded_s = _index_s(3 * part + shared, s) if min(r, w) * 3 <= MAX_INDEXES else whole_metadata_s
     save_s = max(save_bytes_s, save_requests_s) + save_metadata_s
-    restore_s = max(restore_bytes_s, restore_requests_s) + restore_metadata_s
+    restore_s = max(restore_bytes_s, restore_requests_s) + restore_exchange_s + restore_metadata_s
     return AtScale(
         saved_per_rank=per_rank,
         loaded_per_rank=loaded,
@@ -150,6 +159,7 @@ def at_scale(checkpoint_bytes: float, s: Scale) -> AtScale:
         save_binds="requests" if save_requests_s > save_bytes_s else "bandwidth",
         restore_bytes_s=restore_bytes_s,
         restore_requests_s=restore_requests_s,
+        restore_exchange_s=restore_exchange_s,
         restore_metadata_s=restore_metadata_s,
         restore_s=restore_s,
         restore_binds="requests" if restore_requests_s > restore_bytes_s else "bandwidth",
@@ -157,9 +167,9 @@ def at_scale(checkpoint_bytes: float, s: Scale) -> AtScale:
     )
 
 
-def _read_s(nbytes: float, s: Scale) -> float:
-    """Reading and unpickling `nbytes` of metadata on one rank."""
-    return nbytes / UNPICKLE_RATE + nbytes / s.read_bandwidth
+def _index_s(nbytes: float, s: Scale) -> float:
+    """Reading and decoding `nbytes` of indexes on one rank."""
+    return nbytes / INDEX_DECODE_RATE + nbytes / s.read_bandwidth
 
 
 def llama_tensors(params: float) -> int:

@@ -120,8 +120,10 @@ def inspect(
             if deep and (name == METADATA_NAME or name.endswith(".index")):
                 # Needs torch: only for deep checks (ls, verify and gc run without it).
                 from ckpt.format.dcp_metadata import load_metadata
+                from ckpt.format.index_file import decode_index
 
-                load_metadata(read_verified(store, entry.dir, name, manifest))
+                blob = read_verified(store, entry.dir, name, manifest)
+                decode_index(blob, f"{where}/{name}") if name.endswith(".index") else load_metadata(blob, f"{where}/{name}")
             else:
                 checked = verify_file(store, entry.dir, name, manifest)
                 if keep_doc and name == first:

@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.metadata import (
 import ckpt
 from ckpt.format.dcp_index import SHARE_MAX, index_name, merged, shared_part, shared_refs
 from ckpt.format.dcp_metadata import load_metadata
+from ckpt.format.index_file import decode_index
 from ckpt.format.manifest import SHARED_INDEX
 from ckpt.restore.partial import first_reads, uncovered
 from ckpt.storage.catalog import find
@@ -98,10 +99,10 @@ def test_a_job_of_ranks_writes_each_ranks_index_and_the_shared_one_and_a_restore
     assert {".metadata", SHARED_INDEX, "__0_0.distcp", "__0_0.index", "__1_0.distcp", "__1_0.index"} <= set(manifest.files)
     assert [manifest.files[f"__{r}_0.index"].rank for r in range(RANKS)] == list(range(RANKS)) and manifest.files[SHARED_INDEX].rank == -1
     full = load_metadata((step / ".metadata").read_bytes())
-    shared = load_metadata((step / SHARED_INDEX).read_bytes(), SHARED_INDEX)
+    shared = decode_index((step / SHARED_INDEX).read_bytes(), SHARED_INDEX)
     assert shared_refs(full) == shared_refs(shared) and shared.storage_data.items() <= full.storage_data.items()
     for r in range(RANKS):
-        own = load_metadata((step / f"__{r}_0.index").read_bytes(), f"__{r}_0.index")
+        own = decode_index((step / f"__{r}_0.index").read_bytes(), f"__{r}_0.index")
         # every entry of .metadata about rank r's file, and nothing else
         mine = {i: info for i, info in full.storage_data.items() if info.relative_path == f"__{r}_0.distcp"}
         assert own.storage_data == mine

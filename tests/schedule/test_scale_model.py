@@ -4,6 +4,7 @@ and what does not, by layout, and which limit binds. Its constants come from ben
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -11,6 +12,7 @@ from ckpt.format.manifest import MAX_INDEXES
 from ckpt.schedule.scale_model import (
     METADATA_ENTRY,
     METADATA_PER_TENSOR,
+    RESTORE_FIXED,
     UNPICKLE_RATE,
     Scale,
     at_scale,
@@ -41,6 +43,10 @@ def test_metadata_grows_with_the_ranks_that_shard_a_tensor_and_a_ranks_part_does
     assert wide.restore_metadata_s == pytest.approx(wide.metadata_bytes / UNPICKLE_RATE, rel=0.05)
     # on half the ranks: the indexes of the 2 or 3 saving ranks whose pieces a rank loads
     assert by_world[8192].restore_resharded_metadata_s < 4 * by_world[8192].restore_metadata_s
+    # replicas read the store once between them (S in all), then send each other their parts
+    assert hsdp.restore_bytes_s == pytest.approx(by_world[8192].restore_bytes_s) and by_world[8192].restore_exchange_s == 0
+    assert hsdp.restore_exchange_s == pytest.approx(8 * (8 - 1) * SEVENTY_B / 8192 / 12.5e9)
+    assert ddp.restore_requests == 64 * (math.ceil(8 * 14e9 / 64 / (32 << 20)) + 1) + RESTORE_FIXED  # the GETs of its part, not of all S
 
 
 def test_a_restore_on_many_ranks_is_bound_by_the_stores_request_rate_until_it_spreads_over_prefixes():
