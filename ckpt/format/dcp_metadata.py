@@ -200,7 +200,7 @@ def malformed(md: Metadata) -> str | None:
         if type(entry) is TensorStorageMetadata and md.storage_data is not None:
             # IMPORTANT: a chunk's elements fit in the bytes stored for it: a reader that
             # allocates from the sizes allocates no more than the files hold.
-            itemsize = torch.empty((), dtype=entry.properties.dtype).element_size()
+            itemsize = entry.properties.dtype.itemsize
             for chunk in entry.chunks:
                 length = stored.get((fqn, tuple(chunk.offsets)))
                 if length is None or (length >= 0 and math.prod(chunk.sizes) * itemsize > length):
@@ -229,7 +229,8 @@ def _tensor_problem(entry: TensorStorageMetadata) -> str | None:
 
 
 def _is_size(size: Any) -> bool:
-    return type(size) is torch.Size and all(type(d) is int and 0 <= d <= _DIM_MAX for d in size)
+    # torch.Size holds ints only: its constructor (the one way to make one) refuses the rest.
+    return type(size) is torch.Size and (not size or (min(size) >= 0 and max(size) <= _DIM_MAX))
 
 
 def _count(n: Any) -> bool:

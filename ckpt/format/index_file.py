@@ -22,7 +22,6 @@ earlier ckpt (a pickle) is read through the restricted unpickler, as before.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from typing import Any
 
@@ -91,15 +90,15 @@ def _built(doc: Any) -> Metadata:
     if not (type(doc) is dict and doc.get("ckpt_index") == _FORMAT):
         raise ValueError("no ckpt_index of a format this ckpt reads")
     entries: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
-    kinds = [_properties(_list(p)) for p in _list(doc["props"])]
+    kinds = [_properties(_list(p)) for p in _list(doc["props"])]  # each entry gets its own copy
     files = [_str(f) for f in _list(doc["files"])]
     for key in _list(doc["keys"]):
         fqn, kind = _str(key[0]), key[1]
         if kind == "b" and len(key) == 2:
             entries[fqn] = BytesStorageMetadata()
         elif kind == "t" and len(key) >= 4:
-            props = dataclasses.replace(_at(kinds, key[2]))  # each entry its own, as a pickle's are
-            chunks = [ChunkStorageMetadata(offsets=_size(c[0]), sizes=_size(c[1])) for c in key[4:] if _list(c) and len(c) == 2]
+            props = TensorProperties(*_at(kinds, key[2]))
+            chunks = [ChunkStorageMetadata(_size(c[0]), _size(c[1])) for c in key[4:] if type(c) is list and len(c) == 2]
             if len(chunks) != len(key) - 4:
                 raise ValueError(f"{fqn}: a chunk that is not [offsets, sizes]")
             entries[fqn] = TensorStorageMetadata(props, _size(key[3]), chunks)
@@ -172,11 +171,12 @@ def _int(value: Any) -> int:
     return value
 
 
-def _properties(p: list[Any]) -> TensorProperties:
+def _properties(p: list[Any]) -> tuple[Any, ...]:
+    """TensorProperties' fields, in order."""
     if len(p) != 5:
         raise ValueError("tensor properties that are not 5 fields")
     dtype, layout, grad, memory_format, pinned = p
-    return TensorProperties(_named(dtype, torch.dtype), _named(layout, torch.layout), _bool(grad), _named(memory_format, torch.memory_format), _bool(pinned))
+    return _named(dtype, torch.dtype), _named(layout, torch.layout), _bool(grad), _named(memory_format, torch.memory_format), _bool(pinned)
 
 
 def _at(table: list[Any], number: Any) -> Any:
@@ -200,4 +200,8 @@ def _named(name: Any, kind: type) -> Any:
 
 
 def _size(value: Any) -> torch.Size:
-    return torch.Size([_int(v) for v in _list(value)])
+    """A list of ints as a torch.Size (whose constructor refuses anything else; JSON's true
+    and false are 1 and 0 to it); the ranges are checked with the whole (`malformed`)."""
+    if type(value) is not list:
+        raise ValueError(f"{str(value)[:40]!r} is not a list")
+    return torch.Size(value)
