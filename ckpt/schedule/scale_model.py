@@ -32,20 +32,20 @@ from ckpt.format.manifest import MAX_INDEXES
 # Measured by bench/scale.py on 2-16 ranks of a 24-layer FSDP2 stack (48 parameter tensors,
 # 144 pieces per rank with AdamW's moments; bench/results/scale.json): bytes of `.metadata` per
 # piece of a tensor (its fit: 22,730 bytes more per rank for 144 pieces), of a rank's index per
-# piece it holds (38.2 KB for 144 at 16 ranks, a little more on fewer: its RNG state and
-# values), and of `.index` per parameter tensor (20.7 KB for 48: the values held once and each
-# key's layout, at any W).
+# piece it holds (17.0 KB of JSON for 144 at 16 ranks, a little more on fewer: its RNG state
+# and values), and of `.index` per parameter tensor (24.4 KB for 48: the values held once, every
+# key's name and layout, at any W).
 METADATA_ENTRY = 158.0
 METADATA_PER_TENSOR = 680.0  # and per parameter tensor, whatever W (the fit's 32.6 KB for 48)
-INDEX_ENTRY = 265.0
-SHARED_ENTRY = 432.0
+INDEX_ENTRY = 118.0
+SHARED_ENTRY = 507.0
 # ckpt's restricted unpickler of any metadata (pure Python: it checks every opcode) and pickling
 # at the save, bytes/s, on this 2-core machine (bench/scale.py's `rates`, at 2 ranks).
 UNPICKLE_RATE = 2.3e6
 PICKLE_RATE = 17e6
 # ckpt's index decoder (`ckpt.format.index_file`: JSON, then DCP's classes built and checked),
 # bytes/s, on `.index` and a rank's index (bench/scale.py's `rates`).
-INDEX_DECODE_RATE = 20e6
+INDEX_DECODE_RATE = 14.8e6
 # A save's and a restore's requests besides each rank's files (lease, manifest, listing,
 # events, `.metadata` and `.index`): bench/scale.py's fits, 20 + 2·N and 13 + 2·N.
 SAVE_FIXED = 20
