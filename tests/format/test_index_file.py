@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import pickle
+import time
 
 import pytest
 import torch
@@ -23,6 +24,7 @@ from torch.distributed.checkpoint.metadata import (
 
 from ckpt.errors import InvalidCheckpoint
 from ckpt.format.index_file import decode_index, encode_index
+from ckpt.restore.partial import uncovered
 
 
 def _md() -> Metadata:
@@ -100,3 +102,43 @@ HOSTILE = {
 def test_an_index_someone_else_wrote_is_refused_saying_where(name):
     with pytest.raises(InvalidCheckpoint, match=r"__1_0\.index"):
         decode_index(HOSTILE[name], "step-1/__1_0.index")
+
+
+# An index rewritten (and the manifest to match) to list each element of one tensor as a saved
+# piece: its types and ranges are right, and the check of which pieces cover a rank's was
+# quadratic in them (an hour for 3 MB, every other rank waiting in a collective). It must
+# answer at once: not covered, so the restore reads `.metadata` instead. (Found by an outside
+# review.)
+def _hostile(side: int) -> bytes:
+    chunks = [ChunkStorageMetadata(torch.Size([i, j]), torch.Size([1, 1])) for i in range(side) for j in range(side)]
+    md = Metadata(
+        {"model.w": TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([side, side]), chunks)},
+        storage_data={MetadataIndex("model.w", c.offsets): _StorageInfo("__0_0.distcp", 0, 1000) for c in chunks},
+        storage_meta=StorageMeta(),
+    )
+    return encode_index(md)
+
+
+def test_an_index_of_a_piece_per_element_is_passed_over_at_once_for_metadata():
+    md = decode_index(_hostile(128), "step-1/__0_0.index")  # 16,384 pieces, 0.8 MB
+    start = time.monotonic()
+    why = uncovered(md, {"model": {"w": torch.zeros(128, 128)}})
+    assert time.monotonic() - start < 5, "quadratic in the pieces of one key"
+    assert why  # not covered as far as a restore goes: it reads .metadata
+
+
+def test_a_sharded_tensor_of_many_pieces_is_still_covered():
+    side = 64
+    chunks = [ChunkStorageMetadata(torch.Size([i, 0]), torch.Size([1, side])) for i in range(side)]
+    md = Metadata(
+        {"model.w": TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([side, side]), chunks)},
+        storage_data={MetadataIndex("model.w", c.offsets): _StorageInfo("__0_0.distcp", 0, 1000) for c in chunks},
+        storage_meta=StorageMeta(),
+    )
+    assert uncovered(md, {"model": {"w": torch.zeros(side, side)}}) == ""
+    overlapping = Metadata(
+        {"model.w": TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([2, 2]),
+                                          [ChunkStorageMetadata(torch.Size([0, 0]), torch.Size([2, 2])), ChunkStorageMetadata(torch.Size([1, 0]), torch.Size([1, 2]))])},
+        storage_data={}, storage_meta=StorageMeta(),
+    )  # fmt: skip
+    assert "overlap" in uncovered(overlapping, {"model": {"w": torch.zeros(2, 2)}})
