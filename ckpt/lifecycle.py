@@ -100,8 +100,9 @@ class Lifecycle:
             if restored is not None:
                 self._step = self.restored_step = restored.step
                 took = time.perf_counter() - began
-                self.metrics.restored(took, restored.read_bytes, restored.manifest, restored.source)
-                log.info("restored step %d in %.2f s, %.1f MB read, mostly from the %s", restored.step, took, restored.read_bytes / 1e6, "node spool" if restored.source == "spool" else "store")
+                self.metrics.restored(took, restored.read_bytes, restored.manifest, restored.source, restored.received_bytes)
+                got = f" and {restored.received_bytes / 1e6:.1f} MB from the ranks that load the same" if restored.received_bytes else ""
+                log.info("restored step %d in %.2f s, %.1f MB read%s, mostly from the %s", restored.step, took, restored.read_bytes / 1e6, got, "node spool" if restored.source == "spool" else "store")
                 self.counters, self.last_commit = Counters(restored.counters), restored.manifest
             elif self._ctrl.rank == 0:
                 log.info("no checkpoint in %s: starting at step 0", self.store.display)

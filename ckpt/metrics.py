@@ -95,6 +95,7 @@ class Metrics:
         self.persist = Histogram("ckpt_persist_seconds", "Seconds from the start of a save to its commit", registry=r, buckets=_LONG_BUCKETS)
         self.written = Counter("ckpt_written_bytes", "Bytes of checkpoint files this rank wrote", registry=r)
         self.read = Counter("ckpt_read_bytes", "Bytes of checkpoint files this rank read to restore", registry=r)
+        self.received = Counter("ckpt_received_bytes", "Bytes of checkpoint pieces this rank loaded as other ranks of its replica group read and sent them", registry=r)
         self.last_step = Gauge("ckpt_last_committed_step", "The step of the last checkpoint this job committed", registry=r)
         self.last_time = Gauge("ckpt_last_commit_timestamp_seconds", "Unix time of the last commit", registry=r)
         self._at_risk_from: float | None = None  # this run's first step, then its last commit
@@ -161,10 +162,11 @@ class Metrics:
     def skipped(self) -> None:
         self.saves.labels("skipped").inc()
 
-    def restored(self, seconds: float, bytes_read: int, manifest: Manifest, source: str = "store") -> None:
+    def restored(self, seconds: float, bytes_read: int, manifest: Manifest, source: str = "store", received: int = 0) -> None:
         self.restores.labels(source).inc()
         self.restore_time.observe(seconds)
         self.read.inc(bytes_read)
+        self.received.inc(received)
         self.commit_seen(manifest)
 
     def schedule_from(self, record: Callable[[], dict[str, Any]]) -> None:

@@ -192,10 +192,11 @@ def malformed(md: Metadata) -> str | None:
             return f"storage_data: a key {_describe(index)} that is not an index DCP writes"
         if not (type(info) is _StorageInfo and type(info.relative_path) is str and _plain_name(info.relative_path)
                 and _count(info.offset) and _count(info.length)
-                and (info.transform_descriptors is None or all(type(t) is str for t in info.transform_descriptors))):  # fmt: skip
+                and (info.transform_descriptors is None or type(info.transform_descriptors) is list)):  # fmt: skip
             return f"storage_data[{index.fqn!r}]: not a file name and a byte range in it"
-        # A transformed (compressed) piece's raw size is not its stored one: not bounded here.
-        stored[(index.fqn, None if index.offset is None else tuple(index.offset))] = -1 if info.transform_descriptors else info.length
+        if info.transform_descriptors:  # its bytes, once decoded, would have no bound here
+            return f"storage_data[{index.fqn!r}]: stored transformed ({str(info.transform_descriptors)[:60]}, a DCP extension's compression): ckpt reads untransformed checkpoints only"
+        stored[(index.fqn, None if index.offset is None else tuple(index.offset))] = info.length
     for fqn, entry in md.state_dict_metadata.items():
         if type(entry) is TensorStorageMetadata and md.storage_data is not None:
             # IMPORTANT: a chunk's elements fit in the bytes stored for it: a reader that
@@ -203,7 +204,7 @@ def malformed(md: Metadata) -> str | None:
             itemsize = entry.properties.dtype.itemsize
             for chunk in entry.chunks:
                 length = stored.get((fqn, tuple(chunk.offsets)))
-                if length is None or (length >= 0 and math.prod(chunk.sizes) * itemsize > length):
+                if length is None or math.prod(chunk.sizes) * itemsize > length:
                     return f"{fqn!r}: a chunk of {math.prod(chunk.sizes)} elements that {'no file holds' if length is None else f'{length} bytes cannot hold'}"
     if not (md.planner_data is None or type(md.planner_data) is dict):
         return "planner_data is not a dict"

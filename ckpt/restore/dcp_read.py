@@ -35,6 +35,7 @@ from torch.distributed.checkpoint.filesystem import (
 from torch.distributed.checkpoint.metadata import (
     Metadata,
     StorageMeta,
+    TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import (
     LoadItemType,
@@ -46,6 +47,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.futures import Future
 
 from ckpt.collectives import Group
+from ckpt.errors import InvalidCheckpoint
 from ckpt.format.dcp_layout import PER_RANK
 from ckpt.format.dcp_metadata import load_metadata
 from ckpt.format.manifest import METADATA_NAME, Manifest
@@ -153,6 +155,11 @@ class _Reader(FileSystemReader):
         """Bytes this reader read from storage."""
         return self._streamed + self.fs.read_bytes
 
+    @property
+    def received_bytes(self) -> int:
+        """Bytes of replicated pieces other ranks read and sent to this one."""
+        return self.replicas.received_bytes if self.replicas is not None else 0
+
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if self._parts is not None:
             md = self._parts.mine
@@ -174,15 +181,7 @@ class _Reader(FileSystemReader):
         per_file: dict[str, list[ReadItem]] = {}
         for req in items:
             per_file.setdefault(self.storage_data[req.storage_index].relative_path, []).append(req)
-        streamed: dict[str, dict[tuple[int, int], list[ReadItem]]] = {}
-        for name, reqs in per_file.items():
-            spans = self._stream_spans(reqs)
-            if spans is None:
-                # A layout not streamed here goes to DCP's own reader, whose file view
-                # (_VerifiedFiles) hands over a file only once it is verified whole.
-                super().read_data(dataclasses.replace(plan, items=reqs), planner).wait()
-            else:
-                streamed[name] = spans
+        streamed = {name: self._stream_spans(name, reqs) for name, reqs in per_file.items()}
         # IMPORTANT: nothing is decoded (unpickled) before every file it came from was verified.
         for step in self._stream_files(streamed, planner):
             step()
@@ -202,6 +201,10 @@ class _Reader(FileSystemReader):
             for req in items:
                 if (ref := self._replicable(req)) is not None:
                     pieces.setdefault(ref, []).append(req)
+            # Only pieces this rank loads whole: one it loads a slice of (a restore on another
+            # layout) it streams, reading the blocks that hold its slice; sent whole, every
+            # rank of its group would hold and receive all of it.
+            pieces = {ref: reqs for ref, reqs in pieces.items() if _whole(reqs, planner.metadata)}
         finally:
             self._group(pieces)
         if self.replicas is not None and self.replicas.pending:
@@ -211,7 +214,7 @@ class _Reader(FileSystemReader):
     def _replicable(self, req: ReadItem) -> Ref | None:
         """The piece `req` reads, if a rank of its group could read it for this one."""
         info: _StorageInfo = self.storage_data[req.storage_index]
-        if info.transform_descriptors or PER_RANK.search(req.dest_index.fqn):
+        if PER_RANK.search(req.dest_index.fqn):
             return None
         ref = (info.relative_path, info.offset, info.length)
         return None if self.sharing is not None and self.sharing.number(ref) is not None else ref
@@ -271,19 +274,18 @@ class _Reader(FileSystemReader):
             out.update(got)
         return out
 
-    def _stream_spans(self, reqs: list[ReadItem]) -> dict[tuple[int, int], list[ReadItem]] | None:
-        """The requests of one file by the (offset, length) of the item each reads, or None
-        unless the file can be streamed: items one after another, untransformed."""
+    def _stream_spans(self, name: str, reqs: list[ReadItem]) -> dict[tuple[int, int], list[ReadItem]]:
+        """The requests of one file by the (offset, length) of the item each reads. DCP writes
+        items one after another, each of one kind (the metadata's checks refuse transformed
+        ones): items that overlap, or a tensor and a pickled value at the same bytes, come of
+        a metadata someone else wrote, and are refused (read whole by DCP's own reader, they
+        would have taken a whole data file into memory)."""
         spans: dict[tuple[int, int], list[ReadItem]] = {}
         for req in reqs:
             info: _StorageInfo = self.storage_data[req.storage_index]
-            if info.transform_descriptors:
-                return None
             spans.setdefault((info.offset, info.length), []).append(req)
-        if not disjoint(list(spans)):
-            return None
-        if any(len({r.type == LoadItemType.BYTE_IO for r in group}) > 1 for group in spans.values()):
-            return None
+        if not disjoint(list(spans)) or any(len({r.type == LoadItemType.BYTE_IO for r in group}) > 1 for group in spans.values()):
+            raise InvalidCheckpoint(f"{self.path}/{name}: the metadata places items that overlap in it, which DCP never writes")
         return spans
 
     def _stream_files(
@@ -373,6 +375,19 @@ class _Reader(FileSystemReader):
         finally:
             with self._lock:
                 self._scratches.append(scratch)
+
+def _whole(reqs: list[ReadItem], md: Metadata | None) -> bool:
+    """Whether `reqs` load all of the piece they read: a pickled value, or a saved chunk taken
+    from its first element to its last."""
+    if reqs[0].type == LoadItemType.BYTE_IO:
+        return True
+    entry = md.state_dict_metadata.get(reqs[0].storage_index.fqn) if md is not None else None
+    if not isinstance(entry, TensorStorageMetadata):
+        return False
+    at = tuple(reqs[0].storage_index.offset or ())
+    sizes = next((tuple(c.sizes) for c in entry.chunks if tuple(c.offsets) == at), None)
+    return any(not any(r.storage_offsets) and tuple(r.lengths) == sizes for r in reqs)
+
 
 # Data files one rank reads at once, each on its own thread (reads and hashing release the GIL):
 # a rank that needs a few items of another rank's file (values every rank holds, saved once)

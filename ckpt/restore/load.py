@@ -56,6 +56,7 @@ class Restored:
     read_bytes: int = 0
     source: str = "store"  # where most of the bytes came from: "store", or "spool" (the node agent's)
     unasked: tuple[str, ...] = ()  # values under model./extra. the checkpoint holds and this rank did not load
+    received_bytes: int = 0  # of the pieces it loads, sent by the ranks that read them (`ckpt.restore.replicas`)
 
 
 @gc_paused  # the restore makes many small objects: a full collection costs more than the read
@@ -364,7 +365,7 @@ def _load(
         )  # fmt: skip
     counters = cast(dict, applied[2])
     source = tiered.source if tiered else "store"
-    restored = Restored(int(counters.pop("step")), counters, manifest, reader.read_bytes, source, tuple(planner.unasked(("model.", "extra."))))
+    restored = Restored(int(counters.pop("step")), counters, manifest, reader.read_bytes, source, tuple(planner.unasked(("model.", "extra."))), reader.received_bytes)
     if tiered is not None:
         log.info("rank %d read %.1f MB of %s from the node spool and %.1f MB from %s", rank, tiered.bytes["spool"] / 1e6, rel, tiered.bytes["store"] / 1e6, store.display)
     if rank == 0 and manifest.world_size != ctrl.world:

@@ -36,7 +36,7 @@ def _md() -> Metadata:
         planner_data={"ckpt.held_keys": ["model.w", "optim.param_groups"], "ckpt.layout": {"files": ["__0_0.distcp"], "keys": {"model.w": (((4, 2), [0, 8]), (0, 0)), "x": ()}, "ranked": []}},
         storage_data={
             MetadataIndex("model.w", [0, 0]): _StorageInfo("__0_0.distcp", 0, 1000),
-            MetadataIndex("model.w", [4, 0]): _StorageInfo("__0_0.distcp", 1000, 1000, ["zstd"]),
+            MetadataIndex("model.w", [4, 0]): _StorageInfo("__0_0.distcp", 1000, 1000, []),
             MetadataIndex("optim.param_groups"): _StorageInfo("__0_0.distcp", 2000, 50),
         },
         storage_meta=StorageMeta(),
@@ -90,6 +90,7 @@ HOSTILE = {
     "a piece of 6 fields": _with(lambda d: d["pieces"][0].pop()),
     "an offset that is a string": _with(lambda d: d["pieces"][0].__setitem__(4, "0")),
     "a transform that is not a string": _with(lambda d: d["pieces"][1].__setitem__(6, [1])),
+    "a transformed (compressed) piece": _with(lambda d: d["pieces"][1].__setitem__(6, ["stream.zstd"])),
     "an entry of an unknown kind": _with(lambda d: d["keys"][1].__setitem__(1, "x")),
     "planner data with a raw dict": _with(lambda d: d.__setitem__("planner", {"a": 1, "b": 2})),
     "a dict key that is a list": _with(lambda d: d.__setitem__("planner", {"d": [[{"t": [[1]]}, 1]]})),

@@ -229,7 +229,7 @@ def every_kind_of_metadata() -> Metadata:
         chunks = [ChunkStorageMetadata(torch.Size([r * 2, 0]), torch.Size([2, 3])) for r in range(1 + i % 3)]
         state[fqn] = TensorStorageMetadata(props, torch.Size([2 * len(chunks), 3]), chunks)
         for r, c in enumerate(chunks):
-            storage[MetadataIndex(fqn, c.offsets, r)] = _StorageInfo(f"__{r}_0.distcp", 128 * i, 128, ["zstd"] if i == 1 else None)
+            storage[MetadataIndex(fqn, c.offsets, r)] = _StorageInfo(f"__{r}_0.distcp", 128 * i, 128, [] if i == 1 else None)
     planner = {k: tuple(k.split(".")) for k in state} | {"x": ("extra", 0, "x")}
     return Metadata(state, planner, storage, StorageMeta("id", "save", "load", ["m"]), "2.1")
 
@@ -242,6 +242,12 @@ def test_dcp_metadata_of_every_kind_loads_as_it_was_pickled(protocol):
     assert [p.properties.memory_format for p in got.state_dict_metadata.values() if isinstance(p, TensorStorageMetadata)][:3] == [
         torch.contiguous_format, torch.channels_last, torch.preserve_format
     ]  # fmt: skip
+    # A piece stored transformed (a DCP extension's compression): not read, its decoded size
+    # bounded by nothing the metadata says.
+    some = next(i for i in md.storage_data if i.fqn == "model.w1")
+    md.storage_data[some] = _StorageInfo(md.storage_data[some].relative_path, 128, 128, ["stream.zstd"])
+    with pytest.raises(InvalidCheckpoint, match="stored transformed"):
+        load_metadata(pickle.dumps(md, protocol=protocol))
 
 
 # -- a real checkpoint whose `.metadata` runs a command -----------------------------------------
@@ -427,3 +433,19 @@ def test_metadata_with_values_dcp_never_writes_is_refused_by_every_verb_and_rest
     with caplog.at_level(logging.WARNING, logger="ckpt"):
         assert job(tampered, 2, save_on_exit=False).restored_step == 1
     assert f"could not restore {step_dir(2)}" in caplog.text
+
+
+def test_items_placed_over_each_other_are_refused_not_read_whole(saved, tmp_path, caplog):
+    """A `.metadata` whose two items of one file overlap (which DCP never writes): the reader
+    refused to stream it and read the whole data file into memory instead (a way to make every
+    rank hold gigabytes); now the step is refused and the restore falls back. (Found by an
+    outside review.)"""
+    root = tmp_path / "root"
+    shutil.copytree(saved, root)
+    md = pickle.loads((root / step_dir(2) / ".metadata").read_bytes())
+    a, b = sorted((i for i in md.storage_data.values() if i.length > 16), key=lambda i: i.offset)[:2]
+    b.offset = a.offset + 8  # into the middle of the item before it
+    plant_metadata(root, 2, pickle.dumps(md))
+    with caplog.at_level(logging.WARNING, logger="ckpt"):
+        assert job(root, 2, save_on_exit=False).restored_step == 1
+    assert f"could not restore {step_dir(2)}" in caplog.text and "overlap" in caplog.text, caplog.text

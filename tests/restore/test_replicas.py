@@ -46,6 +46,7 @@ def test_each_replica_reads_its_part_and_receives_the_rest(tmp_path, mode, ranks
     data = sum(size for n, (size, _) in files.items() if n.endswith(".distcp"))
     indexes = sum(size for n, (size, _) in files.items() if "index" in n)
     got = [d["read_bytes"] for d in reads]
+    assert all(d["received_bytes"] > 0 for d in reads), reads  # each rank got the others' part
     # the data once, and per rank the indexes and the checksum blocks (1 MiB) its pieces straddle
     assert sum(got) <= data + ranks * (indexes + (2 << 20)), (got, data)
     assert max(got) <= 0.75 * data * (2 if mode == "hsdp" else 1) * 2 / ranks + indexes + (2 << 20), (got, data)
@@ -84,3 +85,20 @@ def test_a_replica_that_cannot_read_its_part_fails_the_restore_everywhere_withou
     assert [d["restored_step"] for d in _dumps(tmp_path / "again")] == [5, 5]
     said = (tmp_path / "rank0.log").read_text()
     assert "rank 0: " in said and "rank 1: " in said and said.count("__1_0.distcp: checksum mismatch") >= 2, said[-3000:]
+
+
+def test_pieces_a_rank_loads_a_slice_of_are_streamed_not_sent_whole(tmp_path):
+    """A 2-rank DDP checkpoint restored as HSDP on 4 ranks (2 replicas of 2 shards): the
+    replicas of a shard load the same half of each saved piece. Sent whole, every rank would
+    hold and receive the pieces it loads half of (on 64 shards, 64 times what it needs); each
+    streams its own rows instead, and nothing is sent. (Found by an outside review.)"""
+    _job(tmp_path, 2, "ddp", "out")
+    reads = _job(tmp_path, 4, "hsdp", "hsdp")
+    data = sum(size for n, (size, _) in reads[0]["files"].items() if n.endswith(".distcp"))
+    assert [d["received_bytes"] for d in reads] == [0] * 4, reads
+    # its half of each piece, in the 1 MiB checksum blocks that hold it (pieces of 4 MB here)
+    assert all(d["read_bytes"] < 0.8 * data for d in reads), ([d["read_bytes"] for d in reads], data)
+    before = _dumps(tmp_path / "out")[0]
+    for after in _dumps(tmp_path / "hsdp", 4):
+        assert after["restored_step"] == 5
+        _same_state(before, after)

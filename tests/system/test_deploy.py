@@ -40,7 +40,7 @@ WORKLOADS = {"DaemonSet", "Deployment", "StatefulSet", "Job"}
 # every name the deployment files use; this list keeps the files to the documented names.
 EXPECTED_NAMES = frozenset({
     "ckpt_saves_total", "ckpt_save_failures_total", "ckpt_blocking_seconds",
-    "ckpt_persist_seconds", "ckpt_written_bytes_total", "ckpt_read_bytes_total",
+    "ckpt_persist_seconds", "ckpt_written_bytes_total", "ckpt_read_bytes_total", "ckpt_received_bytes_total",
     "ckpt_last_committed_step", "ckpt_last_commit_timestamp_seconds",
     "ckpt_checkpoint_age_seconds", "ckpt_saves_in_flight", "ckpt_restores_total",
     "ckpt_restore_seconds", "ckpt_rank_meetings_total", "ckpt_coordinator_interval_seconds",

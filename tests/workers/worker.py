@@ -110,6 +110,7 @@ def dump(path: str, cp: ckpt.Checkpointer, model: torch.nn.Module, opt: torch.op
     """What a user would compare after a run (a collective under FSDP: every rank calls it)."""
     reads = {  # what the restore read, beside (not compared with the state)
         "read_bytes": cp.metrics.registry.get_sample_value("ckpt_read_bytes_total") or 0.0,
+        "received_bytes": cp.metrics.registry.get_sample_value("ckpt_received_bytes_total") or 0.0,
         "files": {n: (e.size, e.rank) for n, e in cp.last_commit.files.items()} if cp.last_commit else {},
     }
     Path(path).with_suffix(".reads.json").write_text(json.dumps(reads))
