@@ -1,0 +1,184 @@
+"""PyTorch Lightning: ckpt as one callback.
+
+    import lightning as L
+    from ckpt.integrations.lightning import Checkpointing
+
+    trainer = L.Trainer(max_steps=10_000, callbacks=[Checkpointing("s3://bucket/run")])
+    trainer.fit(model, datamodule)     # restores the newest checkpoint first, if there is one
+
+`Checkpointing(root, **options)` takes the `ckpt.Checkpointer` options (interval, keep,
+storage_options, spool, signing_key, ...). When the fit starts (the strategy has wrapped the
+model and made the optimizers) it opens a Checkpointer over everything the run's progress
+depends on:
+
+- the model as the strategy holds it (plain, DDP, FSDP), its optimizers, LR schedulers and
+  the precision plugin's state (a GradScaler's);
+- the trainer's progress: the fit loop (epoch, batches, optimizer steps), the state of the
+  other callbacks and of the datamodule; equal on every rank, saved once;
+- each rank's RNG, and each rank's data loader position where the loader has one (torchdata's
+  `StatefulDataLoader`: Lightning keeps its place, and a resume continues mid-epoch exactly),
+  restored on the same world size.
+
+It restores the newest committed checkpoint then (as `restore=` says), and counts a step at
+each optimizer step (`trainer.global_step`), where the interval decides whether to save. A
+SIGTERM makes Lightning stop at the end of the batch on every rank alike; the callback saves
+there, waits for the commit, and the process exits as ckpt does (143). Leaving the fit takes a
+final save (`save_on_exit`). Lightning's own `ModelCheckpoint` can stay or go: the two do not
+share files.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.utilities.data import _set_sampler_epoch
+from lightning.pytorch.callbacks import Callback
+
+from ckpt.capture.state import rng_state, set_rng_state
+from ckpt.checkpointer import Checkpointer
+from ckpt.data import own_generator
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Checkpointing"]
+
+
+class Checkpointing(Callback):
+    """Saves and restores a Lightning fit with ckpt (see the module)."""
+
+    def __init__(self, root: str = "./checkpoints", **options: Any) -> None:
+        self.root = root
+        self.options = options
+        self.cp: Checkpointer | None = None
+        self._step = 0
+        self._rng: dict[str, Any] | None = None
+        self._loaders: _Loaders | None = None
+
+    @property
+    def checkpointer(self) -> Checkpointer:
+        """The open Checkpointer (during a fit): its step, `last_commit`, metrics."""
+        if self.cp is None:
+            raise RuntimeError("ckpt's Checkpointing callback is open only while trainer.fit runs")
+        return self.cp
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        self._loaders = _Loaders(trainer)
+        self.cp = Checkpointer(
+            self.root,
+            model=trainer.strategy.model,
+            optimizer=list(trainer.optimizers) or None,
+            scheduler=[c.scheduler for c in trainer.lr_scheduler_configs] or None,
+            scaler=scaler,
+            extra={"lightning": _Progress(trainer, self)},
+            dataloader=self._loaders,
+            **self.options,
+        )
+        self.cp.__enter__()
+        self._rng = rng_state()  # put back at train start
+        self._step = trainer.global_step
+        if self.cp.step != self._step:  # the fit loop's count and ckpt's went apart: say so
+            log.warning("resumed at ckpt step %d where Lightning's global_step is %d", self.cp.step, self._step)
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # The training loaders exist now. A loader that draws its workers' base seed, or whose
+        # shuffling sampler draws its epoch's seed, from torch's global generator draws at the
+        # resumed run's first batch where the original run drew at the epoch's start: every
+        # random number after (dropout) would differ. Each gets generators of its own (ckpt
+        # does so for `dataloader=`); a StatefulDataLoader's state carries its sampler's.
+        fit = trainer.fit_loop
+        loaders = fit._combined_loader.flattened if fit._combined_loader is not None else []
+        for loader in loaders:
+            own_generator(loader)
+            sampler = getattr(loader, "sampler", None)
+            if isinstance(sampler, torch.utils.data.RandomSampler) and sampler.generator is None:
+                sampler.generator = torch.Generator().manual_seed(torch.initial_seed() + 1)
+        restored = self._loaders.restored if self._loaders is not None else None
+        if restored is not None and fit._data_fetcher is not None:
+            # Lightning made the resumed epoch's iterator before it set the samplers' epoch: a
+            # DistributedSampler would have shuffled as in epoch 0, and the loader taken up its
+            # place in that order. Made again here, with the epoch set: mid-epoch from the
+            # loaders' states, at an epoch's end (a save after its last batch) fresh.
+            for loader in loaders:
+                _set_sampler_epoch(loader, fit.epoch_progress.current.processed)
+            if fit.restarted_mid_epoch:
+                fit._combined_loader._load_state_dicts(restored)
+            iter(fit._data_fetcher)
+            self._loaders.restored = None
+        # Lightning draws random numbers between the restore and here (setting up the loop and
+        # the loaders, the iterator above): the original run drew them before its first step,
+        # the resumed one after the restore. The restored state is put back.
+        if self._rng is not None:
+            set_rng_state(self._rng)
+            self._rng = None
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self.cp is not None and trainer.global_step != self._step:  # an optimizer step was taken
+            self._step = trainer.global_step
+            self.cp.step_done()
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._close(None)
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        if self.cp is not None and type(exception).__name__ == "SIGTERMException":
+            # Lightning stops every rank at the end of the same batch (it shares the SIGTERM):
+            # a save there is one every rank takes; then ckpt exits as it does for a SIGTERM.
+            self.cp.save(blocking=True)
+            self._close(None)
+            raise SystemExit(self.options.get("preempt_exit_code", 143)) from exception
+        self._close(exception)
+
+    def _close(self, exception: BaseException | None) -> None:
+        cp, self.cp = self.cp, None
+        if cp is not None:
+            cp.__exit__(type(exception) if exception else None, exception, exception.__traceback__ if exception else None)
+
+
+class _Progress:
+    """The trainer's progress, equal on every rank: the fit loop without its data loaders'
+    states (those are per rank: `_Loaders`), the precision plugin, the other callbacks and the
+    datamodule."""
+
+    def __init__(self, trainer: pl.Trainer, own: Callback) -> None:
+        self.trainer = trainer
+        self.own = own
+
+    def state_dict(self) -> dict[str, Any]:
+        t = self.trainer
+        loop = t.fit_loop.state_dict()
+        loop.get("state_dict", {}).pop("combined_loader", None)
+        callbacks = {str(cb.state_key): cb.state_dict() for cb in t.callbacks if cb is not self.own}
+        datamodule = t.datamodule.state_dict() if t.datamodule is not None else {}
+        return {"fit_loop": loop, "precision": t.precision_plugin.state_dict(), "callbacks": callbacks, "datamodule": datamodule}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        t = self.trainer
+        t.fit_loop.load_state_dict(state["fit_loop"])
+        t.precision_plugin.load_state_dict(state["precision"])
+        for cb in t.callbacks:
+            if cb is not self.own and str(cb.state_key) in state["callbacks"]:
+                cb.load_state_dict(state["callbacks"][str(cb.state_key)])
+        if t.datamodule is not None and state["datamodule"]:
+            t.datamodule.load_state_dict(state["datamodule"])
+
+
+class _Loaders:
+    """This rank's training data loaders' states, as Lightning's fit loop keeps them (those of
+    loaders that have one): read at each save, handed to the fit loop at a restore, which
+    gives them to the loaders it makes next."""
+
+    def __init__(self, trainer: pl.Trainer) -> None:
+        self.trainer = trainer
+        self.restored: list[dict[str, Any]] | None = None  # kept for `Checkpointing.on_train_start`
+
+    def state_dict(self) -> dict[str, Any]:
+        combined = self.trainer.fit_loop._combined_loader
+        return {"combined_loader": combined._state_dicts() if combined is not None else []}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.trainer.fit_loop._combined_loader_states_to_load = list(state["combined_loader"])
+        self.restored = list(state["combined_loader"])

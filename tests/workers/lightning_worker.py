@@ -1,0 +1,136 @@
+"""A PyTorch Lightning fit with ckpt's callback, one process per rank (tests/system/test_integrations.py).
+
+    lightning_worker.py --root ROOT --out OUT --steps N [--every K] [--die-at STEP]
+
+A small MLP with dropout (every step draws random numbers) trained by Lightning's own Trainer
+(DDP over gloo on CPU when WORLD_SIZE > 1, processes started by the test), AdamW and a StepLR
+schedule, on a torchdata StatefulDataLoader of random data with a batch of 4, two epochs' worth
+of steps with accumulation off. With --die-at, the process SIGKILLs itself after that optimizer
+step, once its last save committed (so that the step it resumes from is known). Writes OUT.rank<R>.pt: the model's
+weights, the optimizer's state, the steps done, and the step it resumed from.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+
+import lightning as L
+import torch
+from torch.utils.data import TensorDataset
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+import ckpt
+from ckpt.integrations.lightning import Checkpointing
+
+
+class Net(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Dropout(0.2), torch.nn.Linear(32, 1))
+
+    def training_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self):  # noqa: ANN201
+        opt = torch.optim.AdamW(self.parameters(), lr=1e-2)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.7), "interval": "step"}}
+
+
+class Die(L.Callback):
+    """SIGKILL this process after optimizer step `at`, once ckpt's last save committed."""
+
+    def __init__(self, at: int, ours: Checkpointing) -> None:
+        self.at = at
+        self.ours = ours
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
+        if trainer.global_step == self.at:
+            self.ours.checkpointer.wait()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _h() -> str:
+    import hashlib
+
+    return hashlib.md5(torch.get_rng_state().numpy().tobytes()).hexdigest()[:8]
+
+
+class Trace(L.Callback):
+    def on_train_start(self, trainer, pl_module) -> None:  # noqa: ANN001
+        if os.environ.get("TRACE"):
+            loader = trainer.train_dataloader
+            print(f"TRACE train_start rng {_h()} {type(loader).__name__} {type(getattr(loader, 'sampler', None))} bs {type(loader.batch_sampler).__name__} {type(getattr(loader.batch_sampler, 'sampler', None)).__name__} epoch {getattr(getattr(loader.batch_sampler, 'sampler', None), 'epoch', '-')} {trainer.fit_loop.epoch_progress.current}", flush=True)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
+        if os.environ.get("TRACE"):
+            st = trainer.fit_loop._combined_loader._state_dicts()
+            print(f"TRACE end {trainer.global_step} loader {st}", flush=True)
+
+    def on_train_epoch_start(self, trainer, pl_module) -> None:  # noqa: ANN001
+        if os.environ.get("TRACE"):
+            loader = trainer.train_dataloader
+            print(f"TRACE epoch_start rng {_h()} {trainer.fit_loop.epoch_progress.current} sampler epoch {getattr(loader.batch_sampler.sampler, 'epoch', '-')} cur {trainer.current_epoch}", flush=True)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:  # noqa: ANN001
+        if os.environ.get("TRACE"):
+            w = float(sum(q.double().sum() for q in pl_module.parameters()))
+            st = trainer.optimizers[0].state
+            m = float(sum(v["exp_avg"].double().sum() for v in st.values())) if st else 0.0
+            steps = [float(v["step"]) for v in st.values()][:1]
+            h = _h()
+            print(f"TRACE step {trainer.global_step} rng {h} idx {batch_idx} x {float(batch[0].sum()):.4f} w {w:.6f} m {m:.6f} {steps} lr {trainer.optimizers[0].param_groups[0]['lr']:.6f}", flush=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--root", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--every", type=int, default=3)
+    p.add_argument("--die-at", type=int, default=0)
+    args = p.parse_args()
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    L.seed_everything(1234 + int(os.environ.get("RANK", "0")), workers=True, verbose=False)  # each rank its own dropout
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(48, 8, generator=g), torch.randn(48, 1, generator=g))
+    # torch's own RandomSampler: under DDP Lightning puts a DistributedSampler in its place,
+    # whose order is a function of the epoch (see docs/integrations.md)
+    loader = StatefulDataLoader(data, batch_size=4, sampler=torch.utils.data.RandomSampler(data))
+    model = Net()
+    torch.manual_seed(7)  # the same initial weights on every rank
+    for q in model.parameters():
+        with torch.no_grad():
+            q.copy_(torch.randn_like(q) * 0.3)
+    ours = Checkpointing(args.root, interval=ckpt.Every(steps=args.every), keep=ckpt.Keep(last=100), lease=None)
+    callbacks = [ours, Trace()] + ([Die(args.die_at, ours)] if args.die_at else [])
+    trainer = L.Trainer(
+        accelerator="cpu", devices=world, strategy="ddp" if world > 1 else "auto", max_steps=args.steps,
+        callbacks=callbacks, enable_checkpointing=False, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, deterministic=True,
+    )  # fmt: skip
+    restored = []
+    real_enter = ckpt.Checkpointer.__enter__
+
+    def enter(self):  # noqa: ANN001, ANN202
+        got = real_enter(self)
+        restored.append(self.restored_step)
+        if os.environ.get("TRACE"):
+            print(f"TRACE entered rng {_h()}", flush=True)
+        return got
+
+    ckpt.Checkpointer.__enter__ = enter
+    trainer.fit(model, train_dataloaders=loader)
+    rank = trainer.global_rank
+    torch.save(
+        {"model": {k: v.clone() for k, v in model.state_dict().items()}, "optim": trainer.optimizers[0].state_dict(),
+         "global_step": trainer.global_step, "epoch": trainer.current_epoch, "restored_step": restored[0] if restored else None,
+         "rng": torch.rand(3)},
+        f"{args.out}.rank{rank}.pt",
+    )  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
