@@ -20,11 +20,10 @@ depends on:
   restored on the same world size.
 
 It restores the newest committed checkpoint then (as `restore=` says), and counts a step at
-each optimizer step (`trainer.global_step`), where the interval decides whether to save. A
-SIGTERM makes Lightning stop at the end of the batch on every rank alike; the callback saves
-there, waits for the commit, and the process exits as ckpt does (143). Leaving the fit takes a
-final save (`save_on_exit`). Lightning's own `ModelCheckpoint` can stay or go: the two do not
-share files.
+each optimizer step (`trainer.global_step`), where the interval decides whether to save.
+Leaving the fit takes a final save (`save_on_exit`). Lightning's own `ModelCheckpoint` can stay
+or go: the two do not share files. (A SIGTERM is Lightning's to handle for now: it stops the
+fit at the end of the batch; the save it should take there is not wired yet.)
 """
 
 from __future__ import annotations
@@ -101,10 +100,11 @@ class Checkpointing(Callback):
             # Lightning made the resumed epoch's iterator before it set the samplers' epoch: a
             # DistributedSampler would have shuffled as in epoch 0, and the loader taken up its
             # place in that order. Made again here, with the epoch set: mid-epoch from the
-            # loaders' states, at an epoch's end (a save after its last batch) fresh.
+            # loaders' states; after a save at an epoch's last batch (Lightning counts that
+            # epoch done on the restart) fresh, for the next epoch.
             for loader in loaders:
                 _set_sampler_epoch(loader, fit.epoch_progress.current.processed)
-            if fit.restarted_mid_epoch:
+            if fit.restarted_mid_epoch and not fit.epoch_loop.batch_progress.is_last_batch:
                 fit._combined_loader._load_state_dicts(restored)
             iter(fit._data_fetcher)
             self._loaders.restored = None
@@ -124,12 +124,6 @@ class Checkpointing(Callback):
         self._close(None)
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        if self.cp is not None and type(exception).__name__ == "SIGTERMException":
-            # Lightning stops every rank at the end of the same batch (it shares the SIGTERM):
-            # a save there is one every rank takes; then ckpt exits as it does for a SIGTERM.
-            self.cp.save(blocking=True)
-            self._close(None)
-            raise SystemExit(self.options.get("preempt_exit_code", 143)) from exception
         self._close(exception)
 
     def _close(self, exception: BaseException | None) -> None:

@@ -7,7 +7,6 @@ rank's weights, optimizer state and RNG at the end are bit for bit the uninterru
 
 from __future__ import annotations
 
-import os
 import signal
 
 import pytest
@@ -23,7 +22,7 @@ WORKER = WORKERS / "lightning_worker.py"
 
 def _fit(tmp_path, name: str, *extra: str) -> list[int]:
     root = tmp_path / ("ref" if name == "ref" else "run")
-    return run(2, WORKER, "--root", str(root), "--out", str(tmp_path / name), "--steps", "16", *extra, log_dir=tmp_path, timeout=300, env={"TRACE": "1"} if os.environ.get("TRACE") else None)
+    return run(2, WORKER, "--root", str(root), "--out", str(tmp_path / name), "--steps", "16", *extra, log_dir=tmp_path, timeout=300)
 
 
 def _load(tmp_path, name: str) -> list[dict]:

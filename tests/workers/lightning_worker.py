@@ -52,38 +52,6 @@ class Die(L.Callback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _h() -> str:
-    import hashlib
-
-    return hashlib.md5(torch.get_rng_state().numpy().tobytes()).hexdigest()[:8]
-
-
-class Trace(L.Callback):
-    def on_train_start(self, trainer, pl_module) -> None:  # noqa: ANN001
-        if os.environ.get("TRACE"):
-            loader = trainer.train_dataloader
-            print(f"TRACE train_start rng {_h()} {type(loader).__name__} {type(getattr(loader, 'sampler', None))} bs {type(loader.batch_sampler).__name__} {type(getattr(loader.batch_sampler, 'sampler', None)).__name__} epoch {getattr(getattr(loader.batch_sampler, 'sampler', None), 'epoch', '-')} {trainer.fit_loop.epoch_progress.current}", flush=True)
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
-        if os.environ.get("TRACE"):
-            st = trainer.fit_loop._combined_loader._state_dicts()
-            print(f"TRACE end {trainer.global_step} loader {st}", flush=True)
-
-    def on_train_epoch_start(self, trainer, pl_module) -> None:  # noqa: ANN001
-        if os.environ.get("TRACE"):
-            loader = trainer.train_dataloader
-            print(f"TRACE epoch_start rng {_h()} {trainer.fit_loop.epoch_progress.current} sampler epoch {getattr(loader.batch_sampler.sampler, 'epoch', '-')} cur {trainer.current_epoch}", flush=True)
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:  # noqa: ANN001
-        if os.environ.get("TRACE"):
-            w = float(sum(q.double().sum() for q in pl_module.parameters()))
-            st = trainer.optimizers[0].state
-            m = float(sum(v["exp_avg"].double().sum() for v in st.values())) if st else 0.0
-            steps = [float(v["step"]) for v in st.values()][:1]
-            h = _h()
-            print(f"TRACE step {trainer.global_step} rng {h} idx {batch_idx} x {float(batch[0].sum()):.4f} w {w:.6f} m {m:.6f} {steps} lr {trainer.optimizers[0].param_groups[0]['lr']:.6f}", flush=True)
-
-
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--root", required=True)
@@ -105,7 +73,7 @@ def main() -> None:
         with torch.no_grad():
             q.copy_(torch.randn_like(q) * 0.3)
     ours = Checkpointing(args.root, interval=ckpt.Every(steps=args.every), keep=ckpt.Keep(last=100), lease=None)
-    callbacks = [ours, Trace()] + ([Die(args.die_at, ours)] if args.die_at else [])
+    callbacks = [ours] + ([Die(args.die_at, ours)] if args.die_at else [])
     trainer = L.Trainer(
         accelerator="cpu", devices=world, strategy="ddp" if world > 1 else "auto", max_steps=args.steps,
         callbacks=callbacks, enable_checkpointing=False, logger=False, enable_progress_bar=False,
@@ -117,8 +85,6 @@ def main() -> None:
     def enter(self):  # noqa: ANN001, ANN202
         got = real_enter(self)
         restored.append(self.restored_step)
-        if os.environ.get("TRACE"):
-            print(f"TRACE entered rng {_h()}", flush=True)
         return got
 
     ckpt.Checkpointer.__enter__ = enter
