@@ -21,9 +21,10 @@ depends on:
 
 It restores the newest committed checkpoint then (as `restore=` says), and counts a step at
 each optimizer step (`trainer.global_step`), where the interval decides whether to save.
-Leaving the fit takes a final save (`save_on_exit`). Lightning's own `ModelCheckpoint` can stay
-or go: the two do not share files. (A SIGTERM is Lightning's to handle for now: it stops the
-fit at the end of the batch; the save it should take there is not wired yet.)
+Leaving the fit takes a final save (`save_on_exit`). A SIGTERM (a preemption, torchrun or
+Kubernetes stopping the job) makes Lightning stop every rank at the end of the same batch; the
+callback saves there, waits for the commit, and the process exits with status 143, as ckpt
+does. Lightning's own `ModelCheckpoint` can stay or go: the two do not share files.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.utilities.data import _set_sampler_epoch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from ckpt.capture.state import rng_state, set_rng_state
 from ckpt.checkpointer import Checkpointer
@@ -124,6 +126,15 @@ class Checkpointing(Callback):
         self._close(None)
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        if self.cp is not None and isinstance(exception, SIGTERMException):
+            # Lightning shares a SIGTERM among the ranks and stops every one at the end of the
+            # same batch: a save there is one every rank takes. Then the process exits as ckpt
+            # exits after a SIGTERM checkpoint (143: torchrun and Kubernetes restart it).
+            cp = self.cp
+            cp.save(blocking=True)
+            code = cp.preempt_exit_code
+            self._close(SystemExit(code))
+            raise SystemExit(code) from exception
         self._close(exception)
 
     def _close(self, exception: BaseException | None) -> None:

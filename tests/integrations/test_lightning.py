@@ -44,3 +44,19 @@ def test_a_lightning_fit_killed_resumes_bit_for_bit(tmp_path, die_at, resumes_at
             for name, value in state.items():
                 assert torch.equal(value, got["optim"]["state"][param][name]), (param, name)
         assert torch.equal(want["rng"], got["rng"])  # each rank's RNG stream, where it would be
+
+
+@pytest.mark.slow
+def test_a_sigterm_saves_at_that_step_exits_143_and_the_restart_resumes_there_bit_for_bit(tmp_path):
+    """Both ranks get a SIGTERM after step 8 (not a step the interval saves at): Lightning stops
+    them at the end of that batch, the callback saves step 8 and waits for its commit, and both
+    exit with 143. The restart resumes at step 8 and ends as the uninterrupted run."""
+    assert _fit(tmp_path, "ref") == [0, 0], rank_logs(tmp_path)
+    assert _fit(tmp_path, "stopped", "--term-at", "8") == [143, 143], rank_logs(tmp_path)
+    assert (tmp_path / "run" / "step-0000000008" / "manifest.json").exists()
+    assert _fit(tmp_path, "resumed") == [0, 0], rank_logs(tmp_path)
+    for want, got in zip(_load(tmp_path, "ref"), _load(tmp_path, "resumed"), strict=True):
+        assert got["restored_step"] == 8
+        for key, value in want["model"].items():
+            assert torch.equal(value, got["model"][key]), key
+        assert torch.equal(want["rng"], got["rng"])

@@ -52,6 +52,18 @@ class Die(L.Callback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+class Term(L.Callback):
+    """SIGTERM this process after optimizer step `at` (every rank at the same step, as torchrun
+    or Kubernetes stopping the job would)."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
+        if trainer.global_step == self.at:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--root", required=True)
@@ -59,6 +71,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--every", type=int, default=3)
     p.add_argument("--die-at", type=int, default=0)
+    p.add_argument("--term-at", type=int, default=0)
     args = p.parse_args()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     L.seed_everything(1234 + int(os.environ.get("RANK", "0")), workers=True, verbose=False)  # each rank its own dropout
@@ -73,7 +86,7 @@ def main() -> None:
         with torch.no_grad():
             q.copy_(torch.randn_like(q) * 0.3)
     ours = Checkpointing(args.root, interval=ckpt.Every(steps=args.every), keep=ckpt.Keep(last=100), lease=None)
-    callbacks = [ours] + ([Die(args.die_at, ours)] if args.die_at else [])
+    callbacks = [ours] + ([Die(args.die_at, ours)] if args.die_at else []) + ([Term(args.term_at)] if args.term_at else [])
     trainer = L.Trainer(
         accelerator="cpu", devices=world, strategy="ddp" if world > 1 else "auto", max_steps=args.steps,
         callbacks=callbacks, enable_checkpointing=False, logger=False, enable_progress_bar=False,
