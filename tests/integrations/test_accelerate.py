@@ -1,0 +1,80 @@
+"""ckpt under Hugging Face Accelerate (`ckpt.integrations.accelerate.checkpointer`): two gloo
+processes (DDP on CPU) train a small model with dropout on a stateful shuffled loader for 16
+steps, saving every 3 (6 batches an epoch per rank); another run SIGKILLs both ranks after step
+11 (resuming mid-epoch 1 from step 9) or 7 (from step 6, after an epoch's last batch) and is
+restarted to step 16. Each rank's weights, optimizer state and RNG at the end are bit for bit
+the uninterrupted run's."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+import torch
+
+pytest.importorskip("accelerate")
+
+from tests.support.jobs import rank_logs  # noqa: E402
+from tests.support.launch import WORKERS, run  # noqa: E402
+
+WORKER = WORKERS / "accelerate_worker.py"
+
+
+def _fit(tmp_path, name: str, *extra: str) -> list[int]:
+    root = tmp_path / ("ref" if name == "ref" else "run")
+    return run(2, WORKER, "--root", str(root), "--out", str(tmp_path / name), "--steps", "16", *extra, log_dir=tmp_path, timeout=300)
+
+
+def _load(tmp_path, name: str) -> list[dict]:
+    return [torch.load(tmp_path / f"{name}.rank{r}.pt", weights_only=False) for r in range(2)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("die_at", "resumes_at"), [(11, 9), (7, 6)], ids=["mid-epoch", "after-an-epochs-last-batch"])
+def test_an_accelerate_loop_killed_resumes_bit_for_bit(tmp_path, die_at, resumes_at):
+    assert _fit(tmp_path, "ref") == [0, 0], rank_logs(tmp_path)
+    assert _fit(tmp_path, "killed", "--die-at", str(die_at)) == [-signal.SIGKILL] * 2, rank_logs(tmp_path)
+    assert _fit(tmp_path, "resumed") == [0, 0], rank_logs(tmp_path)
+    for want, got in zip(_load(tmp_path, "ref"), _load(tmp_path, "resumed"), strict=True):
+        assert got["restored_step"] == resumes_at  # the last commit before the kill
+        assert got["step"] == want["step"] == 16
+        for key, value in want["model"].items():
+            assert torch.equal(value, got["model"][key]), key
+        for param, state in want["optim"]["state"].items():
+            for name, value in state.items():
+                assert torch.equal(value, got["optim"]["state"][param][name]), (param, name)
+        assert torch.equal(want["rng"], got["rng"])  # each rank's RNG stream, where it would be
+
+
+
+def _prepared(**config: bool):  # noqa: ANN202
+    from accelerate import Accelerator, DataLoaderConfiguration
+
+    accelerator = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(**config))
+    data = torch.utils.data.TensorDataset(torch.randn(8, 2))
+    model = torch.nn.Linear(2, 1)
+    return accelerator, *accelerator.prepare(model, torch.utils.data.DataLoader(data, batch_size=2, shuffle=True))
+
+
+def test_a_loader_without_a_position_is_refused_and_an_order_that_cannot_be_replayed_is_said(tmp_path, caplog):
+    from accelerate.state import AcceleratorState
+
+    from ckpt.integrations.accelerate import checkpointer
+
+    try:
+        accelerator, _, loader = _prepared()
+        with pytest.raises(TypeError, match="use_stateful_dataloader=True"):
+            checkpointer(accelerator, str(tmp_path / "a"), dataloader=loader)
+        AcceleratorState._reset_state(True)
+        accelerator, _, loader = _prepared(use_stateful_dataloader=True)
+        with caplog.at_level("WARNING", logger="ckpt"):
+            checkpointer(accelerator, str(tmp_path / "b"), dataloader=loader)
+        assert "use_seedable_sampler=True" in caplog.text
+        AcceleratorState._reset_state(True)
+        accelerator, _, loader = _prepared(use_stateful_dataloader=True, use_seedable_sampler=True)
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="ckpt"):
+            checkpointer(accelerator, str(tmp_path / "c"), dataloader=loader)
+        assert "use_seedable_sampler" not in caplog.text
+    finally:
+        AcceleratorState._reset_state(True)
