@@ -38,9 +38,15 @@ __all__ = ["checkpointer"]
 
 def checkpointer(accelerator: Any, root: str = "./checkpoints", *, dataloader: Any = None, extra: dict[str, Any] | None = None, **options: Any) -> Checkpointer:
     """A Checkpointer over what `accelerator.prepare` wrapped (see the module)."""
-    models = list(accelerator._models)
+    # The models passed in extra= (as the error below asks) are saved there, not as `model`.
+    # (Accelerate keeps some models unwrapped in `_models`, and returns them DDP-wrapped.)
+    given = {id(o) for v in (extra or {}).values() for o in (v, getattr(v, "module", v))}
+    models = [m for m in accelerator._models if id(m) not in given]
     if len(models) != 1:
-        raise ValueError(f"ckpt saves one model per Checkpointer; this accelerator prepared {len(models)}: pass the others in extra=")
+        raise ValueError(
+            f"ckpt saves one model per Checkpointer; this accelerator prepared {len(accelerator._models)}"
+            f"{f' ({len(models)} not in extra=)' if extra else ''}: pass all but one in extra="
+        )
     objects = {f"accelerate_{i}": obj for i, obj in enumerate(accelerator._custom_objects)}
     objects.update(extra or {})
     position = None
@@ -60,10 +66,21 @@ def checkpointer(accelerator: Any, root: str = "./checkpoints", *, dataloader: A
                 "DataLoaderConfiguration(use_seedable_sampler=True) makes the order a function of the epoch"
             )
         position = _Position(dataloader)
+    # An optimizer over another model's parameters cannot go through the model's DCP state
+    # dict (DCP fails with a KeyError at the first save), and as an extra= object its lazily
+    # made state (momentum, Adam's moments) would not be restored: refused here, by name.
+    own = {id(q) for q in models[0].parameters()}
+    optimizers = [getattr(o, "optimizer", o) for o in accelerator._optimizers]
+    for i, inner in enumerate(optimizers):
+        if not all(id(q) in own for g in inner.param_groups for q in g["params"]):
+            raise ValueError(
+                f"optimizer {i} ({type(inner).__name__}) updates parameters of a model other than the one ckpt saves as "
+                "`model`, which checkpointer() does not support: one Checkpointer saves one model and its optimizers (build ckpt.Checkpointer yourself, with the other model and its optimizer in extra= wrapped so that their state exists before the restore)"
+            )
     return Checkpointer(
         root,
         model=models[0],
-        optimizer=[getattr(o, "optimizer", o) for o in accelerator._optimizers] or None,
+        optimizer=optimizers or None,
         scheduler=[getattr(s, "scheduler", s) for s in accelerator._schedulers] or None,
         scaler=accelerator.scaler,
         extra=objects or None,

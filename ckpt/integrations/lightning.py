@@ -21,22 +21,21 @@ depends on:
 
 It restores the newest committed checkpoint then (as `restore=` says), and counts a step at
 each optimizer step (`trainer.global_step`), where the interval decides whether to save.
-Leaving the fit takes a final save (`save_on_exit`). A SIGTERM (a preemption, torchrun or
-Kubernetes stopping the job) makes Lightning stop every rank at the end of the same batch; the
-callback saves there, waits for the commit, and the process exits with status 143, as ckpt
-does. Lightning's own `ModelCheckpoint` can stay or go: the two do not share files.
+Leaving the fit takes a final save, at the fit's last batch. A SIGTERM (a preemption, torchrun or
+Kubernetes stopping the job), on any rank, is ckpt's (Lightning's own handler would stop that
+rank alone): the ranks agree on a step, save it, wait for the commit and exit with status 143. Lightning's own `ModelCheckpoint` can stay or go: the two do not share files.
 """
 
 from __future__ import annotations
 
 import logging
+import signal
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.utilities.data import _set_sampler_epoch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from ckpt.capture.state import rng_state, set_rng_state
 from ckpt.checkpointer import Checkpointer
@@ -57,6 +56,7 @@ class Checkpointing(Callback):
         self._step = 0
         self._rng: dict[str, Any] | None = None
         self._loaders: _Loaders | None = None
+        self._sigterm: Any = None
 
     @property
     def checkpointer(self) -> Checkpointer:
@@ -80,6 +80,7 @@ class Checkpointing(Callback):
         )
         self.cp.__enter__()
         self._rng = rng_state()  # put back at train start
+        self._sigterm = signal.getsignal(signal.SIGTERM)  # ckpt's: taken back at train start
         self._step = trainer.global_step
         if self.cp.step != self._step:  # the fit loop's count and ckpt's went apart: say so
             log.warning("resumed at ckpt step %d where Lightning's global_step is %d", self.cp.step, self._step)
@@ -94,9 +95,9 @@ class Checkpointing(Callback):
         loaders = fit._combined_loader.flattened if fit._combined_loader is not None else []
         for loader in loaders:
             own_generator(loader)
-            sampler = getattr(loader, "sampler", None)
-            if isinstance(sampler, torch.utils.data.RandomSampler) and sampler.generator is None:
-                sampler.generator = torch.Generator().manual_seed(torch.initial_seed() + 1)
+            why = _unreplayable(loader)
+            if why:
+                log.warning("the training loader %s: a run resumed mid-epoch will not see the batches the original run would", why)
         restored = self._loaders.restored if self._loaders is not None else None
         if restored is not None and fit._data_fetcher is not None:
             # Lightning made the resumed epoch's iterator before it set the samplers' epoch: a
@@ -116,31 +117,51 @@ class Checkpointing(Callback):
         if self._rng is not None:
             set_rng_state(self._rng)
             self._rng = None
+        # Lightning installs its own SIGTERM handler meanwhile, which on a rank other than 0
+        # broadcasts from inside the handler and stops that rank alone: a job of which one node
+        # is preempted hangs. ckpt's handler takes it back: the ranks agree on a step (as in any
+        # loop), save it, and all exit with 143.
+        if callable(self._sigterm):
+            signal.signal(signal.SIGTERM, self._sigterm)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
         if self.cp is not None and trainer.global_step != self._step:  # an optimizer step was taken
             self._step = trainer.global_step
             self.cp.step_done()
+            if _last_batch(trainer) and self.cp.save_on_exit:
+                # Here, not when the fit ends: by then Lightning counts the epoch done, and a
+                # run resumed with more steps would start the next epoch early.
+                self.cp.save()
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._close(None)
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        if self.cp is not None and isinstance(exception, SIGTERMException):
-            # Lightning shares a SIGTERM among the ranks and stops every one at the end of the
-            # same batch: a save there is one every rank takes. Then the process exits as ckpt
-            # exits after a SIGTERM checkpoint (143: torchrun and Kubernetes restart it).
-            cp = self.cp
-            cp.save(blocking=True)
-            code = cp.preempt_exit_code
-            self._close(SystemExit(code))
-            raise SystemExit(code) from exception
         self._close(exception)
 
     def _close(self, exception: BaseException | None) -> None:
         cp, self.cp = self.cp, None
         if cp is not None:
             cp.__exit__(type(exception) if exception else None, exception, exception.__traceback__ if exception else None)
+
+
+def _last_batch(trainer: pl.Trainer) -> bool:
+    """Whether the fit stops after this batch (max_steps, or max_epochs' last batch)."""
+    if trainer.max_steps != -1 and trainer.global_step >= trainer.max_steps:
+        return True
+    epochs = trainer.max_epochs
+    return epochs not in (None, -1) and trainer.fit_loop.epoch_loop.batch_progress.is_last_batch and trainer.current_epoch + 1 >= epochs
+
+
+def _unreplayable(loader: Any) -> str:
+    """Why `loader`'s order cannot be replayed from a checkpoint, or ""."""
+    if not hasattr(loader, "state_dict"):
+        return "has no position to save (torchdata's StatefulDataLoader has)"
+    batches = getattr(loader, "batch_sampler", None)
+    samplers = (getattr(loader, "sampler", None), getattr(batches, "sampler", None))
+    if any(type(s) is torch.utils.data.RandomSampler and s.generator is None for s in samplers):
+        return "shuffles with torch's RandomSampler, which draws each epoch's order from the global RNG (StatefulDataLoader(shuffle=True) keeps it)"
+    return ""
 
 
 class _Progress:

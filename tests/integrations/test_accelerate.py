@@ -59,3 +59,29 @@ def test_a_loader_without_a_position_is_refused_and_an_order_that_cannot_be_repl
         assert "use_seedable_sampler" not in caplog.text
     finally:
         AcceleratorState._reset_state(True)
+
+
+def test_a_second_model_goes_in_extra_and_an_optimizer_over_it_is_refused(tmp_path):
+    """(Found by an outside review: the error's own advice did not work.)"""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    from ckpt.integrations.accelerate import checkpointer
+
+    try:
+        accelerator = Accelerator(cpu=True)
+        a, b = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+        opt = torch.optim.SGD(a.parameters(), lr=0.1)
+        a, b, opt = accelerator.prepare(a, b, opt)
+        with pytest.raises(ValueError, match="pass all but one in extra="):
+            checkpointer(accelerator, str(tmp_path / "x"))
+        assert checkpointer(accelerator, str(tmp_path / "y"), extra={"teacher": b}).state is not None
+        AcceleratorState._reset_state(True)
+        accelerator = Accelerator(cpu=True)
+        a, b = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+        opt = torch.optim.SGD(b.parameters(), lr=0.1)
+        a, b, opt = accelerator.prepare(a, b, opt)
+        with pytest.raises(ValueError, match="updates parameters of a model other than"):
+            checkpointer(accelerator, str(tmp_path / "z"), extra={"teacher": b})
+    finally:
+        AcceleratorState._reset_state(True)

@@ -35,14 +35,28 @@ def test_a_lightning_fit_killed_resumes_bit_for_bit(tmp_path, die_at, resumes_at
 
 
 @pytest.mark.slow
-def test_a_sigterm_saves_at_that_step_exits_143_and_the_restart_resumes_there_bit_for_bit(tmp_path):
-    """Both ranks get a SIGTERM after step 8 (not a step the interval saves at): Lightning stops
-    them at the end of that batch, the callback saves step 8 and waits for its commit, and both
-    exit with 143. The restart resumes at step 8 and ends as the uninterrupted run."""
+@pytest.mark.parametrize("term_rank", [-1, 1], ids=["every-rank", "rank-1-alone"])
+def test_a_sigterm_saves_exits_143_and_the_restart_resumes_there_bit_for_bit(tmp_path, term_rank):
+    """A SIGTERM after step 8, on every rank or on rank 1 alone (its node preempted: Lightning's
+    own handler stopped that rank alone, and the job hung): ckpt's handler has it, the ranks
+    agree on a step, save it, and both exit with 143. The restart resumes there and ends as the
+    uninterrupted run."""
     assert fit(WORKER, tmp_path, "ref") == [0, 0], rank_logs(tmp_path)
-    assert fit(WORKER, tmp_path, "stopped", "--term-at", "8") == [143, 143], rank_logs(tmp_path)
-    assert (tmp_path / "run" / "step-0000000008" / "manifest.json").exists()
+    assert fit(WORKER, tmp_path, "stopped", "--term-at", "8", "--term-rank", str(term_rank)) == [143, 143], rank_logs(tmp_path)
     assert fit(WORKER, tmp_path, "resumed") == [0, 0], rank_logs(tmp_path)
     for want, got in zip(load(tmp_path, "ref"), load(tmp_path, "resumed"), strict=True):
-        assert got["restored_step"] == 8
+        assert got["restored_step"] is not None and got["restored_step"] >= 8  # the SIGTERM's save
+        assert_same_end(want, got)
+
+
+@pytest.mark.slow
+def test_a_finished_fit_run_again_with_more_steps_goes_on_as_one_longer_run(tmp_path):
+    """A fit of 16 steps, then the same fit with max_steps=24: the second resumes at step 16
+    in the epoch it was in (the final save is taken at the last batch, before Lightning counts
+    the epoch done) and ends as one run of 24 steps. (Found by an outside review.)"""
+    assert fit(WORKER, tmp_path, "ref", "--steps", "24") == [0, 0], rank_logs(tmp_path)
+    assert fit(WORKER, tmp_path, "short") == [0, 0], rank_logs(tmp_path)
+    assert fit(WORKER, tmp_path, "resumed", "--steps", "24") == [0, 0], rank_logs(tmp_path)
+    for want, got in zip(load(tmp_path, "ref"), load(tmp_path, "resumed"), strict=True):
+        assert got["restored_step"] == 16 and got["global_step"] == want["global_step"] == 24 and got["epoch"] == want["epoch"]
         assert_same_end(want, got)

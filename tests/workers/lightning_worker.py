@@ -53,14 +53,14 @@ class Die(L.Callback):
 
 
 class Term(L.Callback):
-    """SIGTERM this process after optimizer step `at` (every rank at the same step, as torchrun
-    or Kubernetes stopping the job would)."""
+    """SIGTERM this process after optimizer step `at`: on every rank (torchrun or Kubernetes
+    stopping the job) or on one (its node preempted)."""
 
-    def __init__(self, at: int) -> None:
-        self.at = at
+    def __init__(self, at: int, rank: int) -> None:
+        self.at, self.rank = at, rank
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
-        if trainer.global_step == self.at:
+        if trainer.global_step == self.at and self.rank in (-1, trainer.global_rank):
             os.kill(os.getpid(), signal.SIGTERM)
 
 
@@ -72,6 +72,7 @@ def main() -> None:
     p.add_argument("--every", type=int, default=3)
     p.add_argument("--die-at", type=int, default=0)
     p.add_argument("--term-at", type=int, default=0)
+    p.add_argument("--term-rank", type=int, default=-1, help="the rank the SIGTERM reaches (-1: every rank)")
     args = p.parse_args()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     L.seed_everything(1234 + int(os.environ.get("RANK", "0")), workers=True, verbose=False)  # each rank its own dropout
@@ -86,7 +87,7 @@ def main() -> None:
         with torch.no_grad():
             q.copy_(torch.randn_like(q) * 0.3)
     ours = Checkpointing(args.root, interval=ckpt.Every(steps=args.every), keep=ckpt.Keep(last=100), lease=None)
-    callbacks = [ours] + ([Die(args.die_at, ours)] if args.die_at else []) + ([Term(args.term_at)] if args.term_at else [])
+    callbacks = [ours] + ([Die(args.die_at, ours)] if args.die_at else []) + ([Term(args.term_at, args.term_rank)] if args.term_at else [])
     trainer = L.Trainer(
         accelerator="cpu", devices=world, strategy="ddp" if world > 1 else "auto", max_steps=args.steps,
         callbacks=callbacks, enable_checkpointing=False, logger=False, enable_progress_bar=False,
