@@ -8,7 +8,7 @@
 
 `CkptTrainer` is a `transformers.Trainer` whose checkpoints are ckpt's: a Checkpointer opened
 once the Trainer has made and prepared the optimizer and scheduler, over the model as it is
-wrapped, the optimizer, the scheduler, the Trainer's state (`TrainerState`: step, epoch, log
+wrapped, the optimizer, the scheduler, the gradient scaler, the Trainer's state (`TrainerState`: step, epoch, log
 history) and each rank's RNG; a step per optimizer step. Set `save_strategy="no"` to leave the
 Trainer's own folders out (ckpt's checkpoints do not need them).
 
@@ -93,7 +93,7 @@ class CkptTrainer(Trainer):
         self._open()
 
     def _load_scaler(self, checkpoint: str | None) -> None:
-        pass
+        pass  # ckpt restores the scaler with the rest (`_open`)
 
     def _load_rng_state(self, checkpoint: str | None) -> None:
         if self._rng is not None:  # as restored: the Trainer drew random numbers since
@@ -115,6 +115,7 @@ class CkptTrainer(Trainer):
             model=self.model_wrapped,
             optimizer=getattr(self.optimizer, "optimizer", self.optimizer),
             scheduler=self.lr_scheduler,
+            scaler=getattr(self.accelerator, "scaler", None),  # fp16's GradScaler, where there is one
             extra={"trainer_state": _State(self)},
             restore=restore,
             **options,
