@@ -18,6 +18,7 @@ from tests.integrations.resume import (  # noqa: E402
     fit,
     killed_and_resumed,
     load,
+    stopped_and_resumed,
 )
 from tests.support.jobs import rank_logs  # noqa: E402
 from tests.support.launch import WORKERS  # noqa: E402
@@ -41,10 +42,7 @@ def test_a_sigterm_saves_exits_143_and_the_restart_resumes_there_bit_for_bit(tmp
     own handler stopped that rank alone, and the job hung): ckpt's handler has it, the ranks
     agree on a step, save it, and both exit with 143. The restart resumes there and ends as the
     uninterrupted run."""
-    assert fit(WORKER, tmp_path, "ref") == [0, 0], rank_logs(tmp_path)
-    assert fit(WORKER, tmp_path, "stopped", "--term-at", "8", "--term-rank", str(term_rank)) == [143, 143], rank_logs(tmp_path)
-    assert fit(WORKER, tmp_path, "resumed") == [0, 0], rank_logs(tmp_path)
-    for want, got in zip(load(tmp_path, "ref"), load(tmp_path, "resumed"), strict=True):
+    for want, got in stopped_and_resumed(WORKER, tmp_path, ("--term-at", "8", "--term-rank", str(term_rank)), 143):
         assert got["restored_step"] is not None and got["restored_step"] >= 8  # the SIGTERM's save
         assert_same_end(want, got)
 

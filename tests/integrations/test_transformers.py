@@ -16,11 +16,9 @@ from tests.integrations.resume import (  # noqa: E402
     KILL_IDS,
     KILLS,
     assert_same_end,
-    fit,
     killed_and_resumed,
-    load,
+    stopped_and_resumed,
 )
-from tests.support.jobs import rank_logs  # noqa: E402
 from tests.support.launch import WORKERS  # noqa: E402
 
 WORKER = WORKERS / "transformers_worker.py"
@@ -40,9 +38,6 @@ def test_a_sigterm_saves_exits_143_and_the_restart_resumes_there_bit_for_bit(tmp
     """Both ranks get a SIGTERM after step 8: ckpt saves at the step the ranks next agree on
     and both exit with 143 (the Trainer's loop is left through ckpt's SystemExit); the restart
     resumes from that save and ends as the uninterrupted run."""
-    assert fit(WORKER, tmp_path, "ref") == [0, 0], rank_logs(tmp_path)
-    assert fit(WORKER, tmp_path, "stopped", "--term-at", "8") == [143, 143], rank_logs(tmp_path)
-    assert fit(WORKER, tmp_path, "resumed") == [0, 0], rank_logs(tmp_path)
-    for want, got in zip(load(tmp_path, "ref"), load(tmp_path, "resumed"), strict=True):
+    for want, got in stopped_and_resumed(WORKER, tmp_path, ("--term-at", "8"), 143):
         assert got["restored_step"] is not None and got["restored_step"] >= 8  # the SIGTERM's save
         assert_same_end(want, got)
