@@ -20,6 +20,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import faulthandler
+import io
 import multiprocessing
 import os
 import runpy
@@ -78,6 +79,11 @@ def _run(what: str, module: bool, args: list[str], env: dict[str, str], out: str
         _redirect(err, 2)
     else:
         _redirect(out, 1, 2)
+    # Line-buffered, as a fresh interpreter's stderr is: the zygote may have been started
+    # unbuffered (`-u` from pytest-xdist), where `print("POS", 0, 10)` is five writes and a
+    # log line from another thread lands between them.
+    sys.stdout = io.TextIOWrapper(io.BufferedWriter(io.FileIO(1, "w", closefd=False)), encoding="utf-8", line_buffering=True)
+    sys.stderr = io.TextIOWrapper(io.BufferedWriter(io.FileIO(2, "w", closefd=False)), encoding="utf-8", errors="backslashreplace", line_buffering=True)
     # A rank that hangs says where: the test's timeout sends SIGUSR1 first (`launch.wait`),
     # and every thread's stack goes to its log.
     faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True)
