@@ -20,7 +20,9 @@ depends on:
   restored on the same world size.
 
 It restores the newest committed checkpoint then (as `restore=` says), and counts a step at
-each optimizer step (`trainer.global_step`), where the interval decides whether to save.
+each optimizer step (`trainer.global_step`), where the interval decides whether to save: at the
+batch's end, or where Lightning validates or ends its epoch after that batch, once that is done
+(after the validation; as the next epoch starts), so that a restart neither skips nor repeats it.
 Leaving the fit takes a final save, at the fit's last batch. A SIGTERM (a preemption, torchrun or
 Kubernetes stopping the job), on any rank, is ckpt's (Lightning's own handler would stop that
 rank alone): the ranks agree on a step, save it, wait for the commit and exit with status 143. Lightning's own `ModelCheckpoint` can stay or go: the two do not share files.
@@ -57,6 +59,7 @@ class Checkpointing(Callback):
         self._rng: dict[str, Any] | None = None
         self._loaders: _Loaders | None = None
         self._sigterm: Any = None
+        self._pending = ""  # a step whose count waits for the validation or epoch end after it
 
     @property
     def checkpointer(self) -> Checkpointer:
@@ -111,6 +114,12 @@ class Checkpointing(Callback):
                 fit._combined_loader._load_state_dicts(restored)
             iter(fit._data_fetcher)
             self._loaders.restored = None
+        if fit.restarted_on_epoch_start and fit.epoch_loop.batch_progress.current.ready == 0:
+            # Saved as an epoch started (`_epoch_started`): its batches begin as in a run that
+            # never stopped. Lightning's restart of the batch loop would take a turn without a
+            # batch first, and count it for the loggers.
+            fit.epoch_loop.restarting = False
+            fit.epoch_loop.reset_restart_stage()
         # Lightning draws random numbers between the restore and here (setting up the loop and
         # the loaders, the iterator above): the original run drew them before its first step,
         # the resumed one after the restore. The restored state is put back.
@@ -125,13 +134,51 @@ class Checkpointing(Callback):
             signal.signal(signal.SIGTERM, self._sigterm)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
-        if self.cp is not None and trainer.global_step != self._step:  # an optimizer step was taken
-            self._step = trainer.global_step
+        if self.cp is None or trainer.global_step == self._step:  # no optimizer step was taken
+            return
+        self._step = trainer.global_step
+        if _last_batch(trainer):
+            # Here, not when the fit ends: by then Lightning counts the epoch done, and a run
+            # resumed with more steps would start the next epoch early.
             self.cp.step_done()
-            if _last_batch(trainer) and self.cp.save_on_exit:
-                # Here, not when the fit ends: by then Lightning counts the epoch done, and a
-                # run resumed with more steps would start the next epoch early.
+            if self.cp.save_on_exit:
                 self.cp.save()
+        elif _validates(trainer) or trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:
+            # Lightning validates after this batch, or ends the epoch (its hooks, epoch-interval
+            # LR schedules): a restart from a save here would skip that. The step is counted
+            # (and saved, if due) once it is done: after the validation, or as the next epoch
+            # starts.
+            self._pending = "epoch" if trainer.fit_loop.epoch_loop.batch_progress.is_last_batch else "validation"
+        else:
+            self.cp.step_done()
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._pending == "validation" and self.cp is not None:
+            self._pending = ""
+            self.cp.step_done()
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        # Last at each hook (what the other callbacks do at a batch's or a validation's end is
+        # in the save), and a helper first at an epoch's start (a save there holds nothing of
+        # the new epoch). A new list: Lightning is iterating over the one it has.
+        if stage == "fit":
+            others = [cb for cb in trainer.callbacks if cb is not self and not isinstance(cb, _EpochStart)]
+            trainer.callbacks = [_EpochStart(self), *others, self]
+
+    def _epoch_started(self, trainer: pl.Trainer) -> None:
+        """The next epoch starts (nothing of it has happened yet): a step counted at the
+        previous epoch's last batch is done, with all of its epoch's end."""
+        if not self._pending or self.cp is None:
+            return
+        self._pending = ""
+        # What Lightning does to the batch loop's counters as the epoch's batches begin, done
+        # first: a restart from here starts the epoch's batches, not the last one's end.
+        loop = trainer.fit_loop.epoch_loop
+        loop.batch_progress.reset_on_run()
+        loop.scheduler_progress.reset_on_run()
+        loop.automatic_optimization.optim_progress.reset_on_run()
+        loop.val_loop.batch_progress.total.reset()
+        self.cp.step_done()
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._close(None)
@@ -145,12 +192,28 @@ class Checkpointing(Callback):
             cp.__exit__(type(exception) if exception else None, exception, exception.__traceback__ if exception else None)
 
 
+class _EpochStart(Callback):
+    """The first callback at an epoch's start (`Checkpointing.setup`)."""
+
+    def __init__(self, own: Checkpointing) -> None:
+        self.own = own
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.own._epoch_started(trainer)
+
+
 def _last_batch(trainer: pl.Trainer) -> bool:
     """Whether the fit stops after this batch (max_steps, or max_epochs' last batch)."""
     if trainer.max_steps != -1 and trainer.global_step >= trainer.max_steps:
         return True
     epochs = trainer.max_epochs
     return epochs not in (None, -1) and trainer.fit_loop.epoch_loop.batch_progress.is_last_batch and trainer.current_epoch + 1 >= epochs
+
+
+def _validates(trainer: pl.Trainer) -> bool:
+    """Whether Lightning validates after the batch that just ended."""
+    loop = trainer.fit_loop
+    return loop._data_fetcher is not None and loop.epoch_loop._should_check_val_fx(loop._data_fetcher)
 
 
 def _unreplayable(loader: Any) -> str:
@@ -177,7 +240,7 @@ class _Progress:
         t = self.trainer
         loop = t.fit_loop.state_dict()
         loop.get("state_dict", {}).pop("combined_loader", None)
-        callbacks = {str(cb.state_key): cb.state_dict() for cb in t.callbacks if cb is not self.own}
+        callbacks = {str(cb.state_key): cb.state_dict() for cb in t.callbacks if cb is not self.own and not isinstance(cb, _EpochStart)}
         datamodule = t.datamodule.state_dict() if t.datamodule is not None else {}
         return {"fit_loop": loop, "precision": t.precision_plugin.state_dict(), "callbacks": callbacks, "datamodule": datamodule}
 

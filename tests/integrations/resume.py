@@ -29,18 +29,18 @@ def load(tmp_path: Path, name: str) -> list[dict]:
     return [torch.load(tmp_path / f"{name}.rank{r}.pt", weights_only=False) for r in range(RANKS)]
 
 
-def stopped_and_resumed(worker: Path, tmp_path: Path, stop: tuple[str, ...], code: int) -> list[tuple[dict, dict]]:
+def stopped_and_resumed(worker: Path, tmp_path: Path, stop: tuple[str, ...], code: int, *common: str) -> list[tuple[dict, dict]]:
     """The reference run, a run given `stop` (worker options) that every rank leaves with exit
-    status `code`, and its restart: (reference, restart) of each rank."""
-    assert fit(worker, tmp_path, "ref") == [0] * RANKS, rank_logs(tmp_path)
-    assert fit(worker, tmp_path, "stopped", *stop) == [code] * RANKS, rank_logs(tmp_path)
-    assert fit(worker, tmp_path, "resumed") == [0] * RANKS, rank_logs(tmp_path)
+    status `code`, and its restart, each given `common`: (reference, restart) of each rank."""
+    assert fit(worker, tmp_path, "ref", *common) == [0] * RANKS, rank_logs(tmp_path)
+    assert fit(worker, tmp_path, "stopped", *common, *stop) == [code] * RANKS, rank_logs(tmp_path)
+    assert fit(worker, tmp_path, "resumed", *common) == [0] * RANKS, rank_logs(tmp_path)
     return list(zip(load(tmp_path, "ref"), load(tmp_path, "resumed"), strict=True))
 
 
-def killed_and_resumed(worker: Path, tmp_path: Path, die_at: int) -> list[tuple[dict, dict]]:
+def killed_and_resumed(worker: Path, tmp_path: Path, die_at: int, *common: str) -> list[tuple[dict, dict]]:
     """`stopped_and_resumed` with a SIGKILL after step `die_at`, once its last save committed."""
-    return stopped_and_resumed(worker, tmp_path, ("--die-at", str(die_at)), -signal.SIGKILL)
+    return stopped_and_resumed(worker, tmp_path, ("--die-at", str(die_at)), -signal.SIGKILL, *common)
 
 
 def assert_same_end(want: dict, got: dict) -> None:

@@ -29,21 +29,26 @@ WORKER = WORKERS / "lightning_worker.py"
 @pytest.mark.slow
 @pytest.mark.parametrize(("die_at", "resumes_at"), KILLS, ids=KILL_IDS)
 def test_a_lightning_fit_killed_resumes_bit_for_bit(tmp_path, die_at, resumes_at):
-    for want, got in killed_and_resumed(WORKER, tmp_path, die_at):
+    """With a validation every 3 batches: the save due at step 9 is taken once the validation
+    after it ran, and the one at step 6 (an epoch's last batch) once the epoch ended."""
+    for want, got in killed_and_resumed(WORKER, tmp_path, die_at, "--val"):
         assert got["restored_step"] == resumes_at  # the last commit before the kill
         assert got["global_step"] == want["global_step"] == 16 and got["epoch"] == want["epoch"]
+        assert got["logged_steps"] == want["logged_steps"]  # the step loggers see
+        assert got["callbacks"] == want["callbacks"]  # EarlyStopping's best validation loss
         assert_same_end(want, got)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("term_rank", [-1, 1], ids=["every-rank", "rank-1-alone"])
 def test_a_sigterm_saves_exits_143_and_the_restart_resumes_there_bit_for_bit(tmp_path, term_rank):
-    """A SIGTERM after step 8, on every rank or on rank 1 alone (its node preempted: Lightning's
-    own handler stopped that rank alone, and the job hung): ckpt's handler has it, the ranks
-    agree on a step, save it, and both exit with 143. The restart resumes there and ends as the
-    uninterrupted run."""
-    for want, got in stopped_and_resumed(WORKER, tmp_path, ("--term-at", "8", "--term-rank", str(term_rank)), 143):
-        assert got["restored_step"] is not None and got["restored_step"] >= 8  # the SIGTERM's save
+    """A SIGTERM after step 9, on every rank or on rank 1 alone (its node preempted: Lightning's
+    own handler stopped that rank alone, and the job hung), with a validation after that step:
+    ckpt's handler has it, the ranks agree on a step, save it once the validation ran, and both
+    exit with 143. The restart resumes there and ends as the uninterrupted run."""
+    for want, got in stopped_and_resumed(WORKER, tmp_path, ("--term-at", "9", "--term-rank", str(term_rank)), 143, "--val"):
+        assert got["restored_step"] is not None and got["restored_step"] >= 9  # the SIGTERM's save
+        assert got["callbacks"] == want["callbacks"]
         assert_same_end(want, got)
 
 

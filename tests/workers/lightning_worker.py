@@ -7,7 +7,9 @@ A small MLP with dropout (every step draws random numbers) trained by Lightning'
 schedule, on a torchdata StatefulDataLoader of random data with a batch of 4, two epochs' worth
 of steps with accumulation off. With --die-at, the process SIGKILLs itself after that optimizer
 step, once its last save committed (so that the step it resumes from is known). Writes OUT.rank<R>.pt: the model's
-weights, the optimizer's state, the steps done, and the step it resumed from.
+weights, the optimizer's state, the steps done, and the step it resumed from. With --val a
+validation every 3 batches (mid-epoch and at each epoch's end), and at each epoch's end a hook
+that draws random numbers, an epoch-interval LR schedule and one on the validation loss.
 """
 
 from __future__ import annotations
@@ -26,17 +28,28 @@ from ckpt.integrations.lightning import Checkpointing
 
 
 class Net(L.LightningModule):
-    def __init__(self) -> None:
+    def __init__(self, val: bool) -> None:
         super().__init__()
+        self.val = val
         self.net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Dropout(0.2), torch.nn.Linear(32, 1))
 
     def training_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
         x, y = batch
         return torch.nn.functional.mse_loss(self.net(x), y)
 
+    def validation_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
+        x, y = batch
+        self.log("val_loss", torch.nn.functional.mse_loss(self.net(x), y), sync_dist=True)
+
+    def on_train_epoch_end(self) -> None:
+        self.drawn = torch.rand(1)  # an epoch's end that draws random numbers (an augmentation's schedule)
+
     def configure_optimizers(self):  # noqa: ANN201
         opt = torch.optim.AdamW(self.parameters(), lr=1e-2)
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.7), "interval": "step"}}
+        steps = {"scheduler": torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.7), "interval": "step"}
+        epochs = {"scheduler": torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.5), "interval": "epoch"}
+        plateau = {"scheduler": torch.optim.lr_scheduler.ReduceLROnPlateau(opt, factor=0.9, patience=0), "interval": "epoch", "monitor": "val_loss"}
+        return [opt], [steps, epochs, *([plateau] if self.val else [])]
 
 
 class Die(L.Callback):
@@ -73,6 +86,7 @@ def main() -> None:
     p.add_argument("--die-at", type=int, default=0)
     p.add_argument("--term-at", type=int, default=0)
     p.add_argument("--term-rank", type=int, default=-1, help="the rank the SIGTERM reaches (-1: every rank)")
+    p.add_argument("--val", action="store_true", help="validate every 3 batches (mid-epoch and at each epoch's end)")
     args = p.parse_args()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     L.seed_everything(1234 + int(os.environ.get("RANK", "0")), workers=True, verbose=False)  # each rank its own dropout
@@ -81,17 +95,23 @@ def main() -> None:
     # torch's own RandomSampler: under DDP Lightning puts a DistributedSampler in its place,
     # whose order is a function of the epoch (see docs/integrations.md)
     loader = StatefulDataLoader(data, batch_size=4, sampler=torch.utils.data.RandomSampler(data))
-    model = Net()
+    model = Net(args.val)
     torch.manual_seed(7)  # the same initial weights on every rank
     for q in model.parameters():
         with torch.no_grad():
             q.copy_(torch.randn_like(q) * 0.3)
+    # A plain DataLoader, which draws its iterator's seed from the global generator: a
+    # validation skipped (or run twice) on a resume would shift every random number after it.
+    val = torch.utils.data.DataLoader(TensorDataset(torch.randn(16, 8, generator=g), torch.randn(16, 1, generator=g)), batch_size=4) if args.val else None
     ours = Checkpointing(args.root, interval=ckpt.Every(steps=args.every), keep=ckpt.Keep(last=100), lease=None)
-    callbacks = [ours] + ([Die(args.die_at, ours)] if args.die_at else []) + ([Term(args.term_at, args.term_rank)] if args.term_at else [])
+    # With --val, a callback whose state each validation changes (the best loss so far)
+    stop = [L.pytorch.callbacks.EarlyStopping(monitor="val_loss", patience=1000, check_on_train_epoch_end=False)] if args.val else []
+    callbacks = [ours, *stop] + ([Die(args.die_at, ours)] if args.die_at else []) + ([Term(args.term_at, args.term_rank)] if args.term_at else [])
     trainer = L.Trainer(
         accelerator="cpu", devices=world, strategy="ddp" if world > 1 else "auto", max_steps=args.steps,
         callbacks=callbacks, enable_checkpointing=False, logger=False, enable_progress_bar=False,
-        enable_model_summary=False, deterministic=True,
+        enable_model_summary=False, deterministic=True, num_sanity_val_steps=0,
+        **({"val_check_interval": 3} if args.val else {"limit_val_batches": 0}),
     )  # fmt: skip
     restored = []
     real_enter = ckpt.Checkpointer.__enter__
@@ -102,12 +122,12 @@ def main() -> None:
         return got
 
     ckpt.Checkpointer.__enter__ = enter
-    trainer.fit(model, train_dataloaders=loader)
+    trainer.fit(model, train_dataloaders=loader, val_dataloaders=val)
     rank = trainer.global_rank
     torch.save(
         {"model": {k: v.clone() for k, v in model.state_dict().items()}, "optim": trainer.optimizers[0].state_dict(),
-         "global_step": trainer.global_step, "epoch": trainer.current_epoch, "restored_step": restored[0] if restored else None,
-         "rng": torch.rand(3)},
+         "global_step": trainer.global_step, "epoch": trainer.current_epoch, "logged_steps": trainer.fit_loop.epoch_loop._batches_that_stepped, "restored_step": restored[0] if restored else None,
+         "rng": torch.rand(3), "callbacks": [cb.state_dict() for cb in stop]},
         f"{args.out}.rank{rank}.pt",
     )  # fmt: skip
 
