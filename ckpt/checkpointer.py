@@ -69,6 +69,11 @@ class Checkpointer(Lifecycle, BackgroundSaves):
         scaler: a ``torch.amp.GradScaler``.
         extra: named objects with ``state_dict``/``load_state_dict`` (an EMA, ...). Their
             tensors may be DTensors (saved sharded) or equal on every rank (saved once).
+        app_state: an object with ``state_dict``/``load_state_dict`` whose state dict is saved
+            at the top level, keys as it names them, as ``dcp.save(app_state.state_dict())``
+            would lay them out (so that a tool reading plain DCP, such as torchtitan, finds
+            its keys: ``ckpt.integrations.torchtitan``). ckpt's own keys (model, optim,
+            scheduler, scaler, extra, data, loader, counters, rng) are refused.
         data: the data position: a ``ckpt.ElasticSampler`` (or any object whose JSON state is
             global), restored on any world size.
         dataloader: a DataLoader. Its ElasticSampler becomes ``data``; a torchdata
@@ -172,6 +177,7 @@ class Checkpointer(Lifecycle, BackgroundSaves):
         scheduler: Any = None,
         scaler: Any = None,
         extra: dict[str, Any] | None = None,
+        app_state: Any = None,
         data: Any = None,
         dataloader: Any = None,
         interval: Every | Auto | Literal["auto"] | None = "auto",
@@ -209,7 +215,7 @@ class Checkpointer(Lifecycle, BackgroundSaves):
             self.store.checksum_algo = BLAKE3
         self._storage_options = storage_options
         data, loader = data_position(data, dataloader)
-        self.state = TrainingState.of(model, optimizer, scheduler, scaler, extra, data, loader, frozen)
+        self.state = TrainingState.of(model, optimizer, scheduler, scaler, extra, data, loader, frozen, app_state)
         self.state.loader_generator = own_generator(dataloader)  # after every check: nothing changed if refused
         # A signal reaches one rank, a clock runs per rank: the ranks meet now and then to
         # share them. Always, whatever this rank's settings say: whether to meet must never
@@ -311,6 +317,12 @@ class Checkpointer(Lifecycle, BackgroundSaves):
     def meetings(self) -> int:
         """How many times the ranks met at a step boundary to agree (``agree_every_s``)."""
         return self._cadence.agreement.meetings
+
+    def _count_from(self, step: int) -> None:
+        """Count steps from `step` (done): a loop that keeps its own count and started from a
+        checkpoint ckpt did not restore (`ckpt.integrations.torchtitan`'s initial load)."""
+        self._step = self._saved_step = step
+        self._restart_interval()
 
     def _restart_interval(self) -> None:
         """A save was taken (or skipped) at this step, on every rank alike."""

@@ -50,6 +50,8 @@ log = logging.getLogger(__name__)
 
 # Values a state dict holds that are copied as they are (immutable): no tensors inside.
 ATOMS = frozenset({str, int, float, bool, bytes, type(None)})
+# The top-level keys of ckpt's own state dict: an app state (`TrainingState.app`) may not use them.
+OWN_KEYS = frozenset({"model", "optim", "scheduler", "scaler", "extra", "data", "loader", "counters", "rng"})
 
 
 def _as_list(x: Any) -> list[Any]:
@@ -69,6 +71,9 @@ class TrainingState:
     extra: dict[str, Any] = field(default_factory=dict)
     data: Any = None  # global position: the same on every rank, valid on any world size
     loader: Any = None  # per-rank loader state: valid only on the same world size
+    # A DCP app state: its state dict saved at the top level, keys as it names them (a plain
+    # DCP layout another tool reads, such as torchtitan's: `ckpt.integrations.torchtitan`).
+    app: Any = None
     # The generator ckpt gave a DataLoader that had none (`data.own_generator`): reseeded on
     # restore, so that its workers' seeds after a resume are not a fresh run's again.
     loader_generator: torch.Generator | None = None
@@ -84,9 +89,9 @@ class TrainingState:
     @classmethod
     def of(
         cls, model: Any, optimizer: Any, scheduler: Any, scaler: Any, extra: Any, data: Any = None, loader: Any = None,
-        frozen: str = "save",
+        frozen: str = "save", app: Any = None,
     ) -> TrainingState:  # fmt: skip
-        state = cls(model, _as_list(optimizer), _as_list(scheduler), scaler, dict(extra or {}), data, loader)
+        state = cls(model, _as_list(optimizer), _as_list(scheduler), scaler, dict(extra or {}), data, loader, app=app)
         state.skip_frozen = frozen == "skip"
         # IMPORTANT: checked here, not at the first save (with interval="auto", minutes in).
         if model is not None and not isinstance(model, torch.nn.Module):
@@ -94,7 +99,11 @@ class TrainingState:
         for i, opt in enumerate(state.optimizers):
             if not (hasattr(opt, "param_groups") and hasattr(opt, "state_dict") and hasattr(opt, "load_state_dict")):
                 raise TypeError(f"optimizer {i} must be a torch.optim.Optimizer, not {type(opt).__name__}")
-        stateful = [*((f"scheduler {i}", o) for i, o in enumerate(state.schedulers)), *(("scaler", o) for o in [scaler] if o is not None)]
+        stateful = [
+            *((f"scheduler {i}", o) for i, o in enumerate(state.schedulers)),
+            *(("scaler", o) for o in [scaler] if o is not None),
+            *(("app_state", o) for o in [app] if o is not None),
+        ]
         for what, obj in [*stateful, *((f"extra[{name!r}]", o) for name, o in state.extra.items())]:
             if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
                 raise TypeError(f"{what} ({type(obj).__name__}) has no state_dict/load_state_dict")
@@ -148,6 +157,13 @@ class TrainingState:
         for key in ("scheduler", "scaler", "extra"):  # torch's own dicts hold nothing else
             if key in sd:
                 _check_loadable(sd[key], key, self._loadable)
+        if self.app is not None:
+            top = self.app.state_dict()
+            taken = sorted(k for k in top if str(k).split(".", 1)[0] in OWN_KEYS)
+            if taken:
+                raise ValueError(f"app_state's keys {taken[:5]} are (or are under) ckpt's own {sorted(OWN_KEYS)}: name them otherwise")
+            _check_loadable(top, "app_state", self._loadable)
+            sd.update(top)
         if self.data is not None:
             sd["data"] = _json(self.data.state_dict(), "data")
         if self.loader is not None:
@@ -210,6 +226,8 @@ class TrainingState:
             sd["data"] = ""
         if rank >= saved_world:
             del sd["rng"]  # a new rank: apply() derives its streams
+        for key in getattr(self.app, "skip_on_restore", lambda same_world: ())(world == saved_world):
+            sd.pop(key, None)
         if "loader" in sd:
             if world == saved_world:
                 sd["loader"] = {f"rank_{rank}": b""}
@@ -249,6 +267,8 @@ class TrainingState:
             self.scaler.load_state_dict(sd["scaler"])
         for name, obj in self.extra.items():
             obj.load_state_dict(sd["extra"][name])
+        if self.app is not None:
+            self.app.load_state_dict({k: v for k, v in sd.items() if k not in OWN_KEYS})
         if "data" in sd:
             self.data.load_state_dict(json.loads(sd["data"]))
         if "loader" in sd:

@@ -50,6 +50,17 @@ def load_value(blob: bytes | io.BytesIO) -> Any:
     return value
 
 
+def load_plain_pickle(blob: bytes, what: str) -> Any:
+    """A pickle (`pickle.dumps`, not torch.save) of plain values only: numbers, strings, None,
+    booleans, and tuples, lists and dicts of them. Anything else is refused, naming `what`."""
+    if not isinstance(blob, bytes):
+        raise ValueError(f"{what} is a {type(blob).__name__}, not a pickle")
+    try:
+        return _PlainUnpickler(io.BytesIO(blob)).load()
+    except Exception as e:
+        raise ValueError(f"{what} is not plain values ({type(e).__name__}: {e}): it is not loaded") from e
+
+
 def _plain(blob: bytes) -> Any:
     """The plain value in a torch.save zip holding no storage, or _NOT_PLAIN."""
     try:

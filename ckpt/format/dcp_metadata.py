@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import math
+import os
 import pickle
 from collections.abc import Callable
 from typing import Any
@@ -49,6 +50,12 @@ def _layout(name: str) -> torch.layout:
     return _LAYOUTS[name]
 
 
+def _path(*parts: str) -> str:
+    """pathlib's PosixPath, which DCP's file writer records as the checkpoint's id (plain DCP,
+    torchtitan): its string only, no path object."""
+    return os.path.join(*parts) if parts else "."
+
+
 _BUILT = (Metadata, StorageMeta, TensorStorageMetadata, BytesStorageMetadata, ChunkStorageMetadata, TensorProperties, MetadataIndex, _StorageInfo)
 # IMPORTANT: the exact names that DCP `.metadata` pickles hold (torch 2.13, protocols 2-5),
 # each looked up as a whole: no dotted name, no other attribute of these modules.
@@ -56,6 +63,7 @@ _NAMES: dict[tuple[str, str], Any] = {
     **{(c.__module__, c.__name__): _Maker(c) for c in (*_BUILT, _MEM_FORMAT_ENCODING)},
     ("torch", "Size"): _Maker(torch.Size),
     ("torch.serialization", "_get_layout"): _Maker(_layout),
+    **{(module, "PosixPath"): _Maker(_path) for module in ("pathlib", "pathlib._local")},
     **{("torch", name): v for name, v in vars(torch).items() if isinstance(v, torch.dtype)},  # a dtype pickles as its name
 }
 # What NEWOBJ makes (cls.__new__(cls), no arguments), with the fields BUILD may then set (a
@@ -107,6 +115,9 @@ class _MetadataUnpickler(pickle._Unpickler):
     def _reduce(self) -> None:
         args = self.stack.pop()
         maker = self.stack[-1]
+        if type(maker) is _Maker and maker.cls is _path and type(args) is tuple and len(args) <= 256 and all(type(a) is str for a in args):
+            self.stack[-1] = _path(*args)
+            return
         if not (type(maker) is _Maker and maker.cls in _REDUCED and type(args) is tuple and len(args) == 1):
             raise self.refused(f"applies REDUCE to {_describe(maker)}")
         self.stack[-1] = maker.cls(args[0])

@@ -205,6 +205,35 @@ def test_build_sets_only_the_fields_of_a_dcp_metadata_instance():
         load_metadata(protocol4(index + pickle.NONE + pickle.EMPTY_DICT + const("fqn") + const("a") + pickle.SETITEM + pickle.TUPLE2 + pickle.BUILD))
 
 
+def test_the_checkpoint_id_dcps_file_writer_records_as_a_path_reads_as_its_string(tmp_path):
+    """Plain DCP (torchtitan's checkpoints) records its writer's path, a PosixPath, in
+    `.metadata`: it reads back as the path's string, no path object is made."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"w": torch.ones(2)}, checkpoint_id=tmp_path, no_dist=True)
+    md = load_metadata((tmp_path / ".metadata").read_bytes())
+    assert md.storage_meta.checkpoint_id == str(tmp_path) and "w" in md.state_dict_metadata
+    path = stack_global("pathlib", "PosixPath")
+    # Strings only, and not too many of them.
+    for args in (pickle.BININT1 + bytes([1]) + pickle.TUPLE1, pickle.MARK + const("a") * 300 + pickle.TUPLE, stack_global(DCP, "Metadata") + pickle.TUPLE1):
+        with pytest.raises(InvalidCheckpoint, match="applies REDUCE to ckpt.format.dcp_metadata._path"):
+            load_metadata(protocol4(path + args + pickle.REDUCE))
+    # Not an object of any class: NEWOBJ and BUILD on it are refused.
+    with pytest.raises(InvalidCheckpoint, match="NEWOBJ"):
+        load_metadata(protocol4(path + pickle.EMPTY_TUPLE + pickle.NEWOBJ))
+
+
+def test_a_plain_pickle_of_plain_values_loads_and_any_other_is_refused_unrun(tmp_path):
+    assert bytes_item.load_plain_pickle(pickle.dumps({"a": [1, 2.5, "x", None, (True,)]}), "it") == {"a": [1, 2.5, "x", None, (True,)]}
+    marker = tmp_path / "ran"
+    for blob in (pickle.dumps(Path("/x")), protocol4(stack_global("os", "system") + const(f"touch {marker}") + pickle.TUPLE1 + pickle.REDUCE), b"not a pickle"):
+        with pytest.raises(ValueError, match="the loader's state is not plain values"):
+            bytes_item.load_plain_pickle(blob, "the loader's state")
+    with pytest.raises(ValueError, match="not a pickle"):
+        bytes_item.load_plain_pickle("text", "it")  # type: ignore[arg-type]
+    assert not marker.exists()
+
+
 def test_the_top_must_be_dcp_metadata():
     with pytest.raises(InvalidCheckpoint, match="holds a StorageMeta, not DCP metadata"):
         load_metadata(pickle.dumps(StorageMeta()))
