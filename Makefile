@@ -20,8 +20,13 @@ $(VENV)/.demo: $(VENV)/.torch pyproject.toml
 	$(VPY) -m pip install -q -e '.[demo]'
 	touch $@
 
+# torchtitan without its dependencies (its `datasets` pin and s3fs want different fsspecs): the
+# test extra has those the integration needs (docs/torchtitan.md).
+TORCHTITAN ?= torchtitan==0.3.0
+
 $(VENV)/.ready: $(VENV)/.torch pyproject.toml
 	$(VPY) -m pip install -q -e '.[test,demo]'
+	$(VPY) -m pip install -q --no-deps $(TORCHTITAN)
 	touch $@
 
 setup: $(VENV)/.ready
