@@ -32,7 +32,7 @@ from typing import Any
 
 import torch.distributed as dist
 from transformers import Trainer, TrainerCallback
-from transformers.trainer_callback import TrainerState
+from transformers.trainer_callback import ExportableState, TrainerState
 
 from ckpt.capture.state import rng_state, set_rng_state
 from ckpt.checkpointer import Checkpointer
@@ -54,7 +54,7 @@ class CkptTrainer(Trainer):
         self.cp: Checkpointer | None = None
         self._resume_step: int | None = None
         self._rng: dict[str, Any] | None = None
-        self.add_callback(_Steps(self))
+        self._steps = _Steps(self)
 
     def train(self, resume_from_checkpoint: Any = None, **kwargs: Any) -> Any:
         if resume_from_checkpoint is not None:
@@ -122,6 +122,11 @@ class CkptTrainer(Trainer):
         )
         self.cp.__enter__()
         self._rng = rng_state()
+        # ckpt's step last among the callbacks (the restore may have made the others anew):
+        # what the others do at a step's end is in the save taken there.
+        if self._steps in self.callback_handler.callbacks:
+            self.callback_handler.remove_callback(self._steps)
+        self.callback_handler.add_callback(self._steps)
 
 
 class _State:
@@ -132,13 +137,21 @@ class _State:
 
     def state_dict(self) -> dict[str, Any]:
         fields = dataclasses.asdict(self.trainer.state)
-        fields.pop("stateful_callbacks", None)
+        # The callbacks' states (`ExportableState`: EarlyStoppingCallback's patience, the
+        # TrainerControl) as the Trainer's own save records them.
+        callbacks: dict[str, Any] = {}
+        for cb in [*self.trainer.callback_handler.callbacks, self.trainer.control]:
+            if isinstance(cb, ExportableState):
+                callbacks.setdefault(type(cb).__name__, []).append(cb.state())
+        fields["stateful_callbacks"] = callbacks
         return {"json": json.dumps(fields, sort_keys=True)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for name, value in json.loads(state["json"]).items():
             if hasattr(self.trainer.state, name):
                 setattr(self.trainer.state, name, value)
+        if self.trainer.state.stateful_callbacks:
+            self.trainer._load_callback_state()  # as the Trainer's own resume does
 
 
 class _Steps(TrainerCallback):

@@ -30,6 +30,7 @@ def test_a_trainer_killed_resumes_bit_for_bit(tmp_path, die_at, resumes_at):
     for want, got in killed_and_resumed(WORKER, tmp_path, die_at):
         assert got["restored_step"] == resumes_at  # the last commit before the kill
         assert got["step"] == want["step"] == 16 and got["world"] == 2  # DDP over both ranks
+        assert got["seen"] == want["seen"] == [16]  # a callback's own state (ExportableState)
         assert_same_end(want, got)
 
 

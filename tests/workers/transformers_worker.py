@@ -19,6 +19,7 @@ import tempfile
 
 import torch
 from transformers import TrainerCallback, TrainingArguments
+from transformers.trainer_callback import ExportableState
 
 import ckpt
 from ckpt.integrations.transformers import CkptTrainer
@@ -55,6 +56,19 @@ class Die(TrainerCallback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+class Counter(TrainerCallback, ExportableState):
+    """A callback with a state of its own (as EarlyStoppingCallback's patience): steps seen."""
+
+    def __init__(self, seen: int = 0) -> None:
+        self.seen = seen
+
+    def on_step_end(self, args, state, control, **kwargs) -> None:  # noqa: ANN001
+        self.seen += 1
+
+    def state(self) -> dict:
+        return {"args": {}, "attributes": {"seen": self.seen}}
+
+
 class Term(TrainerCallback):
     """SIGTERM this process after step `at` (every rank at the same step, as a scheduler would)."""
 
@@ -78,12 +92,13 @@ def main() -> None:
     args = TrainingArguments(
         output_dir=tempfile.mkdtemp(), max_steps=a.steps, per_device_train_batch_size=4, learning_rate=1e-2,
         lr_scheduler_type="linear", save_strategy="no", logging_steps=1000, report_to=[], use_cpu=True, seed=1234,
-        disable_tqdm=True, dataloader_num_workers=0,
+        disable_tqdm=True, dataloader_num_workers=0, restore_callback_states_from_checkpoint=True,
     )  # fmt: skip
     torch.manual_seed(7)
     model = Net()
     trainer = CkptTrainer(model=model, args=args, train_dataset=Rows(), ckpt_root=a.root,
                           ckpt_options={"interval": ckpt.Every(steps=a.every), "keep": ckpt.Keep(last=100), "lease": None})  # fmt: skip
+    trainer.add_callback(Counter())
     if a.die_at:
         trainer.add_callback(Die(a.die_at, trainer))
     if a.term_at:
@@ -101,7 +116,8 @@ def main() -> None:
     torch.save(
         {"model": {k: v.clone() for k, v in model.state_dict().items()}, "optim": trainer.optimizer.optimizer.state_dict()
          if hasattr(trainer.optimizer, "optimizer") else trainer.optimizer.state_dict(), "step": trainer.state.global_step,
-         "restored_step": restored[0] if restored else None, "rng": torch.rand(3), "world": args.world_size},
+         "restored_step": restored[0] if restored else None, "rng": torch.rand(3), "world": args.world_size,
+         "seen": [cb.seen for cb in trainer.callback_handler.callbacks if isinstance(cb, Counter)]},
         f"{a.out}.rank{rank}.pt",
     )  # fmt: skip
 
