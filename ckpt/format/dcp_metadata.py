@@ -50,6 +50,9 @@ def _layout(name: str) -> torch.layout:
     return _LAYOUTS[name]
 
 
+_PATH_MAX = 4096  # characters of a path's parts, joined (Linux's PATH_MAX)
+
+
 def _path(*parts: str) -> str:
     """pathlib's PosixPath, which DCP's file writer records as the checkpoint's id (plain DCP,
     torchtitan): its string only, no path object."""
@@ -115,7 +118,11 @@ class _MetadataUnpickler(pickle._Unpickler):
     def _reduce(self) -> None:
         args = self.stack.pop()
         maker = self.stack[-1]
-        if type(maker) is _Maker and maker.cls is _path and type(args) is tuple and len(args) <= 256 and all(type(a) is str for a in args):
+        if type(maker) is _Maker and maker.cls is _path:
+            # IMPORTANT: bounded, as a path is: the parts may be memo references to one long
+            # string (or to an earlier path), and joined they would grow with each level.
+            if not (type(args) is tuple and all(type(a) is str for a in args) and sum(len(a) + 1 for a in args) <= _PATH_MAX):
+                raise self.refused("holds a PosixPath that is not a path (strings, at most 4096 characters in all)")
             self.stack[-1] = _path(*args)
             return
         if not (type(maker) is _Maker and maker.cls in _REDUCED and type(args) is tuple and len(args) == 1):

@@ -180,6 +180,13 @@ class Checkpointing(Callback):
         loop.val_loop.batch_progress.total.reset()
         self.cp.step_done()
 
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._pending and self.cp is not None:
+            # The fit stopped where the next epoch would have counted it (EarlyStopping at an
+            # epoch's end, max_time, should_stop): counted now, and saved as the fit is left.
+            self._pending = ""
+            self.cp.step_done()
+
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._close(None)
 

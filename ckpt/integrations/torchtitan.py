@@ -148,8 +148,10 @@ class CheckpointManager(BaseCheckpointManager):
             for key in self.app.excluded:
                 states.pop(key, None)
             held = _reader(path).read_metadata().state_dict_metadata
-            if DATALOADER in states and any(f"{DATALOADER}.{k}" not in held for k in states[DATALOADER]):
-                log.warning("%s holds no data loader position for this rank: the data starts over", path)
+            if DATALOADER in states and not _loader_held(held, self.app.states[DATALOADER], states[DATALOADER]):
+                # IMPORTANT: decided alike on every rank (from the folder's keys and the job's
+                # world size), or some ranks would load and others not, and wait apart.
+                log.warning("%s holds no data loader position for this job's data-parallel ranks: the data starts over", path)
                 del states[DATALOADER]
         log.info("loading %s from %s (not ckpt's: no checksums to verify)", "the model" if model_only else "the state", path)
         dcp.load(states, storage_reader=_reader(path), planner=_SafePlanner())
@@ -223,6 +225,17 @@ class _TitanState:
                 _load_loader(obj, sd[key])
             else:
                 obj.load_state_dict(sd[key])
+
+
+def _loader_held(held: Any, loader: Any, template: dict[str, Any]) -> bool:
+    """Whether a folder whose keys are `held` has the data loader positions of this job: for
+    torchtitan's loader, one per data-parallel rank of this job's world (the same answer on
+    every rank); for another, the keys this rank's state asks for."""
+    world = getattr(loader, "dp_world_size", None)
+    if isinstance(world, int):
+        saved = {k for k in held if k.startswith(f"{DATALOADER}.dp_rank_")}
+        return saved == {f"{DATALOADER}.dp_rank_{r}" for r in range(world)}
+    return all(f"{DATALOADER}.{k}" in held for k in template)
 
 
 def _load_loader(loader: Any, state: dict[str, Any]) -> None:

@@ -214,10 +214,18 @@ def test_the_checkpoint_id_dcps_file_writer_records_as_a_path_reads_as_its_strin
     md = load_metadata((tmp_path / ".metadata").read_bytes())
     assert md.storage_meta.checkpoint_id == str(tmp_path) and "w" in md.state_dict_metadata
     path = stack_global("pathlib", "PosixPath")
-    # Strings only, and not too many of them.
-    for args in (pickle.BININT1 + bytes([1]) + pickle.TUPLE1, pickle.MARK + const("a") * 300 + pickle.TUPLE, stack_global(DCP, "Metadata") + pickle.TUPLE1):
-        with pytest.raises(InvalidCheckpoint, match="applies REDUCE to ckpt.format.dcp_metadata._path"):
-            load_metadata(protocol4(path + args + pickle.REDUCE))
+    # Strings only, a path's length in all: memo references to one long string (or to an
+    # earlier path), joined level after level, would make gigabytes of a 2 KB pickle.
+    long = const("a" * 4000) + pickle.MEMOIZE
+    bomb = long + path + pickle.MARK + pickle.BINGET + b"\x00" + pickle.BINGET + b"\x00" + pickle.TUPLE + pickle.REDUCE
+    for body in (
+        path + pickle.BININT1 + bytes([1]) + pickle.TUPLE1 + pickle.REDUCE,
+        path + stack_global(DCP, "Metadata") + pickle.TUPLE1 + pickle.REDUCE,
+        path + pickle.MARK + const("ab") * 2100 + pickle.TUPLE + pickle.REDUCE,
+        bomb,
+    ):
+        with pytest.raises(InvalidCheckpoint, match="holds a PosixPath that is not a path"):
+            load_metadata(protocol4(body))
     # Not an object of any class: NEWOBJ and BUILD on it are refused.
     with pytest.raises(InvalidCheckpoint, match="NEWOBJ"):
         load_metadata(protocol4(path + pickle.EMPTY_TUPLE + pickle.NEWOBJ))

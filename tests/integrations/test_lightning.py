@@ -63,3 +63,13 @@ def test_a_finished_fit_run_again_with_more_steps_goes_on_as_one_longer_run(tmp_
     for want, got in zip(load(tmp_path, "ref"), load(tmp_path, "resumed"), strict=True):
         assert got["restored_step"] == 16 and got["global_step"] == want["global_step"] == 24 and got["epoch"] == want["epoch"]
         assert_same_end(want, got)
+
+
+@pytest.mark.slow
+def test_a_fit_stopped_at_an_epochs_end_saves_that_step(tmp_path):
+    """The step of an epoch's last batch is counted as the next epoch starts; a fit that stops
+    there instead (EarlyStopping at the epoch's validation) counts and saves it as it ends,
+    not as the step before. (Found by an outside review.)"""
+    assert fit(WORKER, tmp_path, "stopped", "--val", "--stop-at", "6") == [0, 0], rank_logs(tmp_path)
+    assert [got["global_step"] for got in load(tmp_path, "stopped")] == [6, 6]
+    assert sorted(p.name for p in (tmp_path / "run").glob("step-*"))[-1] == "step-0000000006"

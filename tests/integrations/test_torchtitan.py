@@ -91,6 +91,21 @@ def test_each_reads_the_others_checkpoints(tmp_path):
     assert torch.load(tmp_path / "again.loaded.rank0.pt", weights_only=False)["train_state"]["step"] == 16
 
 
+@pytest.mark.slow
+def test_a_torchtitan_folder_of_another_world_size_starts_every_rank_alike(tmp_path):
+    """A folder torchtitan saved on 1 rank, loaded by a 2-rank job: the data loader positions
+    are not this job's on any rank (decided from the folder's keys, alike on each), so every
+    rank says the data starts over and trains on; the model, optimizer and step are loaded.
+    (An outside review found rank 0 raising while rank 1 went on into a collective.)"""
+    assert run(1, WORKER, "--root", str(tmp_path / "one"), "--out", str(tmp_path / "one"), "--manager", "torchtitan", "--steps", "9", log_dir=tmp_path) == [0]
+    for log in tmp_path.glob("rank*.log"):
+        log.unlink()
+    assert titan(tmp_path, "two", "--initial", str(tmp_path / "one" / "step-9"), "--steps", "12") == [0, 0], rank_logs(tmp_path)
+    for r in range(RANKS):
+        assert "the data starts over" in (tmp_path / f"rank{r}.log").read_text()
+        assert torch.load(tmp_path / f"two.loaded.rank{r}.pt", weights_only=False)["train_state"]["step"] == 9
+
+
 class _Runs:
     def __reduce__(self):  # noqa: ANN204
         return (print, ("a pickle ran code",))

@@ -65,6 +65,17 @@ class Die(L.Callback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+class Stop(L.Callback):
+    """Stop the fit at the validation after optimizer step `at`, as EarlyStopping would."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+
+    def on_validation_end(self, trainer, pl_module) -> None:  # noqa: ANN001
+        if trainer.global_step == self.at:
+            trainer.should_stop = True
+
+
 class Term(L.Callback):
     """SIGTERM this process after optimizer step `at`: on every rank (torchrun or Kubernetes
     stopping the job) or on one (its node preempted)."""
@@ -86,6 +97,7 @@ def main() -> None:
     p.add_argument("--die-at", type=int, default=0)
     p.add_argument("--term-at", type=int, default=0)
     p.add_argument("--term-rank", type=int, default=-1, help="the rank the SIGTERM reaches (-1: every rank)")
+    p.add_argument("--stop-at", type=int, default=0, help="stop the fit (trainer.should_stop) at the validation after this step")
     p.add_argument("--val", action="store_true", help="validate every 3 batches (mid-epoch and at each epoch's end)")
     args = p.parse_args()
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -106,7 +118,7 @@ def main() -> None:
     ours = Checkpointing(args.root, interval=ckpt.Every(steps=args.every), keep=ckpt.Keep(last=100), lease=None)
     # With --val, a callback whose state each validation changes (the best loss so far)
     stop = [L.pytorch.callbacks.EarlyStopping(monitor="val_loss", patience=1000, check_on_train_epoch_end=False)] if args.val else []
-    callbacks = [ours, *stop] + ([Die(args.die_at, ours)] if args.die_at else []) + ([Term(args.term_at, args.term_rank)] if args.term_at else [])
+    callbacks = [ours, *stop] + ([Die(args.die_at, ours)] if args.die_at else []) + ([Term(args.term_at, args.term_rank)] if args.term_at else []) + ([Stop(args.stop_at)] if args.stop_at else [])
     trainer = L.Trainer(
         accelerator="cpu", devices=world, strategy="ddp" if world > 1 else "auto", max_steps=args.steps,
         callbacks=callbacks, enable_checkpointing=False, logger=False, enable_progress_bar=False,
