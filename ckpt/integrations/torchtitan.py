@@ -164,7 +164,10 @@ class CheckpointManager(BaseCheckpointManager):
             self.cp._count_from(done)
 
     def _save(self, curr_step: int, last_step: bool = False) -> bool:
-        self._enter()
+        if not self._open:  # a loop that never called load(): nothing of the root goes into it now
+            log.warning("save() before load(): ckpt restores nothing into this run (call load() first to resume)")
+            self.cp.restore_mode = "none"
+            self._enter()
         before = self.cp._saved_step
         if self.cp.step != curr_step - 1:  # the trainer's count is the one torchtitan saves
             log.warning("torchtitan is at step %d where ckpt counted %d: ckpt counts from torchtitan's", curr_step - 1, self.cp.step)

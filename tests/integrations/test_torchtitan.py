@@ -28,6 +28,7 @@ from tests.integrations.resume import (  # noqa: E402
     KILLS,
     RANKS,
     killed_and_resumed,
+    load,
 )
 from tests.support.jobs import rank_logs  # noqa: E402
 from tests.support.launch import WORKERS, run  # noqa: E402
@@ -104,6 +105,18 @@ def test_a_torchtitan_folder_of_another_world_size_starts_every_rank_alike(tmp_p
     for r in range(RANKS):
         assert "the data starts over" in (tmp_path / f"rank{r}.log").read_text()
         assert torch.load(tmp_path / f"two.loaded.rank{r}.pt", weights_only=False)["train_state"]["step"] == 9
+
+
+@pytest.mark.slow
+def test_a_loop_that_never_calls_load_is_not_restored_into_mid_run(tmp_path):
+    """save() before any load(): the manager opens without restoring (the root's newest step
+    would otherwise overwrite the live state at the first save) and says so."""
+    assert titan(tmp_path, "first", "--steps", "6", root=tmp_path / "root") == [0, 0], rank_logs(tmp_path)
+    assert titan(tmp_path, "fresh", "--steps", "4") == [0, 0], rank_logs(tmp_path)
+    assert titan(tmp_path, "no_load", "--steps", "4", "--no-load", root=tmp_path / "root") == [0, 0], rank_logs(tmp_path)
+    assert "save() before load()" in rank_logs(tmp_path)
+    for want, got in zip(load(tmp_path, "fresh"), load(tmp_path, "no_load"), strict=True):
+        assert_same_state(want, got)
 
 
 class _Runs:

@@ -112,6 +112,7 @@ def main() -> None:
     p.add_argument("--manager", choices=["ckpt", "torchtitan"], default="ckpt")
     p.add_argument("--initial", default="")
     p.add_argument("--model-only", action="store_true")
+    p.add_argument("--no-load", action="store_true", help="never call manager.load()")
     p.add_argument("--evil-loader", action="store_true", help="save a data loader state whose pickle runs code on load")
     args = p.parse_args()
     dist.init_process_group("gloo")
@@ -144,7 +145,8 @@ def main() -> None:
         dataloader=loader, model_parts=[model], optimizers=optimizers, lr_schedulers=schedulers, states={"train_state": state}, sd_adapter=None
     )
 
-    manager.load(step=-1)
+    if not args.no_load:
+        manager.load(step=-1)
     torch.save(snapshot(model, optimizers, schedulers, state, loader), f"{args.out}.loaded.rank{rank}.pt")
     batches = iter(loader)
     while state.step < args.steps:
