@@ -434,6 +434,8 @@ ALLOWED_UNPICKLING = {
     ("bytes_item.py", "_PlainUnpickler", "pickle._Unpickler"): "the unpickler that refuses every global, "
     "extension code and persistent id: plain values only (test_restore_stream.py's plain-value tests)",
     ("bytes_item.py", "_plain", "_PlainUnpickler"): "checksum-verified bytes, through the refusing unpickler",
+    ("bytes_item.py", "load_plain_pickle", "_PlainUnpickler"): "a pickle of another tool's (torchtitan's data loader "
+    "position), through the refusing unpickler: plain values only (test_metadata_unpickler.py)",
 }
 PICKLE_MODULES = {"pickle", "_pickle", "cPickle", "dill", "cloudpickle", "joblib", "marshal", "shelve"}
 # The C unpickler's names and the pure-Python one's (pickle._Unpickler, _load, _loads).
