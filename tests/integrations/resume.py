@@ -4,6 +4,7 @@ what each rank holds at the end."""
 
 from __future__ import annotations
 
+import argparse
 import signal
 from pathlib import Path
 
@@ -17,6 +18,17 @@ STEPS = 16
 # (die after step, the step the restart resumes from): saves every 3 steps, 6 batches an epoch
 KILLS = [(11, 9), (7, 6)]
 KILL_IDS = ["mid-epoch", "after-an-epochs-last-batch"]
+
+
+def worker_arguments() -> argparse.ArgumentParser:
+    """The options every integration worker takes: where, how long, how often, when to die."""
+    p = argparse.ArgumentParser()
+    p.add_argument("--root", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--steps", type=int, default=STEPS)
+    p.add_argument("--every", type=int, default=3)
+    p.add_argument("--die-at", type=int, default=0, help="SIGKILL after this step, once the last save committed")
+    return p
 
 
 def fit(worker: Path, tmp_path: Path, name: str, *extra: str) -> list[int]:

@@ -12,7 +12,6 @@ the model's weights, the optimizer's state, the step it resumed from, and a draw
 
 from __future__ import annotations
 
-import argparse
 import os
 import signal
 
@@ -23,15 +22,11 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import ckpt
 from ckpt.integrations.accelerate import checkpointer
+from tests.integrations.resume import worker_arguments
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--root", required=True)
-    p.add_argument("--out", required=True)
-    p.add_argument("--steps", type=int, default=16)
-    p.add_argument("--every", type=int, default=3)
-    p.add_argument("--die-at", type=int, default=0)
+    p = worker_arguments()
     args = p.parse_args()
     accelerator = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=True, use_seedable_sampler=True))
     set_seed(1234)

@@ -14,7 +14,6 @@ that draws random numbers, an epoch-interval LR schedule and one on the validati
 
 from __future__ import annotations
 
-import argparse
 import os
 import signal
 
@@ -25,6 +24,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 import ckpt
 from ckpt.integrations.lightning import Checkpointing
+from tests.integrations.resume import worker_arguments
 
 
 class Net(L.LightningModule):
@@ -89,12 +89,8 @@ class Term(L.Callback):
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--root", required=True)
-    p.add_argument("--out", required=True)
-    p.add_argument("--steps", type=int, default=12)
-    p.add_argument("--every", type=int, default=3)
-    p.add_argument("--die-at", type=int, default=0)
+    p = worker_arguments()
+    p.set_defaults(steps=12)
     p.add_argument("--term-at", type=int, default=0)
     p.add_argument("--term-rank", type=int, default=-1, help="the rank the SIGTERM reaches (-1: every rank)")
     p.add_argument("--stop-at", type=int, default=0, help="stop the fit (trainer.should_stop) at the validation after this step")

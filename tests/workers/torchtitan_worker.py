@@ -19,7 +19,6 @@ OUT.loaded.rank<R>.pt (the state after load) and OUT.rank<R>.pt (at the end).
 
 from __future__ import annotations
 
-import argparse
 import os
 import pickle
 import signal
@@ -36,6 +35,7 @@ from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersCon
 from torchtitan.components.optimizer.optimizer import ParamGroupConfig
 
 from ckpt.integrations.torchtitan import CheckpointManager
+from tests.integrations.resume import worker_arguments
 
 DIM = 16
 
@@ -102,12 +102,7 @@ def snapshot(model: torch.nn.Module, optimizers: Any, schedulers: Any, state: Tr
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--root", required=True)
-    p.add_argument("--out", required=True)
-    p.add_argument("--steps", type=int, default=16)
-    p.add_argument("--every", type=int, default=3)
-    p.add_argument("--die-at", type=int, default=0)
+    p = worker_arguments()
     p.add_argument("--dump-at", type=int, default=0)
     p.add_argument("--manager", choices=["ckpt", "torchtitan"], default="ckpt")
     p.add_argument("--initial", default="")

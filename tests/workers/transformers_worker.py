@@ -12,7 +12,6 @@ and a draw of its RNG.
 
 from __future__ import annotations
 
-import argparse
 import os
 import signal
 import tempfile
@@ -23,6 +22,7 @@ from transformers.trainer_callback import ExportableState
 
 import ckpt
 from ckpt.integrations.transformers import CkptTrainer
+from tests.integrations.resume import worker_arguments
 
 
 class Net(torch.nn.Module):
@@ -81,12 +81,7 @@ class Term(TrainerCallback):
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--root", required=True)
-    p.add_argument("--out", required=True)
-    p.add_argument("--steps", type=int, default=16)
-    p.add_argument("--every", type=int, default=3)
-    p.add_argument("--die-at", type=int, default=0)
+    p = worker_arguments()
     p.add_argument("--term-at", type=int, default=0)
     a = p.parse_args()
     args = TrainingArguments(
