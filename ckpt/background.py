@@ -61,13 +61,16 @@ class BackgroundSaves:
         the interval's retune, the line that says so."""
         self._apply_retention(save.step, manifest if self._handoff is None else None)
         self.history.beat()
-        if self._cadence.coordinator is not None and not self._leaving:  # a last save prices nothing
+        if not self._leaving:  # a last save prices nothing
             # The loop also waited for the copy in the optimizer's pre-hook (overlap mode;
             # done by now) and, before this save, for the previous one's slot; the slot
             # stays busy until retention and history are done too, not just the commit.
             blocked = manifest.costs.blocking_s + self.staging_wait_s - waited_before
-            busy = time.perf_counter() - save.started
-            self._cadence.coordinator.retune(blocked, busy, self.history.record.started, self._cadence.agreement.step_s)
+            now = time.perf_counter()
+            # What the steps beside it lost: measured under every policy (the metrics say it).
+            slowdown = self._cadence.slowdown.priced(save.started, now, blocked)
+            if self._cadence.coordinator is not None:
+                self._cadence.coordinator.retune(blocked, now - save.started, self.history.record.started, self._cadence.agreement.step_s, slowdown)
         self._say_commit(save.step, manifest)
 
     def _renew_io_group(self) -> None:

@@ -295,7 +295,7 @@ class Checkpointer(Lifecycle, BackgroundSaves):
         # rank's background thread fails at its own time): at the ranks' next meeting, or
         # when the next save waits for it.
         # Every rank must save at the same step (ckpt.schedule.cadence).
-        due = self._cadence.at_step(self._step, self._ctrl.rank, self._ctrl.world, self._ctrl.max, self._preempt.asked(), self._slot.failed())
+        due = self._cadence.at_step(self._step, self._ctrl.rank, self._ctrl.world, self._ctrl.max, self._preempt.asked(), self._slot.failed(), self._slot.busy())
         if due.met:
             self.metrics.meetings.inc()
         if due.failed:

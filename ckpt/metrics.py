@@ -49,6 +49,9 @@ _SCHEDULE = {
     "step_s": ("ckpt_coordinator_step_seconds", "Rank 0's measured seconds per step"),
     "blocking_s": ("ckpt_coordinator_blocking_estimate_seconds", "C_b: the blocking time the interval was chosen from"),
     "persist_s": ("ckpt_coordinator_persist_estimate_seconds", "L: the persist time the interval was chosen from"),
+    "slowdown_s": ("ckpt_coordinator_slowdown_estimate_seconds", "What a save costs the steps that run while it writes (rank 0's step times, median over recent saves)"),
+    "cost_s": ("ckpt_coordinator_cost_estimate_seconds", "C: what a save costs training, blocking plus slowdown, the interval was priced at"),
+    "goodput": ("ckpt_coordinator_expected_goodput_ratio", "The share of time left to training at the chosen interval, the save's cost and the MTBF"),
     "mtbf_s": ("ckpt_coordinator_mtbf_seconds", "The job's MTBF estimate the interval was chosen from"),
 }
 

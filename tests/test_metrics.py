@@ -146,4 +146,5 @@ def test_every_steps_exports_its_interval_in_seconds_and_a_healthy_job_is_not_st
     assert m[("ckpt_coordinator_interval_seconds", ())] == pytest.approx(created[2] - created[1], rel=0.3)
     assert m[("ckpt_coordinator_interval_steps", ())] == 10
     assert m[("ckpt_coordinator_step_seconds", ())] * 10 == pytest.approx(m[("ckpt_coordinator_interval_seconds", ())])
-    assert not any(name.endswith(("mtbf_seconds", "estimate_seconds")) for name, _ in m)  # Auto's alone
+    assert not any(name.endswith(("mtbf_seconds", "blocking_estimate_seconds", "persist_estimate_seconds", "cost_estimate_seconds")) for name, _ in m)  # Auto's alone
+    assert m[("ckpt_coordinator_slowdown_estimate_seconds", ())] >= 0  # measured under every policy

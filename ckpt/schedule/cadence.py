@@ -18,6 +18,7 @@ from typing import Any
 from ckpt.schedule.agreement import Agreement
 from ckpt.schedule.coordinator import Coordinator, duration
 from ckpt.schedule.policy import Auto, Every
+from ckpt.schedule.slowdown import Slowdown
 from ckpt.storage.store import Store
 
 
@@ -47,6 +48,11 @@ class Cadence:
         self._running = False  # the run's first restart is its start: it ends no interval
         self._saved = False  # a save (or a skipped one) came due in this run
         self._interval_step_s: float | None = None  # seconds per step over the last interval
+        #: Rank 0's measure of what saves cost the steps beside them (every policy: metrics).
+        self.slowdown = Slowdown()
+        self._step_ended: float | None = None  # when the last step ended (perf_counter)
+        self._busy_at_end = False  # a save was in flight as it ended
+        self._saved_in_step = False  # a save began since
 
     def start(self, store: Store, rank: int, world: int) -> None:
         """On enter: `Auto`'s coordinator, which rank 0 primes with the job's history."""
@@ -61,8 +67,17 @@ class Cadence:
         if self._running and step > self._anchor:
             self._interval_step_s = (now - self._since) / (step - self._anchor)
         self._saved = self._running
+        self._saved_in_step = True
         self._anchor, self._since, self._running = step, now, True
         self.agreement.replan(step)
+
+    def _time_step(self, busy: bool) -> None:
+        """Rank 0: the step that just ended, for `slowdown`: beside a save if one was in
+        flight as it began or ended, or began during it."""
+        end = time.perf_counter()
+        if self._step_ended is not None:
+            self.slowdown.step(end, end - self._step_ended, busy or self._busy_at_end or self._saved_in_step)
+        self._step_ended, self._busy_at_end, self._saved_in_step = end, busy, False
 
     def step_s(self) -> float | None:
         """Seconds per step as the loop runs them: over the last interval, save to save, so
@@ -76,9 +91,12 @@ class Cadence:
             return self.coordinator.seconds
         return self.interval.seconds if isinstance(self.interval, Every) else None
 
-    def at_step(self, step: int, rank: int, world: int, group_max: Callable[[list[int]], list[int]], preempt: bool, failed: bool) -> Due:
+    def at_step(
+        self, step: int, rank: int, world: int, group_max: Callable[[list[int]], list[int]], preempt: bool, failed: bool, busy: bool = False
+    ) -> Due:
         """What `step` does, from this rank's `preempt` (a signal reached it) and `failed`
-        (its background save failed). Alone, at once; on several ranks, only at a meeting
+        (its background save failed); `busy`: its save is still writing (rank 0 times the
+        steps beside a save: `slowdown`). Alone, at once; on several ranks, only at a meeting
         (`group_max`, the ranks' collective): between meetings nothing but the steps'
         interval is acted on, and a step pays one comparison."""
         by_step = self.deferred or (self.interval is not None and self.interval.due_by_step(step, self._anchor))
@@ -88,6 +106,7 @@ class Cadence:
         now = time.monotonic()
         if rank == 0:
             self.agreement.tick(now)
+            self._time_step(busy)
         # IMPORTANT: which way a step goes depends on the world size alone, and every rank asks
         # at every step: the meetings' collectives line up on all of them.
         if world == 1:
@@ -138,11 +157,11 @@ class Cadence:
         `step_s` (the sooner of that and `seconds=`), and the steps `seconds=` comes to.
         A value not known yet (no step timed) is None, never 0: "no interval" is no alert."""
         if not isinstance(self.interval, Every):
-            return self.schedule
+            return self.schedule if self.coordinator is not None else {**self.schedule, "slowdown_s": self.slowdown.estimate()}
         every, step_s = self.interval, self.step_s()
         by_steps = every.steps * step_s if every.steps is not None and step_s else None
         seconds = min((s for s in (every.seconds, by_steps) if s is not None), default=None)
         steps = every.steps
         if steps is None and seconds and step_s:
             steps = max(1, round(seconds / step_s))
-        return {"policy": "every", "seconds": seconds, "steps": steps, "step_s": step_s}
+        return {"policy": "every", "seconds": seconds, "steps": steps, "step_s": step_s, "slowdown_s": self.slowdown.estimate()}

@@ -72,19 +72,27 @@ class Coordinator:
         past = [(r.world_size, r.updated - r.started, failed(r.ended)) for r in runs]
         self.mtbf = self.mtbf.observe(*exposure(past, ranks_per_node()))
 
-    def retune(self, blocking_s: float, persist_s: float, run_started: float, step_s: float | None = None) -> None:
+    def retune(
+        self, blocking_s: float, persist_s: float, run_started: float, step_s: float | None = None, slowdown_s: float | None = None
+    ) -> None:
         """After a commit: the next interval, from what this save cost. `run_started` (unix
         time) is when this run began, the last restart (for Weibull hazards); `step_s`, the
-        measured seconds per step, says how many steps the interval comes to."""
+        measured seconds per step, says how many steps the interval comes to; `slowdown_s`,
+        what a save costs the steps beside it (`ckpt.schedule.slowdown`; None: not known
+        yet). A save is priced at its blocking time plus that slowdown."""
         mtbf_s = self.mtbf.job_mtbf_s(self.nodes)
-        new = self.policy.seconds(blocking_s, persist_s, mtbf_s, time.time() - run_started)
+        cost_s = blocking_s + (slowdown_s or 0.0)
+        new = self.policy.seconds(cost_s, persist_s, mtbf_s, time.time() - run_started)
         old, self.seconds = self.seconds, new
         self.schedule = {
             "policy": "auto",
             "seconds": round(new, 3),
             "blocking_s": round(blocking_s, 4),
+            "slowdown_s": None if slowdown_s is None else round(slowdown_s, 4),
+            "cost_s": round(cost_s, 4),
             "persist_s": round(persist_s, 3),
             "mtbf_s": round(mtbf_s, 1),
+            "goodput": round(expected_goodput(cost_s, new, mtbf_s), 4),
             "nodes": self.nodes,
             "failures_seen": self.mtbf.failures,
         }
@@ -94,12 +102,24 @@ class Coordinator:
             steps = f" = {self.schedule['steps']} steps of {step_s:.3g} s"
         if not self._measured or abs(new - old) > 0.1 * old:
             self._measured = True
+            slowed = "not measured yet" if slowdown_s is None else f"{slowdown_s:.3g} s"
             log.info(
-                "interval: every %.3g s%s (a save blocked the loop %.3g s and kept its slot busy %.3g s; job MTBF %s on %d node(s); rank 0's costs)",
+                "interval: every %.3g s%s (a save costs %.3g s: it blocked the loop %.3g s and slowed the steps beside it %s; it kept its slot busy %.3g s; job MTBF %s on %d node(s); expected goodput %.1f%%; rank 0's costs)",
                 new,
                 steps,
+                cost_s,
                 blocking_s,
+                slowed,
                 persist_s,
                 duration(mtbf_s),
                 self.nodes,
+                100 * self.schedule["goodput"],
             )
+
+
+def expected_goodput(cost_s: float, interval_s: float, mtbf_s: float) -> float:
+    """The share of time left to training when saves cost `cost_s` every `interval_s` and
+    failures every `mtbf_s` lose half an interval each (restarts not counted)."""
+    if interval_s <= 0 or mtbf_s <= 0:
+        return 0.0
+    return max(0.0, 1.0 - cost_s / (interval_s + cost_s) - interval_s / (2 * mtbf_s))

@@ -22,4 +22,4 @@ def test_the_interval_in_seconds_is_the_sooner_of_the_steps_at_the_step_time_and
     assert cadence.estimate()["seconds"] == every.seconds
     now[0] += 30 * 0.2 + 4.0  # 30 steps of 0.2 s and a 4 s evaluation: it counts, as it recurs
     cadence.restart(30)
-    assert cadence.estimate() == {"policy": "every", "seconds": pytest.approx(seconds), "steps": steps, "step_s": pytest.approx(1 / 3)}
+    assert cadence.estimate() == {"policy": "every", "seconds": pytest.approx(seconds), "steps": steps, "step_s": pytest.approx(1 / 3), "slowdown_s": None}
