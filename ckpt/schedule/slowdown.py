@@ -22,7 +22,7 @@ import statistics
 import threading
 from collections import deque
 
-CLEAN = 256  # clean steps the baseline is the median of
+CLEAN = 32  # recent clean steps the baseline is the median of (the machine's load changes)
 SAVES = 5  # saves the estimate is the median of
 _STEPS = 4096  # steps kept to find those a save overlapped
 _MIN_CLEAN = 3  # clean steps needed before a baseline is trusted
