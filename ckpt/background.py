@@ -111,7 +111,10 @@ class BackgroundSaves:
         """The saves handed off to the node agent that are committed now."""
         if self._handoff is not None:
             for manifest in self._handoff.committed(timeout_s):
-                self.metrics.agent_committed(manifest, time.time() - manifest.created + manifest.costs.persist_s)
+                durable_s = time.time() - manifest.created + manifest.costs.persist_s
+                self.metrics.agent_committed(manifest, durable_s)
+                if self._cadence.coordinator is not None:  # what really keeps the next save waiting
+                    self._cadence.coordinator.durable(durable_s)
                 self._scans.learned(manifest, self._signing_key is not None)  # retention need not list the root for it
 
     def _retire_restored(self) -> None:

@@ -28,6 +28,7 @@ def add_parsers(sub: Any) -> None:
     mtbf.add_argument("--mtbf", help="the job's MTBF: 6h, 90min")
     mtbf.add_argument("--node-mtbf", help="one node's MTBF (divided by --nodes)")
     pl.add_argument("--restart", default="10min", help="time to restart a failed job, before loading (default 10min)")
+    pl.add_argument("--slowdown", default="0s", help="what a save costs the steps beside it (`ckpt show`'s schedule, slowdown_s; default 0s)")
     pl.add_argument("--weights", type=float, default=2.0, help="bytes per parameter (default 2: BF16)")
     pl.add_argument("--grads", type=float, default=0.0, help="bytes per parameter of gradients kept (default 0)")
     pl.add_argument("--keep-grads", action="store_true", help="gradients are saved too, as many bytes as the weights")
@@ -48,6 +49,7 @@ def add_parsers(sub: Any) -> None:
     sim.add_argument("--mtbf", help="the job's MTBF instead of a scenario: 3h")
     sim.add_argument("--blocking", default="50ms", help="what one save blocks the loop (default 50ms)")
     sim.add_argument("--persist", default="30s", help="from save to commit (default 30s)")
+    sim.add_argument("--slowdown", default="0s", help="what a save costs the steps beside it (default 0s)")
     sim.add_argument("--restart", default="5min-20min", help="restart time, a range drawn uniformly (default 5min-20min)")
     sim.add_argument("--days", type=float, default=54.0, help="simulated wall time (default 54 days)")
     sim.add_argument("--step-time", default="2s", help="for the fixed interval of --fixed-steps (default 2s)")
@@ -91,6 +93,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         ledger=ledger,
         persist_s=big.save_s,
         restore_s=big.restore_s,
+        slowdown_s=parse_duration(args.slowdown),
     )
     if args.json:
         emit_json({**as_dict(p), "at_scale": as_dict(big)})
@@ -105,6 +108,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         ["interval, async (ckpt)", duration(p.async_s)],
         ["expected ETTR, sync / async", f"{p.ettr_sync:.1%} / {p.ettr_async:.1%}"],
     ]
+    if p.slowdown_s:
+        rows[2:2] = [["slowdown (the steps beside a save)", duration(p.slowdown_s)]]
+        rows.append(["priced at blocking only: interval, ETTR", f"{duration(p.async_blocking_only_s)}, {p.ettr_async_blocking_only:.1%} ({100 * (p.ettr_async - p.ettr_async_blocking_only):.2f} pp less)"])
     table(rows, ["quantity", "estimate"])
     say("")
     table(scale_rows(big), [f"at {nodes * args.gpus_per_node} ranks ({args.layout})", "estimate"])
@@ -134,6 +140,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     job = dataclasses.replace(
         scenario(args.scenario, args.nodes),
         blocking_s=parse_duration(args.blocking),
+        slowdown_s=parse_duration(args.slowdown),
         persist_s=parse_duration(args.persist),
         restart_min_s=parse_duration(lo),
         restart_max_s=parse_duration(hi or lo),
@@ -147,16 +154,19 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         raise ValueError("--restart must be a range low-high")
     rows = compare(job, runs=args.runs, seed=args.seed)
     oracle = max(v["ettr"] for k, v in rows.items() if k in ("young", "daly", "async-oracle"))
-    coord = [v["ettr"] for k, v in rows.items() if k.startswith("coordinator")]
+    coord = [v["ettr"] for k, v in rows.items() if k.startswith("coordinator (")]
     verdict = {
         "best_oracle_ettr": oracle,
         "coordinator_gap_pp": max(0.0, 100 * (oracle - min(coord))),
         "coordinator_above_fixed": min(coord) >= rows["fixed"]["ettr"],
     }
+    blocking_only = rows.get("coordinator priced at blocking only")
+    if blocking_only is not None:
+        verdict["blocking_only_loss_pp"] = 100 * (rows["coordinator (prior 0.5x MTBF)"]["ettr"] - blocking_only["ettr"])
     if args.json:
         emit_json({"job": dataclasses.asdict(job), "policies": rows, **verdict})
         return EXIT_OK
-    say(f"job MTBF {duration(job.mtbf_s)}, save blocks {duration(job.blocking_s)}, persists in {duration(job.persist_s)}, "
+    say(f"job MTBF {duration(job.mtbf_s)}, save blocks {duration(job.blocking_s)}, slows the steps beside it {duration(job.slowdown_s)}, persists in {duration(job.persist_s)}, "
         f"restarts {duration(job.restart_min_s)}-{duration(job.restart_max_s)}, {args.days:g} days, {args.runs} runs each")
     table(
         [[k, f"{v['ettr']:.2%} ± {v['ettr_sd']:.2%}", duration(v["interval_s"])] for k, v in rows.items()],
@@ -164,4 +174,6 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     )
     say(f"coordinator vs best oracle: {verdict['coordinator_gap_pp']:.2f} pp below (target <= 2); "
         f"never below the fixed interval: {'yes' if verdict['coordinator_above_fixed'] else 'NO'}")
+    if blocking_only is not None:
+        say(f"priced at blocking only, the coordinator would lose {verdict['blocking_only_loss_pp']:.2f} pp of ETTR")
     return EXIT_OK

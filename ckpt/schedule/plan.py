@@ -85,6 +85,9 @@ class Plan:
     async_s: float
     ettr_sync: float
     ettr_async: float
+    slowdown_s: float = 0.0  # what a save costs the steps beside it (issue 42)
+    async_blocking_only_s: float = 0.0  # the async interval priced at blocking alone
+    ettr_async_blocking_only: float = 0.0  # and its ETTR at the save's real cost
 
 
 def plan(
@@ -100,10 +103,15 @@ def plan(
     ledger: Ledger = Ledger(),
     persist_s: float | None = None,
     restore_s: float | None = None,
+    slowdown_s: float = 0.0,
 ) -> Plan:
     """Costs and intervals for a job. Bandwidths are per node (bytes/s), `mtbf_s` the job's.
     `persist_s`, `restore_s`: the save's and the restore's times where known better than from
-    the bandwidths alone (`ckpt.schedule.scale_model`: requests, metadata)."""
+    the bandwidths alone (`ckpt.schedule.scale_model`: requests, metadata). `slowdown_s`: what
+    a save costs the steps that run while it persists; the async interval is priced at the
+    blocking time plus that, and the interval priced at blocking alone is shown beside it."""
+    if slowdown_s < 0:
+        raise ValueError("the slowdown must be >= 0")
     if params <= 0 or nodes < 1 or gpus_per_node < 1 or write_bandwidth <= 0 or mtbf_s <= 0:
         raise ValueError("params, nodes, gpus per node, bandwidth and MTBF must be positive")
     size = params * ledger.per_param
@@ -113,7 +121,9 @@ def plan(
     restore = size / (nodes * (read_bandwidth or write_bandwidth)) if restore_s is None else restore_s
     sync_cost = blocking + persist
     t_exact = daly_exact(sync_cost, mtbf_s)
-    t_async = async_interval(blocking, mtbf_s, persist)
+    cost = blocking + slowdown_s
+    t_async = async_interval(cost, mtbf_s, persist)
+    t_blocking_only = async_interval(blocking, mtbf_s, persist)
     recover = restart_s + restore
     return Plan(
         checkpoint_bytes=size,
@@ -128,7 +138,10 @@ def plan(
         daly_exact_s=t_exact,
         async_s=t_async,
         ettr_sync=1 / daly_wall_time_factor(t_exact, sync_cost, mtbf_s, recover),
-        ettr_async=max(0.0, 1 - async_waste(t_async, blocking, mtbf_s, persist, recover)),
+        ettr_async=max(0.0, 1 - async_waste(t_async, cost, mtbf_s, persist, recover)),
+        slowdown_s=slowdown_s,
+        async_blocking_only_s=t_blocking_only,
+        ettr_async_blocking_only=max(0.0, 1 - async_waste(t_blocking_only, cost, mtbf_s, persist, recover)),
     )
 
 

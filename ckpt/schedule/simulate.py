@@ -1,7 +1,8 @@
 """`ckpt simulate`: how much of a long job's wall time is useful training under each interval
 policy, in a discrete-event simulation with failures at published rates.
 
-The job trains; a save blocks it for C_b, then persists for L while it trains on (one save in
+The job trains; a save blocks it for C_b, then persists for L while it trains on, slowed by
+what the save's background work takes from it (`slowdown_s`, counted as time lost; one save in
 flight: a save due while the last is still persisting waits for it); a failure loses the work
 since the last committed save and the save in flight, then costs a restart drawn from
 [restart_min, restart_max]. Every policy sees the same failures and restarts (common random
@@ -33,7 +34,8 @@ LLAMA3_MTBF_S = 54 * DAY / 419
 @dataclass(frozen=True)
 class Job:
     mtbf_s: float = LLAMA3_MTBF_S  # the true job MTBF
-    blocking_s: float = 0.05  # C_b: the loop's cost of one save
+    blocking_s: float = 0.05  # C_b: what one save blocks the loop
+    slowdown_s: float = 0.0  # what one save costs the steps beside it (issue 42): lost like blocking
     persist_s: float = 30.0  # L: from save to commit
     restart_min_s: float = 5 * 60.0
     restart_max_s: float = 20 * 60.0
@@ -59,7 +61,7 @@ def simulate(job: Job, policy: str, *, prior_factor: float = 1.0, runs: int = 10
     out = Outcome()
     for r in range(runs):
         rng = random.Random(seed + r)
-        learner = MtbfEstimate(job.mtbf_s * prior_factor) if policy == "coordinator" else None
+        learner = MtbfEstimate(job.mtbf_s * prior_factor) if policy.startswith("coordinator") else None
         ettr, mean_t, last_t = _one_run(job, choose, rng, learner)
         out.ettr.append(ettr)
         out.interval_s.append(mean_t)
@@ -68,19 +70,22 @@ def simulate(job: Job, policy: str, *, prior_factor: float = 1.0, runs: int = 10
 
 
 def _policy(job: Job, policy: str) -> Interval:
-    sync_cost = job.blocking_s + job.persist_s
+    cost = job.blocking_s + job.slowdown_s
+    sync_cost = cost + job.persist_s
     fixed = {
         "fixed": job.fixed_steps * job.step_s,
         "young": young(sync_cost, job.mtbf_s),
         "daly": daly(sync_cost, job.mtbf_s),
-        "async-oracle": async_interval(job.blocking_s, job.mtbf_s, job.persist_s),
+        "async-oracle": async_interval(cost, job.mtbf_s, job.persist_s),
     }
     if policy in fixed:
         return lambda _est: fixed[policy]
-    if policy == "coordinator":
+    if policy in ("coordinator", "coordinator-blocking-only"):
         # IMPORTANT: only what the job can know: its measured costs and its estimate of M.
+        # "-blocking-only": a save priced at what it blocks, as before the slowdown was measured.
         auto = Auto(node_mtbf_s=job.mtbf_s)  # the shipped rule (its prior is the learner's)
-        return lambda est: auto.seconds(job.blocking_s, job.persist_s, est.job_mtbf_s(1))  # type: ignore[union-attr]
+        priced = cost if policy == "coordinator" else job.blocking_s
+        return lambda est: auto.seconds(priced, job.persist_s, est.job_mtbf_s(1))  # type: ignore[union-attr]
     raise ValueError(f"unknown policy {policy!r}")
 
 
@@ -129,8 +134,8 @@ def _one_run(job: Job, choose: Interval, rng: random.Random, learner: MtbfEstima
             if not measured:
                 measured, interval = True, choose(learner)
                 next_due = last_save_work + interval
-        else:  # a save: the loop blocks for C_b, then it persists while training goes on
-            wall += job.blocking_s
+        else:  # a save: the loop blocks for C_b, then it persists while training goes on, slowed
+            wall += job.blocking_s + job.slowdown_s
             pending = (work, wall + job.persist_s)
             intervals.append(interval)
             last_save_work, next_due = work, work + interval
@@ -141,9 +146,14 @@ def compare(job: Job, *, runs: int = 10, seed: int = 0) -> dict[str, dict[str, f
     """Every policy on the same failures: mean and spread of ETTR, mean interval."""
     rows: dict[str, dict[str, float]] = {}
     cases = [("fixed", 1.0), ("young", 1.0), ("daly", 1.0), ("async-oracle", 1.0), ("coordinator", 2.0), ("coordinator", 0.5)]
+    if job.slowdown_s > 0:
+        cases.append(("coordinator-blocking-only", 1.0))
     for policy, factor in cases:
         o = simulate(job, policy, prior_factor=factor, runs=runs, seed=seed)
-        name = policy if policy != "coordinator" else f"coordinator (prior {factor:g}x MTBF)"
+        name = {
+            "coordinator": f"coordinator (prior {factor:g}x MTBF)",
+            "coordinator-blocking-only": "coordinator priced at blocking only",
+        }.get(policy, policy)
         rows[name] = {
             "ettr": statistics.fmean(o.ettr),
             "ettr_sd": statistics.stdev(o.ettr) if len(o.ettr) > 1 else 0.0,

@@ -114,3 +114,15 @@ def test_under_every_the_slowdown_is_measured_and_nothing_else_changes(tmp_path,
     assert sorted(p.name for p in tmp_path.glob("step-*")) == [f"step-{s:010d}" for s in range(40, 201, 40)]
     assert cp.schedule == {"policy": "every", "steps": 40, "seconds": None}
     assert cp._cadence.estimate()["slowdown_s"] == pytest.approx(truth, rel=0.35)
+
+
+def test_with_a_node_agent_the_busy_time_is_the_uploads_time_to_durable_not_the_hand_off():
+    """A save handed off in 0.5 s whose upload took 30 s to be durable: the next save cannot
+    come sooner than the upload ends, whatever the hand-off said."""
+    coordinator = Coordinator(ckpt.Auto(node_mtbf_s=600), world=1)
+    coordinator.retune(0.001, 0.5, 0.0, None, 0.0)
+    assert coordinator.seconds == pytest.approx(math.sqrt(2 * 0.001 * 600), rel=0.01)
+    coordinator.durable(30.0)
+    coordinator.retune(0.001, 0.5, 0.0, None, 0.0)
+    assert coordinator.seconds == pytest.approx(1.1 * 30.0, rel=0.01)
+    assert coordinator.schedule["handoff_s"] == 0.5 and coordinator.schedule["durable_s"] == 30.0 and coordinator.schedule["persist_s"] == 30.0
