@@ -105,6 +105,9 @@ def cmd_show(store: Store, args: argparse.Namespace) -> int:
     say(f"  counters: {json.dumps(m.counters)}")
     if m.schedule:
         say(f"  schedule: {json.dumps(m.schedule)}")
+        priced = _priced(m.schedule)
+        if priced:
+            say(f"  interval: {priced}")
     say(f"  versions: {', '.join(f'{k} {v}' for k, v in m.versions.items())}")
     if m.user:
         say(f"  metadata: {json.dumps(m.user)}")
@@ -199,3 +202,16 @@ def _signature_cell(e: catalog.Entry, key: SigningKey | None) -> str:
         return e.signature or "-"  # no check: the manifest could not be read
     kid = e.manifest.signed_key_id
     return f"key {kid}, not checked" if kid else "unsigned"
+
+
+def _priced(schedule: dict[str, Any]) -> str:
+    """What an "auto" interval was priced at, in words (issue 42), or ""."""
+    sc = schedule
+    if sc.get("policy") != "auto" or not isinstance(sc.get("cost_s"), (int, float)):
+        return ""
+    slowed = "not measured yet" if sc.get("slowdown_s") is None else f"{sc['slowdown_s']:.3g} s"
+    return (
+        f"every {sc['seconds']:.3g} s, a save priced at {sc['cost_s']:.3g} s (blocked {sc['blocking_s']:.3g} s, "
+        f"slowed the steps beside it {slowed}), its slot busy {sc['persist_s']:.3g} s, job MTBF {sc['mtbf_s']:.3g} s: "
+        f"expected goodput {100 * sc['goodput']:.1f}%"
+    )

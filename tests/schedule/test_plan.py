@@ -100,3 +100,30 @@ def test_ckpt_simulate_reports_the_policies_and_the_verdict():
     assert set(doc["policies"]) >= {"fixed", "young", "daly", "async-oracle", "coordinator (prior 2x MTBF)"}
     assert doc["coordinator_above_fixed"] is True and doc["coordinator_gap_pp"] <= 2
     assert "ETTR" in _ckpt("simulate", "--runs", "1", "--days", "2").stdout
+
+
+def test_with_a_slowdown_the_coordinator_prices_the_whole_cost_and_blocking_only_pricing_loses():
+    """The stall benchmark's kind of save: 3 ms blocked, 0.3 s lost by the steps beside it,
+    MTBF 10 min. Priced at the whole cost the coordinator is within a point of the oracle;
+    priced at the blocking time it saves ~10x too often and loses several points (issue 42)."""
+    from ckpt.schedule.simulate import Job, compare
+
+    job = Job(mtbf_s=600, blocking_s=0.003, slowdown_s=0.3, persist_s=1.0, restart_min_s=10, restart_max_s=30, wall_s=2 * 86400, step_s=0.1, fixed_steps=100)
+    rows = compare(job, runs=3)
+    oracle = rows["async-oracle"]
+    assert oracle["interval_s"] == pytest.approx(async_interval(0.303, 600, 1.0))
+    for factor in ("2", "0.5"):
+        assert rows[f"coordinator (prior {factor}x MTBF)"]["ettr"] >= oracle["ettr"] - 0.01
+    blocking_only = rows["coordinator priced at blocking only"]
+    assert blocking_only["interval_s"] < oracle["interval_s"] / 5 and blocking_only["ettr"] < oracle["ettr"] - 0.03
+    out = json.loads(_ckpt("simulate", "--mtbf", "10min", "--blocking", "3ms", "--slowdown", "300ms", "--persist", "1s", "--restart", "10s-30s", "--days", "1", "--runs", "1", "--json").stdout)
+    assert out["blocking_only_loss_pp"] > 3
+
+
+def test_ckpt_plan_prices_the_async_interval_at_blocking_plus_slowdown():
+    args = ["plan", "--params", "7B", "--nodes", "4", "--write-bandwidth", "2GB/s", "--mtbf", "2h", "--json"]
+    base, slowed = (json.loads(_ckpt(*args, *extra).stdout) for extra in ((), ("--slowdown", "5s")))
+    assert base["slowdown_s"] == 0 and base["async_s"] == base["async_blocking_only_s"]
+    assert slowed["async_s"] == pytest.approx(async_interval(slowed["blocking_s"] + 5, 2 * HOUR, slowed["persist_s"]))
+    assert slowed["ettr_async"] > slowed["ettr_async_blocking_only"]
+    assert "priced at blocking only" in _ckpt(*args[:-1], "--slowdown", "5s").stdout

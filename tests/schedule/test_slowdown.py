@@ -14,6 +14,7 @@ import torch
 import ckpt
 from ckpt.schedule.coordinator import Coordinator
 from ckpt.schedule.slowdown import Slowdown
+from tests.support.cli import ckpt_cli
 
 
 def run(slowdown: Slowdown, saves: int, *, step_s: float = 0.1, extra: list[float], blocked_s: float = 0.0, noise: float = 0.0, seed: int = 0) -> list[float | None]:
@@ -106,6 +107,9 @@ def test_a_save_that_slows_the_steps_beside_it_lengthens_the_interval_and_a_chea
     assert cheap["slowdown_s"] is not None and cheap["slowdown_s"] < 0.1, cheap
     assert costly["seconds"] == pytest.approx(math.sqrt(2 * costly["cost_s"] * costly["mtbf_s"]), rel=0.05)
     assert costly["seconds"] > 1.5 * cheap["seconds"], (cheap, costly)
+    # The newest manifest says what it was priced at, and `ckpt show` in words.
+    shown = ckpt_cli("show", tmp_path / "costly", check=True).stdout
+    assert "slowed the steps beside it" in shown and "expected goodput" in shown, shown
 
 
 @pytest.mark.slow
