@@ -43,6 +43,8 @@ class BackgroundSaves:
             self._newest = max(self._newest, manifest.created)
             if self._ctrl.rank == 0:
                 self._after_commit(save, manifest, waited_before)
+            elif not self._leaving:  # what this rank's steps lost, for the ranks' next meeting
+                self._cadence.slowdown.priced(save.started, time.perf_counter(), save.blocking_s + self.staging_wait_s - waited_before)
         except BaseException as e:
             self.metrics.failed(e)
             raise
@@ -68,7 +70,8 @@ class BackgroundSaves:
             blocked = manifest.costs.blocking_s + self.staging_wait_s - waited_before
             now = time.perf_counter()
             # What the steps beside it lost: measured under every policy (the metrics say it).
-            slowdown = self._cadence.slowdown.priced(save.started, now, blocked)
+            self._cadence.slowdown.priced(save.started, now, blocked)
+            slowdown = self._cadence.slowest()  # the slowest rank's, as of the last meeting
             if self._cadence.coordinator is not None:
                 self._cadence.coordinator.retune(blocked, now - save.started, self.history.record.started, self._cadence.agreement.step_s, slowdown)
         self._say_commit(save.step, manifest)

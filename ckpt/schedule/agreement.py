@@ -44,6 +44,8 @@ class Agreement:
         #: Rank 0's seconds per step (None until two steps were timed).
         self.step_s: float | None = None
         self._save_next = False  # the last meeting put the interval's save on the next one
+        #: The largest of the ranks' slowdowns (ms) at the last meeting (`ckpt.schedule.slowdown`).
+        self.slowest_ms = 0
         self._last_tick: float | None = None
 
     def tick(self, now: float) -> None:
@@ -57,15 +59,24 @@ class Agreement:
         return step >= self.next_step
 
     def at_step(
-        self, step: int, rank: int, group_max: Callable[[list[int]], list[int]], preempt: bool, failed: bool, since_save_s: float, interval_s: float | None
+        self,
+        step: int,
+        rank: int,
+        group_max: Callable[[list[int]], list[int]],
+        preempt: bool,
+        failed: bool,
+        since_save_s: float,
+        interval_s: float | None,
+        slowdown_ms: int = 0,
     ) -> Agreed | None:
         """What every rank of a run on several acts on at `step`: from this rank's `preempt`
-        (a signal reached it) and `failed` (its background save failed), rank 0's proposal
-        and the group's max over them; None between meetings (nothing is acted on then)."""
+        (a signal reached it), `failed` (its background save failed) and `slowdown_ms` (what
+        its saves cost its steps), rank 0's proposal and the group's max over them; None
+        between meetings (nothing is acted on then)."""
         if not self.meets(step):
             return None
         proposal = self.propose(since_save_s, interval_s) if rank == 0 else [0, 0, 0]
-        return self.meet(step, group_max([int(preempt), int(failed), *proposal]))
+        return self.meet(step, group_max([int(preempt), int(failed), *proposal, max(0, int(slowdown_ms))]))
 
     def propose(self, since_save_s: float, interval_s: float | None) -> list[int]:
         """Rank 0's part of a meeting: [save now, steps to the next meeting, whether it saves].
@@ -80,8 +91,9 @@ class Agreement:
         return [int(save), poll, 0]
 
     def meet(self, step: int, agreed: list[int]) -> Agreed:
-        """Take the group's max of every rank's [preempt, failed, *rank 0's proposal]."""
-        preempt, failed, save, gap, save_next = agreed
+        """Take the group's max of every rank's [preempt, failed, *rank 0's proposal, slowdown]."""
+        preempt, failed, save, gap, save_next, *slowest = agreed
+        self.slowest_ms = slowest[0] if slowest else 0
         self.next_step, self._save_next = step + max(1, gap), bool(save_next)
         self.meetings += 1
         return Agreed(bool(preempt), bool(failed), bool(save))

@@ -71,9 +71,16 @@ class Cadence:
         self._anchor, self._since, self._running = step, now, True
         self.agreement.replan(step)
 
+    def slowest(self) -> float | None:
+        """What a save costs the steps beside it on the slowest rank (as of the ranks' last
+        meeting, and this rank's own now), seconds; None while nothing was measured."""
+        mine = self.slowdown.estimate()
+        others = self.agreement.slowest_ms / 1000 if self.agreement.slowest_ms else None
+        return max((v for v in (mine, others) if v is not None), default=None)
+
     def _time_step(self, busy: bool) -> None:
-        """Rank 0: the step that just ended, for `slowdown`: beside a save if one was in
-        flight as it began or ended, or began during it."""
+        """The step that just ended, for `slowdown`: beside a save if one was in flight as
+        it began or ended, or began during it."""
         end = time.perf_counter()
         if self._step_ended is not None:
             self.slowdown.step(end, end - self._step_ended, busy or self._busy_at_end or self._saved_in_step)
@@ -106,7 +113,7 @@ class Cadence:
         now = time.monotonic()
         if rank == 0:
             self.agreement.tick(now)
-            self._time_step(busy)
+        self._time_step(busy)  # every rank: the slowest rank's slowdown prices the save
         # IMPORTANT: which way a step goes depends on the world size alone, and every rank asks
         # at every step: the meetings' collectives line up on all of them.
         if world == 1:
@@ -114,7 +121,9 @@ class Cadence:
             return Due(by_step or (interval_s is not None and now - self._since >= interval_s), preempt, failed)
         if not self.agreement.meets(step):  # the interval's seconds are worked out at meetings only
             return _BY_STEP if by_step else _NOTHING
-        agreed = self.agreement.at_step(step, rank, group_max, preempt, failed, now - self._since, self.seconds())
+        mine = self.slowdown.estimate()
+        slowdown_ms = round(1000 * mine) if mine is not None else 0
+        agreed = self.agreement.at_step(step, rank, group_max, preempt, failed, now - self._since, self.seconds(), slowdown_ms)
         assert agreed is not None
         return Due(by_step or agreed.save, agreed.preempt, agreed.failed, met=True)
 

@@ -66,12 +66,12 @@ def test_a_rank_sends_its_signal_and_failure_and_only_rank0_its_plan_and_acts_on
 
     def group_max(mine: list[int]) -> list[int]:  # another rank saw a failed save
         sent.append(mine)
-        return [max(a, b) for a, b in zip(mine, [0, 1, 0, 0, 0], strict=True)]
+        return [max(a, b) for a, b in zip(mine, [0, 1, 0, 0, 0, 0], strict=True)]
 
     rank0, rank1 = Agreement(every_s=1.0), Agreement(every_s=1.0)
     _timed(rank0, 5, 0.01)
     a0 = rank0.at_step(7, 0, group_max, preempt=True, failed=False, since_save_s=0.1, interval_s=0.6)
-    assert sent[-1] == [1, 0, 0, 50, 1]  # rank 0: its SIGTERM and its plan (save in 50 steps)
+    assert sent[-1] == [1, 0, 0, 50, 1, 0]  # rank 0: its SIGTERM and its plan (save in 50 steps)
     assert (a0.preempt, a0.failed, a0.save) == (True, True, False)
     assert rank0.at_step(8, 0, group_max, False, False, 0.11, 0.6) is None  # no meeting: no collective
     assert len(sent) == 1 and rank0.meets(57)
@@ -79,10 +79,11 @@ def test_a_rank_sends_its_signal_and_failure_and_only_rank0_its_plan_and_acts_on
     # rank 1 sends no plan of its own; the group's max carries rank 0's
     def with_rank0s_plan(mine: list[int]) -> list[int]:
         sent.append(mine)
-        return [max(a, b) for a, b in zip(mine, [1, 0, 0, 50, 1], strict=True)]
+        return [max(a, b) for a, b in zip(mine, [1, 0, 0, 50, 1, 40], strict=True)]
 
-    a1 = rank1.at_step(7, 1, with_rank0s_plan, preempt=False, failed=True, since_save_s=99.0, interval_s=0.6)
-    assert sent[-1] == [0, 1, 0, 0, 0]
+    a1 = rank1.at_step(7, 1, with_rank0s_plan, preempt=False, failed=True, since_save_s=99.0, interval_s=0.6, slowdown_ms=250)
+    assert sent[-1] == [0, 1, 0, 0, 0, 250]  # and what its saves cost its steps: the slowest rank's prices the save
+    assert rank1.slowest_ms == 250
     assert (a1.preempt, a1.failed, a1.save) == (True, True, False) and rank1.meets(57) and not rank1.meets(56)
 
 

@@ -70,8 +70,10 @@ def test_auto_interval_saves_when_it_pays_and_records_why(tmp_path, caplog):
     def interval(blocking: float, persist: float) -> float:
         return max((2 * max(blocking, 1e-3) * 20.0) ** 0.5, 1.1 * persist)  # a floor of 1 ms on blocking
 
-    lo = interval(later["blocking_s"] - 5e-5, later["persist_s"] - 5e-4)
-    hi = interval(later["blocking_s"] + 5e-5, later["persist_s"] + 5e-4)
+    # priced at the whole cost: blocking plus the slowdown of the steps beside the save
+    assert later["cost_s"] == pytest.approx(later["blocking_s"] + (later["slowdown_s"] or 0.0), abs=2e-4)
+    lo = interval(later["cost_s"] - 5e-5, later["persist_s"] - 5e-4)
+    hi = interval(later["cost_s"] + 5e-5, later["persist_s"] + 5e-4)
     assert lo - 5e-4 <= later["seconds"] <= hi + 5e-4, later
     assert "interval: every" in caplog.text and cp.schedule["policy"] == "auto"
 
