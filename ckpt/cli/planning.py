@@ -166,7 +166,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if args.json:
         emit_json({"job": dataclasses.asdict(job), "policies": rows, **verdict})
         return EXIT_OK
-    say(f"job MTBF {duration(job.mtbf_s)}, save blocks {duration(job.blocking_s)}, slows the steps beside it {duration(job.slowdown_s)}, persists in {duration(job.persist_s)}, "
+    slowed = f", slows the steps beside it {duration(job.slowdown_s)}" if job.slowdown_s else ""
+    say(f"job MTBF {duration(job.mtbf_s)}, save blocks {duration(job.blocking_s)}{slowed}, persists in {duration(job.persist_s)}, "
         f"restarts {duration(job.restart_min_s)}-{duration(job.restart_max_s)}, {args.days:g} days, {args.runs} runs each")
     table(
         [[k, f"{v['ettr']:.2%} ± {v['ettr_sd']:.2%}", duration(v["interval_s"])] for k, v in rows.items()],
