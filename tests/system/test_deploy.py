@@ -46,6 +46,8 @@ EXPECTED_NAMES = frozenset({
     "ckpt_restore_seconds", "ckpt_rank_meetings_total", "ckpt_coordinator_interval_seconds",
     "ckpt_coordinator_interval_steps", "ckpt_coordinator_step_seconds",
     "ckpt_coordinator_blocking_estimate_seconds", "ckpt_coordinator_persist_estimate_seconds",
+    "ckpt_coordinator_slowdown_estimate_seconds", "ckpt_coordinator_cost_estimate_seconds",
+    "ckpt_coordinator_expected_goodput_ratio",
     "ckpt_coordinator_mtbf_seconds", "ckpt_rank_info",
     "ckpt_agent_info", "ckpt_agent_upload_queue_depth", "ckpt_agent_upload_queue_bytes",
     "ckpt_agent_uploaded_bytes_total", "ckpt_agent_upload_seconds", "ckpt_agent_uploads_total",
