@@ -43,8 +43,8 @@ class BackgroundSaves:
             self._newest = max(self._newest, manifest.created)
             if self._ctrl.rank == 0:
                 self._after_commit(save, manifest, waited_before)
-            elif not self._leaving:  # what this rank's steps lost, for the ranks' next meeting
-                self._cadence.slowdown.priced(save.started, time.perf_counter(), save.blocking_s + self.staging_wait_s - waited_before)
+            else:  # priced as the step in progress ends (`Slowdown`): for the ranks' next meeting
+                self._cadence.slowdown.committed(save.blocking_s + self.staging_wait_s - waited_before)
         except BaseException as e:
             self.metrics.failed(e)
             raise
@@ -69,11 +69,12 @@ class BackgroundSaves:
             # stays busy until retention and history are done too, not just the commit.
             blocked = manifest.costs.blocking_s + self.staging_wait_s - waited_before
             now = time.perf_counter()
-            # What the steps beside it lost: measured under every policy (the metrics say it).
-            self._cadence.slowdown.priced(save.started, now, blocked)
-            slowdown = self._cadence.slowest()  # the slowest rank's, as of the last meeting
+            # What the steps beside a save lose is priced once this one's last step ends
+            # (`Slowdown`), under every policy (the metrics say it); the interval is priced
+            # at the slowest rank's figure as of the ranks' last meeting: the saves before.
+            self._cadence.slowdown.committed(blocked)
             if self._cadence.coordinator is not None:
-                self._cadence.coordinator.retune(blocked, now - save.started, self.history.record.started, self._cadence.agreement.step_s, slowdown)
+                self._cadence.coordinator.retune(blocked, now - save.started, self.history.record.started, self._cadence.agreement.step_s, self._cadence.slowest())
         self._say_commit(save.step, manifest)
 
     def _renew_io_group(self) -> None:
@@ -114,10 +115,7 @@ class BackgroundSaves:
         """The saves handed off to the node agent that are committed now."""
         if self._handoff is not None:
             for manifest in self._handoff.committed(timeout_s):
-                durable_s = time.time() - manifest.created + manifest.costs.persist_s
-                self.metrics.agent_committed(manifest, durable_s)
-                if self._cadence.coordinator is not None:  # what really keeps the next save waiting
-                    self._cadence.coordinator.durable(durable_s)
+                self.metrics.agent_committed(manifest, time.time() - manifest.created + manifest.costs.persist_s)
                 self._scans.learned(manifest, self._signing_key is not None)  # retention need not list the root for it
 
     def _retire_restored(self) -> None:

@@ -380,6 +380,7 @@ class Checkpointer(Lifecycle, BackgroundSaves):
             raise
         self._saved_step = self._step
         self._restart_interval()
+        self._cadence.slowdown_began()  # the steps from here on are this save's (`Slowdown`)
         log.debug("step %d staged in %.1f ms", self._step, blocking_s * 1e3)
         if blocking:
             self.wait()

@@ -154,15 +154,15 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         raise ValueError("--restart must be a range low-high")
     rows = compare(job, runs=args.runs, seed=args.seed)
     oracle = max(v["ettr"] for k, v in rows.items() if k in ("young", "daly", "async-oracle"))
-    coord = [v["ettr"] for k, v in rows.items() if k.startswith("coordinator (")]
+    coord = [v["ettr"] for k, v in rows.items() if k.startswith("coordinator")]
     verdict = {
         "best_oracle_ettr": oracle,
         "coordinator_gap_pp": max(0.0, 100 * (oracle - min(coord))),
         "coordinator_above_fixed": min(coord) >= rows["fixed"]["ettr"],
     }
-    blocking_only = rows.get("coordinator priced at blocking only")
-    if blocking_only is not None:
-        verdict["blocking_only_loss_pp"] = 100 * (rows["coordinator (prior 0.5x MTBF)"]["ettr"] - blocking_only["ettr"])
+    blocking_only = rows.get("async-oracle priced at blocking only")
+    if blocking_only is not None:  # both know the MTBF: the difference is the pricing alone
+        verdict["blocking_only_loss_pp"] = 100 * (rows["async-oracle"]["ettr"] - blocking_only["ettr"])
     if args.json:
         emit_json({"job": dataclasses.asdict(job), "policies": rows, **verdict})
         return EXIT_OK
@@ -176,5 +176,5 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     say(f"coordinator vs best oracle: {verdict['coordinator_gap_pp']:.2f} pp below (target <= 2); "
         f"never below the fixed interval: {'yes' if verdict['coordinator_above_fixed'] else 'NO'}")
     if blocking_only is not None:
-        say(f"priced at blocking only, the coordinator would lose {verdict['blocking_only_loss_pp']:.2f} pp of ETTR")
+        say(f"priced at its blocking time alone, a save would cost {verdict['blocking_only_loss_pp']:.2f} pp of ETTR (the oracle's, either way)")
     return EXIT_OK

@@ -51,8 +51,6 @@ class Cadence:
         #: Rank 0's measure of what saves cost the steps beside them (every policy: metrics).
         self.slowdown = Slowdown()
         self._step_ended: float | None = None  # when the last step ended (perf_counter)
-        self._busy_at_end = False  # a save was in flight as it ended
-        self._saved_in_step = False  # a save began since
 
     def start(self, store: Store, rank: int, world: int) -> None:
         """On enter: `Auto`'s coordinator, which rank 0 primes with the job's history."""
@@ -67,7 +65,6 @@ class Cadence:
         if self._running and step > self._anchor:
             self._interval_step_s = (now - self._since) / (step - self._anchor)
         self._saved = self._running
-        self._saved_in_step = True
         self._anchor, self._since, self._running = step, now, True
         self.agreement.replan(step)
 
@@ -78,13 +75,16 @@ class Cadence:
         others = self.agreement.slowest_ms / 1000 if self.agreement.slowest_ms else None
         return max((v for v in (mine, others) if v is not None), default=None)
 
+    def slowdown_began(self) -> None:
+        """A save was called (in the step now running)."""
+        self.slowdown.began()
+
     def _time_step(self, busy: bool) -> None:
-        """The step that just ended, for `slowdown`: beside a save if one was in flight as
-        it began or ended, or began during it."""
+        """The step that just ended, for `slowdown` (`busy`: a save still in flight)."""
         end = time.perf_counter()
         if self._step_ended is not None:
-            self.slowdown.step(end, end - self._step_ended, busy or self._busy_at_end or self._saved_in_step)
-        self._step_ended, self._busy_at_end, self._saved_in_step = end, busy, False
+            self.slowdown.step(end - self._step_ended, busy)
+        self._step_ended = end
 
     def step_s(self) -> float | None:
         """Seconds per step as the loop runs them: over the last interval, save to save, so

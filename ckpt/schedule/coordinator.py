@@ -60,9 +60,6 @@ class Coordinator:
         #: What the last choice was made from, recorded in the next manifest.
         self.schedule: dict[str, Any] = {"policy": "auto", "seconds": self.seconds}
         self._measured = False
-        #: With a node agent: how long the last upload took to be durable (learned when the
-        #: agent commits it), the busy time that limits the next save, not the hand-off's.
-        self.durable_s: float | None = None
 
     def learn_history(self, store: Store) -> None:
         """Update the MTBF estimate with the job's past runs: `failed` ones are failures, all
@@ -75,10 +72,6 @@ class Coordinator:
         past = [(r.world_size, r.updated - r.started, failed(r.ended)) for r in runs]
         self.mtbf = self.mtbf.observe(*exposure(past, ranks_per_node()))
 
-    def durable(self, seconds: float) -> None:
-        """A save handed off to the node agent is durable `seconds` after it began."""
-        self.durable_s = seconds
-
     def retune(
         self, blocking_s: float, persist_s: float, run_started: float, step_s: float | None = None, slowdown_s: float | None = None
     ) -> None:
@@ -89,7 +82,6 @@ class Coordinator:
         yet). A save is priced at its blocking time plus that slowdown."""
         mtbf_s = self.mtbf.job_mtbf_s(self.nodes)
         cost_s = blocking_s + (slowdown_s or 0.0)
-        handoff_s, persist_s = persist_s, max(persist_s, self.durable_s or 0.0)
         new = self.policy.seconds(cost_s, persist_s, mtbf_s, time.time() - run_started)
         old, self.seconds = self.seconds, new
         self.schedule = {
@@ -99,7 +91,6 @@ class Coordinator:
             "slowdown_s": None if slowdown_s is None else round(slowdown_s, 4),
             "cost_s": round(cost_s, 4),
             "persist_s": round(persist_s, 3),
-            **({"handoff_s": round(handoff_s, 3), "durable_s": round(self.durable_s, 3)} if self.durable_s is not None else {}),
             "mtbf_s": round(mtbf_s, 1),
             "goodput": round(expected_goodput(cost_s, new, mtbf_s), 4),
             "nodes": self.nodes,

@@ -61,7 +61,7 @@ def simulate(job: Job, policy: str, *, prior_factor: float = 1.0, runs: int = 10
     out = Outcome()
     for r in range(runs):
         rng = random.Random(seed + r)
-        learner = MtbfEstimate(job.mtbf_s * prior_factor) if policy.startswith("coordinator") else None
+        learner = MtbfEstimate(job.mtbf_s * prior_factor) if policy == "coordinator" else None
         ettr, mean_t, last_t = _one_run(job, choose, rng, learner)
         out.ettr.append(ettr)
         out.interval_s.append(mean_t)
@@ -71,21 +71,21 @@ def simulate(job: Job, policy: str, *, prior_factor: float = 1.0, runs: int = 10
 
 def _policy(job: Job, policy: str) -> Interval:
     cost = job.blocking_s + job.slowdown_s
-    sync_cost = cost + job.persist_s
+    sync_cost = job.blocking_s + job.persist_s  # a synchronous save has no steps beside it
     fixed = {
         "fixed": job.fixed_steps * job.step_s,
         "young": young(sync_cost, job.mtbf_s),
         "daly": daly(sync_cost, job.mtbf_s),
         "async-oracle": async_interval(cost, job.mtbf_s, job.persist_s),
+        # what ckpt did before it measured the slowdown, with the true MTBF as the oracle's
+        "async-oracle-blocking-only": async_interval(job.blocking_s, job.mtbf_s, job.persist_s),
     }
     if policy in fixed:
         return lambda _est: fixed[policy]
-    if policy in ("coordinator", "coordinator-blocking-only"):
+    if policy == "coordinator":
         # IMPORTANT: only what the job can know: its measured costs and its estimate of M.
-        # "-blocking-only": a save priced at what it blocks, as before the slowdown was measured.
         auto = Auto(node_mtbf_s=job.mtbf_s)  # the shipped rule (its prior is the learner's)
-        priced = cost if policy == "coordinator" else job.blocking_s
-        return lambda est: auto.seconds(priced, job.persist_s, est.job_mtbf_s(1))  # type: ignore[union-attr]
+        return lambda est: auto.seconds(cost, job.persist_s, est.job_mtbf_s(1))  # type: ignore[union-attr]
     raise ValueError(f"unknown policy {policy!r}")
 
 
@@ -147,12 +147,12 @@ def compare(job: Job, *, runs: int = 10, seed: int = 0) -> dict[str, dict[str, f
     rows: dict[str, dict[str, float]] = {}
     cases = [("fixed", 1.0), ("young", 1.0), ("daly", 1.0), ("async-oracle", 1.0), ("coordinator", 2.0), ("coordinator", 0.5)]
     if job.slowdown_s > 0:
-        cases.append(("coordinator-blocking-only", 1.0))
+        cases.append(("async-oracle-blocking-only", 1.0))
     for policy, factor in cases:
         o = simulate(job, policy, prior_factor=factor, runs=runs, seed=seed)
         name = {
             "coordinator": f"coordinator (prior {factor:g}x MTBF)",
-            "coordinator-blocking-only": "coordinator priced at blocking only",
+            "async-oracle-blocking-only": "async-oracle priced at blocking only",
         }.get(policy, policy)
         rows[name] = {
             "ettr": statistics.fmean(o.ettr),

@@ -1,84 +1,145 @@
-"""What a save costs the steps that run while it writes, from rank 0's step times.
+"""What a save costs the steps that run while it writes, from each rank's step times.
 
 A save blocks the loop for its capture and staging (milliseconds with overlap), then copies,
 serializes, checksums, writes and commits in the background, taking CPU, memory bandwidth,
 the GIL and I/O from the steps that run meanwhile. The interval must price a save at all of
-it (issue 42): the blocking time plus the slowdown, the steps' extra time while the save was
-in flight.
+it (issue 42): the blocking time plus the slowdown, the steps' extra time while the save was in
+flight.
 
-The loop's thread records each step's duration and whether a save was in flight during it. A
-step with no save in flight is clean: the median of the last `CLEAN` clean steps is the step
-time the save is compared with (a median: an evaluation, a slow batch, a data-loader stall do
-not move it). When a save commits, its slowdown is what the steps it overlapped took beyond
-that median, summed, less its blocking time (the step that called the save holds that); the
-estimate is the median over the last `SAVES` saves. With no save in flight between two saves
-(saves back to back) there is no clean step: the last median stays, and until one is known
-the slowdown is unknown (None), never guessed as 0.
+The loop's thread times each step. A step with no save in flight is clean. The steps of a save
+run from the one that called it to the first that ends after it committed (a save shorter than
+a step slows that one step: it is counted). Once that step ended the save is priced:
+
+- per step, the median of its steps' times (past the one that called it, which holds the
+  blocking, the wait for the save before and whatever the loop does at a save's step) against
+  the median of the last `CLEAN` clean steps, less twice the standard error of that difference
+  (from the clean steps' spread): a difference the noise could make is no slowdown. Medians,
+  not means: an evaluation, a data-loader stall or a slow batch is one long step, which a sum
+  over the save's steps would count in full. (A save whose cost falls on one step among many
+  is therefore under-priced; its cost is spread over its steps as the copy, checksums and
+  writes are.)
+- the steps of the last `SAVES` saves are pooled (the noise falls with their number) and the
+  slowdown is that per-step excess times the steps a save overlaps (their mean).
+- a save with a single step is priced from that step, less the save's blocking time.
+
+No clean step since the save before (saves back to back): the baseline could be stale (the step
+time drifts), so that save is not priced. Until a save was priced the slowdown is unknown
+(None), never guessed as 0.
 """
 
 from __future__ import annotations
 
+import math
+import random
 import statistics
 import threading
 from collections import deque
+from dataclasses import dataclass, field
 
-CLEAN = 32  # recent clean steps the baseline is the median of (the machine's load changes)
-SAVES = 5  # saves the estimate is the median of
-_STEPS = 4096  # steps kept to find those a save overlapped
-_MIN_CLEAN = 3  # clean steps needed before a baseline is trusted
+CLEAN = 64  # recent clean steps the baseline is the median of (the machine's load changes)
+SAVES = 5  # saves whose steps are pooled
+_SAMPLES = 512  # step times kept per save (a uniform sample of its steps: a long save's too)
+_MIN_CLEAN = 5  # clean steps needed before a baseline is trusted
+_Z = 2.0  # standard errors a difference must exceed to count
+
+
+@dataclass
+class _Save:
+    """The steps beside one save (a uniform sample of at most `_SAMPLES` of them, past the
+    one that called it), and what the background thread says of it when it commits."""
+
+    first: float | None = None  # the step that called it
+    steps: int = 0  # every step, the first too
+    sample: list[float] = field(default_factory=list)
+    blocked_s: float | None = None  # set at its commit
+    clean_before: bool = True  # a clean step came between the save before and this one
+
+    def add(self, seconds: float, rng: random.Random) -> None:
+        self.steps += 1
+        if self.first is None:
+            self.first = seconds
+            return
+        seen = self.steps - 1
+        if len(self.sample) < _SAMPLES:
+            self.sample.append(seconds)
+        else:  # reservoir sampling: every step of the save equally likely to be kept
+            j = rng.randrange(seen)
+            if j < _SAMPLES:
+                self.sample[j] = seconds
 
 
 class Slowdown:
-    """Rank 0's estimate of the extra step time a save causes (see the module). `step` is
-    called on the loop's thread, `priced` on the save's; a lock keeps them apart."""
+    """One rank's estimate of what a save costs the steps beside it (see the module). `step`
+    runs on the loop's thread, `committed` on the save's; a lock keeps them apart."""
 
     def __init__(self) -> None:
         self._clean: deque[float] = deque(maxlen=CLEAN)
-        self._steps: deque[tuple[float, float]] = deque(maxlen=_STEPS)  # (end, seconds) of busy steps
-        self._per_save: deque[float] = deque(maxlen=SAVES)
-        self._baseline: float | None = None
+        self._saves: deque[_Save] = deque(maxlen=SAVES)  # the last priced saves' steps
+        self._open: _Save | None = None  # the save in flight (or committed, its last step running)
+        self._clean_since = True  # a clean step since the last save began
+        self._estimate: float | None = None
+        self._rng = random.Random(0)
         self._lock = threading.Lock()
-        #: The last save's own slowdown (seconds), for the metrics; None until one was priced.
+        #: The last save's own figure (seconds) as priced with those before it; None until then.
         self.last_s: float | None = None
 
-    def step(self, end: float, seconds: float, busy: bool) -> None:
-        """A step ended at `end` (time.perf_counter) after `seconds`; `busy`: a save was in
-        flight at some time during it."""
+    def began(self) -> None:
+        """A save was called (on the loop's thread, in the step now running)."""
         with self._lock:
-            if busy:
-                self._steps.append((end, seconds))
-            else:
+            if self._open is not None:  # the last one is still in flight: it ends here
+                self._close()
+            self._open = _Save(clean_before=self._clean_since)
+            self._clean_since = False
+
+    def step(self, seconds: float, busy: bool) -> None:
+        """A step took `seconds`; `busy`: a save is still in flight at its end."""
+        with self._lock:
+            if self._open is None:
                 self._clean.append(seconds)
-                self._baseline = None
+                self._clean_since = True
+                return
+            self._open.add(seconds, self._rng)
+            if not busy and self._open.blocked_s is not None:
+                self._close()  # committed, and the step in progress at its commit has ended
 
-    def baseline(self) -> float | None:
-        """The clean step time (median), or None until `_MIN_CLEAN` clean steps were seen."""
+    def committed(self, blocked_s: float) -> None:
+        """The save in flight committed, having blocked the loop `blocked_s` (rank-local)."""
         with self._lock:
-            if self._baseline is None and len(self._clean) >= _MIN_CLEAN:
-                self._baseline = statistics.median(self._clean)
-            return self._baseline
+            if self._open is not None:
+                self._open.blocked_s = blocked_s
 
-    def priced(self, started: float, ended: float, blocked_s: float) -> float | None:
-        """A save ran from `started` to `ended` (time.perf_counter) and blocked the loop
-        `blocked_s`: record its slowdown; returns the estimate (median over recent saves), or
-        None while no clean step time is known."""
-        base = self.baseline()
-        if base is None:
-            return self.estimate()
-        with self._lock:
-            overlapped = [s for end, s in self._steps if end > started and end - s < ended]
-        extra = sum(s - base for s in overlapped) - blocked_s
-        self.last_s = max(0.0, extra)
-        with self._lock:
-            self._per_save.append(self.last_s)
-        return self.estimate()
+    def _close(self) -> None:
+        save, self._open = self._open, None
+        if save is None or not save.clean_before or len(self._clean) < _MIN_CLEAN:
+            return  # saves back to back (the baseline may be stale), or none yet
+        self._saves.append(save)
+        self._estimate = self._priced()
+        self.last_s = self._estimate
+
+    def _priced(self) -> float:
+        clean = list(self._clean)
+        base = statistics.median(clean)
+        spread = 1.4826 * statistics.median(abs(c - base) for c in clean)  # a robust sigma
+        pooled = [s for save in self._saves for s in save.sample]
+        if pooled:
+            # 1.2533: a median's standard error against a mean's, for normal noise.
+            se = 1.2533 * spread * math.sqrt(1 / len(pooled) + 1 / len(clean))
+            excess = statistics.median(pooled) - base - _Z * se
+            steps = statistics.fmean(save.steps for save in self._saves)
+        else:  # every save within one step: that step, less what the save blocked
+            firsts = [save.first - (save.blocked_s or 0.0) for save in self._saves if save.first is not None]
+            se = 1.2533 * spread * math.sqrt(1 / len(firsts) + 1 / len(clean))
+            excess = statistics.median(firsts) - base - _Z * se
+            steps = 1.0
+        return max(0.0, excess) * steps
 
     def estimate(self) -> float | None:
+        """The slowdown per save (seconds), or None until a save was priced."""
         with self._lock:
-            return statistics.median(self._per_save) if self._per_save else None
+            return self._estimate
 
     @property
     def saves(self) -> int:
         """How many saves the estimate is made of."""
         with self._lock:
-            return len(self._per_save)
+            return len(self._saves)

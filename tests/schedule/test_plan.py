@@ -114,7 +114,7 @@ def test_with_a_slowdown_the_coordinator_prices_the_whole_cost_and_blocking_only
     assert oracle["interval_s"] == pytest.approx(async_interval(0.303, 600, 1.0))
     for factor in ("2", "0.5"):
         assert rows[f"coordinator (prior {factor}x MTBF)"]["ettr"] >= oracle["ettr"] - 0.01
-    blocking_only = rows["coordinator priced at blocking only"]
+    blocking_only = rows["async-oracle priced at blocking only"]
     assert blocking_only["interval_s"] < oracle["interval_s"] / 5 and blocking_only["ettr"] < oracle["ettr"] - 0.03
     out = json.loads(_ckpt("simulate", "--mtbf", "10min", "--blocking", "3ms", "--slowdown", "300ms", "--persist", "1s", "--restart", "10s-30s", "--days", "1", "--runs", "1", "--json").stdout)
     assert out["blocking_only_loss_pp"] > 3
