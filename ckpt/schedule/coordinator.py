@@ -83,6 +83,8 @@ class Coordinator:
         mtbf_s = self.mtbf.job_mtbf_s(self.nodes)
         cost_s = blocking_s + (slowdown_s or 0.0)
         new = self.policy.seconds(cost_s, persist_s, mtbf_s, time.time() - run_started)
+        if step_s:  # IMPORTANT: a clean step between saves, or no step time to price a save against
+            new = max(new, 2 * step_s)
         old, self.seconds = self.seconds, new
         self.schedule = {
             "policy": "auto",

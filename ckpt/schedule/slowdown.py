@@ -18,13 +18,16 @@ a step slows that one step: it is counted). Once that step ended the save is pri
   over the save's steps would count in full. (A save whose cost falls on one step among many
   is therefore under-priced; its cost is spread over its steps as the copy, checksums and
   writes are.)
-- the steps of the last `SAVES` saves are pooled (the noise falls with their number) and the
-  slowdown is that per-step excess times the steps a save overlaps (their mean).
-- a save with a single step is priced from that step, less the save's blocking time.
+- each save's steps are taken as excess over the clean median of its own time (the step time
+  changes); the last `SAVES` saves' are pooled (the noise falls with their number), and the
+  slowdown is the per-step excess times the steps a save overlaps (their mean).
+- saves within a step or two are priced from those steps, less the save's blocking time.
 
-No clean step since the save before (saves back to back): the baseline could be stale (the step
-time drifts), so that save is not priced. Until a save was priced the slowdown is unknown
-(None), never guessed as 0.
+After `_STALE_AFTER` saves back to back with no clean step between, the baseline could be
+stale (the step time drifts): those saves are not priced (`Coordinator` keeps a step between
+saves). A save that fails is not
+priced. Until `_MIN_SAVES` saves were priced (one save's stall is not its price) the slowdown
+is unknown (None), never guessed as 0.
 """
 
 from __future__ import annotations
@@ -38,9 +41,11 @@ from dataclasses import dataclass, field
 
 CLEAN = 64  # recent clean steps the baseline is the median of (the machine's load changes)
 SAVES = 5  # saves whose steps are pooled
+_MIN_SAVES = 3  # saves priced before the estimate is trusted (one save's stall is not its price)
 _SAMPLES = 512  # step times kept per save (a uniform sample of its steps: a long save's too)
 _MIN_CLEAN = 5  # clean steps needed before a baseline is trusted
 _Z = 2.0  # standard errors a difference must exceed to count
+_STALE_AFTER = 3  # saves back to back after a clean step before the baseline is too old to price against
 
 
 @dataclass
@@ -52,7 +57,14 @@ class _Save:
     steps: int = 0  # every step, the first too
     sample: list[float] = field(default_factory=list)
     blocked_s: float | None = None  # set at its commit
-    clean_before: bool = True  # a clean step came between the save before and this one
+    clean_before: bool = True  # a clean step came not long before (`_STALE_AFTER`)
+
+    def excess(self, base: float) -> None:
+        """Its steps as excess over `base`, the clean step time when it ended (the step time
+        changes: each save is compared with the clean steps of its own time)."""
+        self.sample = [s - base for s in self.sample]
+        if self.first is not None:
+            self.first -= base + (self.blocked_s or 0.0)
 
     def add(self, seconds: float, rng: random.Random) -> None:
         self.steps += 1
@@ -76,7 +88,7 @@ class Slowdown:
         self._clean: deque[float] = deque(maxlen=CLEAN)
         self._saves: deque[_Save] = deque(maxlen=SAVES)  # the last priced saves' steps
         self._open: _Save | None = None  # the save in flight (or committed, its last step running)
-        self._clean_since = True  # a clean step since the last save began
+        self._saves_since_clean = 0  # saves begun since the last clean step
         self._estimate: float | None = None
         self._rng = random.Random(0)
         self._lock = threading.Lock()
@@ -88,19 +100,22 @@ class Slowdown:
         with self._lock:
             if self._open is not None:  # the last one is still in flight: it ends here
                 self._close()
-            self._open = _Save(clean_before=self._clean_since)
-            self._clean_since = False
+            self._open = _Save(clean_before=self._saves_since_clean < _STALE_AFTER)
+            self._saves_since_clean += 1
 
     def step(self, seconds: float, busy: bool) -> None:
         """A step took `seconds`; `busy`: a save is still in flight at its end."""
         with self._lock:
             if self._open is None:
                 self._clean.append(seconds)
-                self._clean_since = True
+                self._saves_since_clean = 0
                 return
             self._open.add(seconds, self._rng)
-            if not busy and self._open.blocked_s is not None:
-                self._close()  # committed, and the step in progress at its commit has ended
+            if not busy:
+                if self._open.blocked_s is None:  # it ended without a commit (it failed): not a price
+                    self._open = None
+                else:
+                    self._close()  # committed, and the step in progress at its commit has ended
 
     def committed(self, blocked_s: float) -> None:
         """The save in flight committed, having blocked the loop `blocked_s` (rank-local)."""
@@ -112,26 +127,27 @@ class Slowdown:
         save, self._open = self._open, None
         if save is None or not save.clean_before or len(self._clean) < _MIN_CLEAN:
             return  # saves back to back (the baseline may be stale), or none yet
+        save.excess(statistics.median(self._clean))
         self._saves.append(save)
-        self._estimate = self._priced()
-        self.last_s = self._estimate
+        if len(self._saves) >= _MIN_SAVES:
+            self._estimate = self._priced()
+            self.last_s = self._estimate
 
-    def _priced(self) -> float:
+    def _priced(self) -> float | None:
         clean = list(self._clean)
         base = statistics.median(clean)
         spread = 1.4826 * statistics.median(abs(c - base) for c in clean)  # a robust sigma
         pooled = [s for save in self._saves for s in save.sample]
-        if pooled:
-            # 1.2533: a median's standard error against a mean's, for normal noise.
-            se = 1.2533 * spread * math.sqrt(1 / len(pooled) + 1 / len(clean))
-            excess = statistics.median(pooled) - base - _Z * se
+        steps = 1.0
+        if len(pooled) < _MIN_SAVES:  # saves within a step or two: their steps, less what they blocked
+            pooled = [save.first for save in self._saves if save.first is not None] + pooled
+        else:
             steps = statistics.fmean(save.steps for save in self._saves)
-        else:  # every save within one step: that step, less what the save blocked
-            firsts = [save.first - (save.blocked_s or 0.0) for save in self._saves if save.first is not None]
-            se = 1.2533 * spread * math.sqrt(1 / len(firsts) + 1 / len(clean))
-            excess = statistics.median(firsts) - base - _Z * se
-            steps = 1.0
-        return max(0.0, excess) * steps
+        if not pooled:
+            return self._estimate
+        # 1.2533: a median's standard error against a mean's, for normal noise.
+        se = 1.2533 * spread * math.sqrt(1 / len(pooled) + 1 / len(clean))
+        return max(0.0, statistics.median(pooled) - _Z * se) * steps
 
     def estimate(self) -> float | None:
         """The slowdown per save (seconds), or None until a save was priced."""

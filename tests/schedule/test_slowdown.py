@@ -80,17 +80,18 @@ def test_a_save_shorter_than_a_step_is_priced_at_that_step_less_its_blocking():
 
 def test_one_stall_beside_the_first_save_is_not_its_price():
     """A 4 s data-loader stall during the first save, nothing more: one long step among its 20."""
-    got = drive(Slowdown(), 3, step=lambda i, busy: 4.0 if i == 45 else 0.1, save_steps=20)
-    assert got == [0.0, 0.0, 0.0]
+    got = drive(Slowdown(), 4, step=lambda i, busy: 4.0 if i == 45 else 0.1, save_steps=20)
+    assert got == [None, None, 0.0, 0.0]  # trusted from the third save on
 
 
 def test_saves_back_to_back_are_not_priced_against_a_stale_baseline():
     """The step time drifts from 0.1 to 0.2 s while saves run back to back (no clean step
-    between): only the first save, which had clean steps before it, is priced."""
+    between): the three closest to the clean steps are priced (the drift reads as a slowdown
+    there), then none: the estimate stops, it does not grow with the drift."""
     slowdown = Slowdown()
     for _ in range(40):
         slowdown.step(0.1, busy=False)
-    t = 0.1
+    t, after = 0.1, []
     for _ in range(10):
         slowdown.began()  # the save before is still in flight: it ends here
         for k in range(20):
@@ -98,7 +99,8 @@ def test_saves_back_to_back_are_not_priced_against_a_stale_baseline():
             if k == 19:
                 slowdown.committed(0.0)
             slowdown.step(t, busy=True)
-    assert slowdown.saves <= 1 and (slowdown.estimate() or 0.0) < 0.2
+        after.append(slowdown.estimate())
+    assert slowdown.saves == 3 and after[-1] == after[3] and after[-1] < 0.5, after
 
 
 def test_no_clean_step_no_estimate_and_never_below_zero():
@@ -155,11 +157,11 @@ def test_a_save_that_slows_the_steps_beside_it_lengthens_the_interval_and_a_chea
     nothing more are priced at their blocking time and what their own background work costs
     the loop's Python (the GIL: tens of ms here)."""
     auto = ckpt.Auto(node_mtbf_s=20, first_after_s=0.2, first_after_steps=5)
-    cheap = train(tmp_path / "cheap", monkeypatch, 0.0, auto, 200)[0].schedule
-    cp, truth = train(tmp_path / "costly", monkeypatch, 0.1, auto, 200)
+    cheap = train(tmp_path / "cheap", monkeypatch, 0.0, auto, 300)[0].schedule
+    cp, truth = train(tmp_path / "costly", monkeypatch, 0.1, auto, 300)
     costly = cp.schedule
     assert costly["slowdown_s"] == pytest.approx(truth, rel=0.35), (truth, costly)
-    assert cheap["slowdown_s"] is not None and cheap["slowdown_s"] < 0.1, cheap
+    assert (cheap["slowdown_s"] or 0.0) < 0.1, cheap  # None: fewer than 3 saves priced yet, priced at blocking
     assert costly["cost_s"] > 2 * cheap["cost_s"] and costly["seconds"] > cheap["seconds"], (cheap, costly)
     for sc in (cheap, costly):  # sqrt(2 x cost x M), or the floor of what a save keeps its slot busy
         assert sc["seconds"] == pytest.approx(max(math.sqrt(2 * sc["cost_s"] * sc["mtbf_s"]), 1.1 * sc["persist_s"]), rel=0.05), sc
