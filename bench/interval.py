@@ -204,7 +204,7 @@ def worker(args: argparse.Namespace) -> None:
         if rank == 0 and cp.schedule != (schedules[-1]["schedule"] if schedules else None):
             sd = cp._cadence.slowdown
             schedules.append({"step": cp.step, "t": time.time() - t2_start, "schedule": dict(cp.schedule),
-                              "rank0_last_slowdown_s": sd.last_s, "rank0_saves_priced": sd.saves,
+                              "rank0_last_slowdown_s": sd.estimate(), "rank0_saves_priced": sd.saves,
                               "slowest_ms_at_meeting": cp._cadence.agreement.slowest_ms})
             if len(schedules) > 1:
                 s = cp.schedule

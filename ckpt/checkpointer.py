@@ -374,7 +374,7 @@ class Checkpointer(Lifecycle, BackgroundSaves):
                 started=started, key=self._signing_key, guard=self._lease.check if self._lease is not None else None, after=self._newest,
             )  # fmt: skip
             upload = Direct() if self._handoff is None else ViaAgent(self._handoff)
-            self._cadence.slowdown_began()  # the steps from here on are this save's (`Slowdown`): before its commit can come
+            self._cadence.slowdown.began()  # the steps from here on are this save's (`Slowdown`): before its commit can come
             self._slot.submit(self._save_in_background, save, staged, upload, waited_before)
         except BaseException:
             self._slot.staging_done()  # IMPORTANT: no save will release the pre-hook's wait

@@ -48,7 +48,7 @@ class Cadence:
         self._running = False  # the run's first restart is its start: it ends no interval
         self._saved = False  # a save (or a skipped one) came due in this run
         self._interval_step_s: float | None = None  # seconds per step over the last interval
-        #: Rank 0's measure of what saves cost the steps beside them (every policy: metrics).
+        #: This rank's measure of what saves cost the steps beside it (every policy: metrics).
         self.slowdown = Slowdown()
         self._step_ended: float | None = None  # when the last step ended (perf_counter)
 
@@ -74,10 +74,6 @@ class Cadence:
         mine = self.slowdown.estimate()
         others = self.agreement.slowest_ms / 1000 if self.agreement.slowest_ms else None
         return max((v for v in (mine, others) if v is not None), default=None)
-
-    def slowdown_began(self) -> None:
-        """A save was called (in the step now running)."""
-        self.slowdown.began()
 
     def _time_step(self, busy: bool) -> None:
         """The step that just ended, for `slowdown` (`busy`: a save still in flight)."""

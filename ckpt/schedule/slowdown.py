@@ -92,8 +92,6 @@ class Slowdown:
         self._estimate: float | None = None
         self._rng = random.Random(0)
         self._lock = threading.Lock()
-        #: The last save's own figure (seconds) as priced with those before it; None until then.
-        self.last_s: float | None = None
 
     def began(self) -> None:
         """A save was called (on the loop's thread, in the step now running)."""
@@ -131,7 +129,6 @@ class Slowdown:
         self._saves.append(save)
         if len(self._saves) >= _MIN_SAVES:
             self._estimate = self._priced()
-            self.last_s = self._estimate
 
     def _priced(self) -> float | None:
         clean = list(self._clean)
