@@ -3,7 +3,9 @@
 `CKPT_FAULT=<point>:<rank>:<step>` (several separated by commas) SIGKILLs the process when
 rank <rank> reaches <point> while saving step <step>; `*` matches any rank or step.
 `<point>:<rank>:<step>:sleep=<seconds>` stalls there instead (a slow store; a line on stderr
-says when), and
+says when), `<point>:<rank>:<step>:burn=<seconds>` computes there in Python for that long (a
+save's background work that takes CPU and the GIL from the training loop: serialization,
+checksums), and
 `<point>:<rank>:<step>:nth=<k>` kills on the k-th time the rule matches in this process (a
 point deeper into a file, a later chunk), and `<point>:<rank>:<step>:raise` raises
 `RuntimeError` at `capture`, `prepare`, `staging` or `copying` (a failure the process lives
@@ -42,6 +44,11 @@ def fault_point(point: str, rank: int, step: int) -> None:
                 # Said first, so that a test can act while the process is held here.
                 print(f"ckpt fault: {point} of rank {rank} at step {step}: sleeping {action.removeprefix('sleep=')} s", file=sys.stderr, flush=True)
                 time.sleep(float(action.removeprefix("sleep=")))
+                continue
+            if action.startswith("burn="):
+                end = time.perf_counter() + float(action.removeprefix("burn="))
+                while time.perf_counter() < end:
+                    sum(range(1000))  # the GIL held as Python code holds it: released every switch interval
                 continue
             if action == "raise":
                 raise RuntimeError(f"ckpt fault: {point} of rank {rank} at step {step}")

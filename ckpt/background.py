@@ -10,6 +10,7 @@ run on a gloo group of their own (the writers' group), replaced together after a
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 
@@ -74,7 +75,13 @@ class BackgroundSaves:
             # at the slowest rank's figure as of the ranks' last meeting: the saves before.
             self._cadence.slowdown.committed(blocked)
             if self._cadence.coordinator is not None:
-                self._cadence.coordinator.retune(blocked, now - save.started, self.history.record.started, self._cadence.agreement.step_s, self._cadence.slowest())
+                busy, handoff = now - save.started, self._handoff
+                agent = handoff is not None and handoff.spool is not None
+                if handoff is not None and agent:  # IMPORTANT: the next save waits for the upload, not the hand-off
+                    with contextlib.suppress(CheckpointError):  # a store that flakes: learned at the next save
+                        self._learn_commits()
+                    busy = max(busy, handoff.busy_s())
+                self._cadence.coordinator.retune(blocked, busy, self.history.record.started, self._cadence.agreement.step_s, self._cadence.slowest(), agent=agent)
         self._say_commit(save.step, manifest)
 
     def _renew_io_group(self) -> None:

@@ -205,13 +205,22 @@ def _signature_cell(e: catalog.Entry, key: SigningKey | None) -> str:
 
 
 def _priced(schedule: dict[str, Any]) -> str:
-    """What an "auto" interval was priced at, in words (issue 42), or ""."""
+    """What an "auto" interval was priced at, in words (issue 42), or "" (another policy, or
+    a schedule that is not all numbers: the manifest may be anyone's)."""
     sc = schedule
-    if sc.get("policy") != "auto" or not isinstance(sc.get("cost_s"), (int, float)):
+
+    def num(key: str) -> float | None:
+        v = sc.get(key)
+        return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+    seconds, cost, blocked, busy, mtbf, goodput = (num(k) for k in ("seconds", "cost_s", "blocking_s", "persist_s", "mtbf_s", "goodput"))
+    if sc.get("policy") != "auto" or None in (seconds, cost, blocked, busy, mtbf, goodput):
         return ""
-    slowed = "not measured yet" if sc.get("slowdown_s") is None else f"{sc['slowdown_s']:.3g} s"
+    slowdown = num("slowdown_s")
+    slowed = "not measured yet" if slowdown is None else f"{slowdown:.3g} s"
+    busy_as = "made durable by the node agent in" if sc.get("persist_of") == "node agent's upload" else "its slot busy"
     return (
-        f"every {sc['seconds']:.3g} s, a save priced at {sc['cost_s']:.3g} s (blocked {sc['blocking_s']:.3g} s, "
-        f"slowed the steps beside it {slowed}), its slot busy {sc['persist_s']:.3g} s, job MTBF {sc['mtbf_s']:.3g} s: "
-        f"expected goodput {100 * sc['goodput']:.1f}%"
+        f"every {seconds:.3g} s, a save priced at {cost:.3g} s (blocked {blocked:.3g} s, "
+        f"slowed the steps beside it {slowed}), {busy_as} {busy:.3g} s, job MTBF {mtbf:.3g} s: "
+        f"expected goodput {100 * goodput:.1f}%"
     )

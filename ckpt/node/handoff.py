@@ -16,6 +16,7 @@ import contextlib
 import io
 import json
 import logging
+import math
 import os
 import threading
 import time
@@ -83,6 +84,10 @@ class Handoff:
         self._pass_over = False
         self._pending: list[_Handed] = []  # handed off, not known to be committed yet
         self._lock = threading.Lock()
+        # From a save's start to its commit, by the agent's clock as its status file says
+        # (the newest hand-off through the spool learned committed): what keeps a save busy
+        # with an agent, not the hand-off. None: none learned yet.
+        self.durable_s: float | None = None
 
     @classmethod
     def find(cls, spool: str | None, store: Store, rank: int, storage_options: dict[str, Any] | None) -> Handoff | None:
@@ -231,6 +236,7 @@ class Handoff:
                         self._pending.remove(h)
                         if states[id(h)] == COMMITTED:
                             done.append(h.manifest)
+                            self._learn_durable(h)
                         else:
                             log.error("the hand-off of step %d failed: %s", h.manifest.step, self._why(h.status))
                 left = list(self._pending)
@@ -244,6 +250,26 @@ class Handoff:
     @property
     def pending(self) -> list[int]:
         return [h.manifest.step for h in self._pending]
+
+    def busy_s(self) -> float:
+        """How long a save keeps the agent busy, as known now: from a save's start to its
+        commit, the newest learned (`durable_s`), or longer if a hand-off through the spool has
+        been waiting longer than that for its commit (an upload slower than the interval).
+        0: nothing known."""
+        now = time.time()
+        with self._lock:
+            waiting = [now - h.request.started for h in self._pending if h.status]
+        return max([self.durable_s or 0.0, *waiting])
+
+    def _learn_durable(self, h: _Handed) -> None:
+        """`durable_s` from a committed hand-off's status file: the time its agent recorded
+        the commit (the agent that committed: at once; another node's commit: at its next
+        look, `LOOKS_S`, seconds late at most, never a whole interval)."""
+        if not h.status:  # written to the root by this rank: its own background save's time
+            return
+        at = (read_json(h.status) or {}).get("time")
+        if isinstance(at, (int, float)) and not isinstance(at, bool) and math.isfinite(at):
+            self.durable_s = max(0.0, at - h.request.started)
 
     def _state(self, h: _Handed) -> str | None:
         if not h.status:  # written to the root by this rank: look (and commit, for a party that died before it)

@@ -73,13 +73,20 @@ class Coordinator:
         self.mtbf = self.mtbf.observe(*exposure(past, ranks_per_node()))
 
     def retune(
-        self, blocking_s: float, persist_s: float, run_started: float, step_s: float | None = None, slowdown_s: float | None = None
+        self,
+        blocking_s: float,
+        persist_s: float,
+        run_started: float,
+        step_s: float | None = None,
+        slowdown_s: float | None = None,
+        agent: bool = False,
     ) -> None:
         """After a commit: the next interval, from what this save cost. `run_started` (unix
         time) is when this run began, the last restart (for Weibull hazards); `step_s`, the
         measured seconds per step, says how many steps the interval comes to; `slowdown_s`,
         what a save costs the steps beside it (`ckpt.schedule.slowdown`; None: not known
-        yet). A save is priced at its blocking time plus that slowdown."""
+        yet). A save is priced at its blocking time plus that slowdown. `agent`: the saves are
+        handed off to a node agent, and `persist_s` is its upload's time to durable."""
         mtbf_s = self.mtbf.job_mtbf_s(self.nodes)
         cost_s = blocking_s + (slowdown_s or 0.0)
         new = self.policy.seconds(cost_s, persist_s, mtbf_s, time.time() - run_started)
@@ -93,6 +100,7 @@ class Coordinator:
             "slowdown_s": None if slowdown_s is None else round(slowdown_s, 4),
             "cost_s": round(cost_s, 4),
             "persist_s": round(persist_s, 3),
+            "persist_of": "node agent's upload" if agent else "save",
             "mtbf_s": round(mtbf_s, 1),
             "goodput": round(expected_goodput(cost_s, new, mtbf_s), 4),
             "nodes": self.nodes,
@@ -106,12 +114,13 @@ class Coordinator:
             self._measured = True
             slowed = "not measured yet" if slowdown_s is None else f"{slowdown_s:.3g} s"
             log.info(
-                "interval: every %.3g s%s (a save costs %.3g s: it blocked the loop %.3g s and slowed the steps beside it %s; it kept its slot busy %.3g s; job MTBF %s on %d node(s); expected goodput %.1f%%; rank 0's costs)",
+                "interval: every %.3g s%s (a save costs %.3g s: it blocked the loop %.3g s and slowed the steps beside it %s; %s %.3g s; job MTBF %s on %d node(s); expected goodput %.1f%%; rank 0's costs)",
                 new,
                 steps,
                 cost_s,
                 blocking_s,
                 slowed,
+                "the node agent made it durable in" if agent else "it kept its slot busy",
                 persist_s,
                 duration(mtbf_s),
                 self.nodes,

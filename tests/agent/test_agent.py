@@ -225,6 +225,34 @@ def test_a_full_spool_makes_the_rank_write_to_the_root_and_commit_itself(tmp_pat
     assert not list((spool / "jobs").glob("*/step-*/*.distcp"))
 
 
+@pytest.mark.slow
+def test_with_an_agent_the_interval_is_priced_at_the_uploads_time_to_durable_not_the_hand_off(tmp_path):
+    """Issue 42: with a node agent a save's hand-off takes milliseconds while its upload (at
+    200 kB/s here) takes over a second; the next save waits for the upload, so `Auto`'s
+    floor of what a save keeps busy is the upload's time to durable, by the agent's clock."""
+    spool, root = tmp_path / "spool", tmp_path / "root"
+    torch.manual_seed(0)
+    model = torch.nn.Linear(256, 256)  # 257 KB: ~1.3 s an upload
+    with agent(spool, tmp_path / "agent.log", "--bandwidth-limit", "200kB") as a:
+        auto = ckpt.Auto(node_mtbf_s=20, first_after_s=0.2, first_after_steps=3)
+        with ckpt.Checkpointer(str(root), model=model, interval=auto, spool=str(spool), lease=None, save_on_exit=False) as cp:
+            schedules, deadline = [], time.monotonic() + 60
+            while len([s for s in schedules if s.get("persist_s") is not None]) < 3 and time.monotonic() < deadline:
+                time.sleep(0.02)
+                cp.step_done()
+                if cp.schedule not in schedules:
+                    schedules.append(dict(cp.schedule))
+            handed = [json.loads(r.read_text())["manifest"]["costs"]["persist_s"] for r in spool.glob("jobs/*/step-*/.requests/rank-*.json")]
+        assert "durable" in a.text(), a.text()
+    priced = [s for s in schedules if s.get("persist_s") is not None]
+    assert len(priced) >= 3, (schedules, a.text())
+    last = priced[-1]
+    assert last["persist_s"] >= 1.0, (last, handed)  # the upload, not the hand-off ...
+    assert handed and min(handed) < 0.5, handed  # ... which the trainer's own persist time is
+    assert last["seconds"] >= 1.1 * last["persist_s"] - 1e-3, last  # no save due while the last uploads
+    assert last["persist_of"] == "node agent's upload", last
+
+
 # -- 6. the agent alone: a bad spool copy, settings -------------------------------------------
 def test_a_trainer_does_not_wait_for_a_dead_agent_and_a_bad_spool_copy_is_never_uploaded(tmp_path, caplog):
     """The agent dies during an upload while the trainer waits at exit for the commit: the

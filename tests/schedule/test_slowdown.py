@@ -66,9 +66,11 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_the_estimate_is_the_time_the_steps_beside_a_save_lost(case):
     step, save_steps, truth, close = CASES[case]
-    got = drive(Slowdown(), 5, step=step, save_steps=save_steps, blocked_s=0.004)
-    assert got[-1] is not None
-    assert abs(got[-1] - truth) <= close * max(truth, 1.0), (case, got)
+    got = drive(Slowdown(), 8, step=step, save_steps=save_steps, blocked_s=0.004)
+    # Unknown until the third save (one save's stall is not its price), then within `close`
+    # of the truth from that save on: the estimate converges in 3 saves (docs/training-loop.md).
+    assert got[:2] == [None, None], (case, got)
+    assert all(g is not None and abs(g - truth) <= close * max(truth, 1.0) for g in got[2:]), (case, got)
 
 
 def test_a_save_shorter_than_a_step_is_priced_at_that_step_less_its_blocking():
@@ -126,13 +128,14 @@ def test_the_interval_grows_as_the_square_root_of_what_a_save_costs():
     assert intervals[1] > 5 * intervals[0]  # priced at blocking alone: the busy floor
 
 
-def train(tmp_path, monkeypatch, slower_s: float, interval, steps: int) -> tuple[ckpt.Checkpointer, float]:
+def train(tmp_path, monkeypatch, slower_s: float, interval, steps: int, fault: str = "before_manifest:0:*:sleep=0.4") -> tuple[ckpt.Checkpointer, float]:
     """A loop of ~20 ms steps whose saves are in flight for at least 0.4 s each (the store is
     slow) and make each step beside them `slower_s` slower: what a save's serialization,
     checksums and writes do to a real loop (the GIL, CPU, memory bandwidth), made a known
     amount, so that the machine's own load does not decide the test. Returns the Checkpointer
-    and the true slowdown of a save (the extra time slept, per save)."""
-    monkeypatch.setenv("CKPT_FAULT", "before_manifest:0:*:sleep=0.4")
+    and the true slowdown of a save (the extra time slept, per save). `fault`: what keeps the
+    save in flight (a slow store by default)."""
+    monkeypatch.setenv("CKPT_FAULT", fault)
     torch.manual_seed(0)
     model = torch.nn.Linear(64, 64)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -185,3 +188,44 @@ def test_under_every_the_slowdown_is_measured_and_nothing_else_changes(tmp_path,
     # measured (how closely: the Auto test above; under the suite's load a 150-step run's
     # estimate has read 0.08-0.19 s against 0.13-0.14 s)
     assert 0.25 * truth <= (cp._cadence.estimate()["slowdown_s"] or 0.0) <= 2 * truth + 0.05, truth
+
+
+@pytest.mark.slow
+def test_a_save_whose_background_work_burns_cpu_is_priced_at_what_it_costs_the_loop(tmp_path, monkeypatch):
+    """The same saves, in flight 0.4 s each: once their background thread computes in Python
+    all that time (`burn=`: CPU and the GIL, as serialization and checksums take them), once
+    it waits on a slow store (`sleep=`). Nothing else slows the loop. The burning saves slow
+    the steps beside them, are priced at that, and the interval grows as sqrt(cost); the
+    waiting ones cost next to nothing and keep the short interval."""
+    auto = ckpt.Auto(node_mtbf_s=20, first_after_s=0.2, first_after_steps=5)
+    waits = train(tmp_path / "waits", monkeypatch, 0.0, auto, 300, "before_manifest:0:*:sleep=0.4")[0]
+    burns = train(tmp_path / "burns", monkeypatch, 0.0, auto, 300, "before_manifest:0:*:burn=0.4")[0]
+    cheap, costly = waits.schedule, burns.schedule
+    # what the burn cost the loop, offline: the steps beside a save against the clean ones
+    assert costly["slowdown_s"] is not None and costly["slowdown_s"] > 0.05, (cheap, costly)
+    assert costly["slowdown_s"] > 3 * (cheap["slowdown_s"] or 0.0), (cheap, costly)
+    assert costly["seconds"] > 1.5 * cheap["seconds"], (cheap, costly)
+    for sc in (cheap, costly):
+        assert sc["seconds"] == pytest.approx(max(math.sqrt(2 * sc["cost_s"] * sc["mtbf_s"]), 1.1 * sc["persist_s"]), rel=0.05), sc
+
+
+PRICED = {"policy": "auto", "seconds": 7.7, "cost_s": 0.05, "blocking_s": 0.002, "slowdown_s": 0.048, "persist_s": 0.4, "mtbf_s": 600.0, "goodput": 0.99}
+
+
+@pytest.mark.parametrize(
+    "schedule, says",
+    [
+        (PRICED, "slowed the steps beside it 0.048 s), its slot busy 0.4 s"),
+        ({**PRICED, "persist_of": "node agent's upload", "persist_s": 3.0}, "made durable by the node agent in 3 s"),
+        ({**PRICED, "slowdown_s": None}, "slowed the steps beside it not measured yet"),
+        ({**PRICED, "seconds": "7 s"}, ""),  # the manifest may be anyone's: not numbers, no line
+        ({**PRICED, "goodput": True}, ""),
+        ({k: v for k, v in PRICED.items() if k != "mtbf_s"}, ""),
+        ({**PRICED, "policy": "every"}, ""),
+    ],
+)
+def test_ckpt_show_says_what_an_interval_was_priced_at_and_nothing_for_a_schedule_of_other_values(schedule, says):
+    from ckpt.cli.inspection import _priced
+
+    got = _priced(schedule)
+    assert (says in got) if says else got == "", got
