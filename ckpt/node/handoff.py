@@ -255,10 +255,13 @@ class Handoff:
         """How long a save keeps the agent busy, as known now: from a save's start to its
         commit, the newest learned (`durable_s`), or longer if a hand-off through the spool has
         been waiting longer than that for its commit (an upload slower than the interval).
-        0: nothing known."""
+        0: nothing known. A dead agent's hand-offs wait for the next agent: not a price (the
+        saves go to the root meanwhile)."""
         now = time.time()
         with self._lock:
             waiting = [now - h.request.started for h in self._pending if h.status]
+        if waiting and (self.spool is None or self.spool.agent() is None):
+            waiting = []
         return max([self.durable_s or 0.0, *waiting])
 
     def _learn_durable(self, h: _Handed) -> None:
