@@ -54,6 +54,7 @@ class Cadence:
 
     def start(self, store: Store, rank: int, world: int) -> None:
         """On enter: `Auto`'s coordinator, which rank 0 primes with the job's history."""
+        self.slowdown.ranks = world
         if isinstance(self.interval, Auto):
             self.coordinator = Coordinator(self.interval, world)
             if rank == 0:

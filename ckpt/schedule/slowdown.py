@@ -13,7 +13,9 @@ a step slows that one step: it is counted). Once that step ended the save is pri
 - per step, the median of its steps' times (past the one that called it, which holds the
   blocking, the wait for the save before and whatever the loop does at a save's step) against
   the median of the last `CLEAN` clean steps, less twice the standard error of that difference
-  (from the clean steps' spread): a difference the noise could make is no slowdown. Medians,
+  (from the clean steps' spread), and none unless it exceeds `z` of them (2 on one rank, more
+  on many, `Slowdown.z`, since the save is priced at the slowest rank's figure and the largest
+  of many ranks' noises is larger than one's): a difference the noise could make is no slowdown. Medians,
   not means: an evaluation, a data-loader stall or a slow batch is one long step, which a sum
   over the save's steps would count in full. (A save whose cost falls on one step among many
   is therefore under-priced; its cost is spread over its steps as the copy, checksums and
@@ -38,13 +40,18 @@ import statistics
 import threading
 from collections import deque
 from dataclasses import dataclass, field
+from statistics import NormalDist
 
 CLEAN = 64  # recent clean steps the baseline is the median of (the machine's load changes)
 SAVES = 5  # saves whose steps are pooled
 _MIN_SAVES = 3  # saves priced before the estimate is trusted (one save's stall is not its price)
 _SAMPLES = 512  # step times kept per save (a uniform sample of its steps: a long save's too)
 _MIN_CLEAN = 5  # clean steps needed before a baseline is trusted
-_Z = 2.0  # standard errors a difference must exceed to count
+# A difference must exceed the standard errors a chance of _FALSE in one rank's noise makes
+# (2 of them on one rank), the chance shared among the ranks: the save is priced at the
+# slowest rank's figure, and the largest of W noises is larger than one (Bonferroni).
+_FALSE = 0.0228
+_Z = 2.0  # and what is priced is the difference less 2 standard errors (as on one rank)
 _STALE_AFTER = 3  # saves back to back after a clean step before the baseline is too old to price against
 
 
@@ -84,7 +91,8 @@ class Slowdown:
     """One rank's estimate of what a save costs the steps beside it (see the module). `step`
     runs on the loop's thread, `committed` on the save's; a lock keeps them apart."""
 
-    def __init__(self) -> None:
+    def __init__(self, ranks: int = 1) -> None:
+        self.ranks = ranks  # whose figures the largest is taken of (`Cadence.start`)
         self._clean: deque[float] = deque(maxlen=CLEAN)
         self._saves: deque[_Save] = deque(maxlen=SAVES)  # the last priced saves' steps
         self._open: _Save | None = None  # the save in flight (or committed, its last step running)
@@ -144,7 +152,14 @@ class Slowdown:
             return self._estimate
         # 1.2533: a median's standard error against a mean's, for normal noise.
         se = 1.2533 * spread * math.sqrt(1 / len(pooled) + 1 / len(clean))
-        return max(0.0, statistics.median(pooled) - _Z * se) * steps
+        excess = statistics.median(pooled)
+        return (excess - _Z * se if excess > self.z * se else 0.0) * steps
+
+    @property
+    def z(self) -> float:
+        """The standard errors a difference must exceed: 2 on one rank, 3.5 over 100, 4.6 over
+        10,000 (the largest of the ranks' noises is within it as often as one rank's is within 2)."""
+        return NormalDist().inv_cdf(1 - _FALSE / max(1, self.ranks))
 
     def estimate(self) -> float | None:
         """The slowdown per save (seconds), or None until a save was priced."""
