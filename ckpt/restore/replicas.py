@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -84,7 +85,8 @@ def group(
     every rank when no two ranks of the job load the same pieces."""
     digest = _digest(pieces) if pieces else _NONE
     every = ctrl.all_gather_fixed(digest)
-    if not any(d != _NONE and every.count(d) > 1 for d in every):
+    counts = Counter(every)  # IMPORTANT: once, not a count per rank: O(W), not O(W^2) at 10k ranks
+    if not any(d != _NONE and n > 1 for d, n in counts.items()):
         return None
     members = [r for r, d in enumerate(every) if d == digest] if digest != _NONE else [ctrl.rank]
     if len(members) < 2:

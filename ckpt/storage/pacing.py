@@ -4,7 +4,8 @@ can is answered SlowDown long before it runs out of bandwidth.
 
 With `Transfer.requests_per_s` (the job's rate; each of its `Transfer.ranks` ranks takes an
 even share), a `Pace` starts at most that many requests a second in this process (a token
-bucket holding one second's worth). A throttling answer (SlowDown) halves it, at most once a
+bucket holding one second's worth, which starts near empty: its first request waits a random
+part of 1/rate, so that the processes of a large job do not all start at once). A throttling answer (SlowDown) halves it, at most once a
 second and down to `FLOOR`; each second without one it climbs back by half, to its bound.
 Without a rate nothing is paced: a throttling answer is only sent again after a backoff.
 `ckpt.storage.s3_retry.tried` waits for the pace before every request, and sends a throttled
@@ -18,6 +19,7 @@ loop (the lock is a thread lock, held for arithmetic only).
 from __future__ import annotations
 
 import math
+import random
 import threading
 import time
 
@@ -32,7 +34,9 @@ class Pace:
         self.bound = rate if rate > 0 else math.inf
         self.current = self.bound
         self.throttled = 0  # throttling answers so far
-        self._tokens = max(self.bound, 1.0) if rate > 0 else 0.0
+        # IMPORTANT: not a full bucket: 10,000 processes each sending its first request at
+        # once is the burst pacing is for. The first waits up to 1/rate, at a random phase.
+        self._tokens = random.random() if rate > 0 else 0.0
         self._at = self._slowed_at = time.monotonic()
         self._lock = threading.Lock()
 

@@ -32,13 +32,25 @@ def clock(monkeypatch) -> Clock:
     return c
 
 
-def test_a_pace_lets_one_seconds_worth_go_at_once_then_spaces_the_rest(clock):
+def test_a_pace_spaces_its_requests_and_after_a_calm_lets_one_seconds_worth_go_at_once(clock):
     pace = Pace(10.0)
-    waits = [pace.delay() for _ in range(30)]
-    assert waits[:10] == [0.0] * 10
-    assert waits[10:] == pytest.approx([0.1 * k for k in range(1, 21)])  # each owes one more tenth
-    clock.now += 2.0  # the debt paid, and nothing more saved up
+    first = pace.delay()
+    assert 0.0 < first <= 0.1  # a fresh pace starts near empty, at a random phase
+    waits = [pace.delay() for _ in range(20)]
+    assert waits == pytest.approx([first + 0.1 * k for k in range(1, 21)])  # each owes one more tenth
+    clock.now += 4.0  # the debt paid, and one second's worth saved up
+    assert [pace.delay() for _ in range(10)] == [0.0] * 10
     assert pace.delay() == pytest.approx(0.1)
+
+
+def test_the_ranks_of_a_large_job_do_not_all_send_their_first_request_at_once(clock):
+    """10,000 ranks pacing a job rate of 3,500 requests a second (0.35 each): each rank's first
+    request waits a random part of its 2.9 s, so about 350 start in the first tenth of a
+    second, not 10,000 (each bucket started full, every first request went at once)."""
+    firsts = [Pace(0.35).delay() for _ in range(10_000)]
+    assert max(firsts) <= 1 / 0.35 + 1e-9
+    assert sum(f < 0.1 for f in firsts) < 600
+    assert sum(f < 1.0 for f in firsts) == pytest.approx(3500, rel=0.15)
 
 
 def test_a_throttling_answer_halves_the_pace_once_a_second_and_calm_seconds_bring_it_back(clock):
