@@ -25,7 +25,6 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import SavePlanner
 
 from ckpt._faults import fault_point
@@ -35,7 +34,7 @@ from ckpt.errors import CheckpointError, DiskFull, LeaseHeld, SaveFailed
 from ckpt.format.dcp_index import SHARED_INDEX
 from ckpt.format.manifest import METADATA_NAME, FileEntry, Manifest, SaveCosts
 from ckpt.save.arena import Arena
-from ckpt.save.dcp_write import Sink, Writer
+from ckpt.save.dcp_write import Planner, Sink, Writer
 from ckpt.save.resave import Layout, Placed, Resaver
 from ckpt.storage.store import Store, step_dir_name
 
@@ -270,7 +269,7 @@ def write_files(save: Save, source: Source, layout: Layout | None, target: Store
         ready = source.copier.ready if source.copier is not None else None
         writer = Writer(target, save.rel, save.step, source.sinks(target), source.arenas, ready, indexed=save.group.world > 1)
         # The state's layout does not change between saves: rank 0's global planning is paid once.
-        planner = DefaultSavePlanner(enable_plan_caching=True)
+        planner = Planner(enable_plan_caching=True)
         planner._cached_plans_key = save.group.plan_key  # DCP keys its cache by class: one per Checkpointer
         source.resaver.layout = None  # learnt again once DCP's save has succeeded
         dcp.save(source.state, storage_writer=writer, planner=planner, process_group=save.group.pg)

@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import (
     CURRENT_DCP_VERSION,
     _StorageInfo,
@@ -57,6 +58,30 @@ class Sink(Protocol):
         self, rel: str, pieces: list[Piece], segments: Sequence[Segment], rank: int, step: int, fixed: Fixed | None = None,
         gate_fd: int | None = None,
     ) -> FileEntry: ...  # fmt: skip
+
+
+class Planner(DefaultSavePlanner):
+    """DCP's default save planner (its plans cached), whose global metadata goes to no other
+    rank. DCP's save ends by sending rank 0's result, the whole global metadata, to every rank
+    (`_DistWrapper.all_reduce`): one entry per piece of every tensor, 3 GB for a 70B model over
+    10,000 ranks, pickled once more on rank 0 and unpickled by each rank, which does nothing
+    with it. Here it pickles as an empty `Metadata`; `Writer.finish` writes the real one."""
+
+    def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        plans, md = super().create_global_plan(all_plans)
+        return plans, _Unsent(**{f.name: getattr(md, f.name) for f in dataclasses.fields(Metadata)})
+
+
+class _Unsent(Metadata):
+    """Rank 0's global metadata, which pickles as an empty one (`Planner`)."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Metadata, ({},))
+
+
+def plain(md: Metadata) -> Metadata:
+    """`md` as DCP's own `Metadata` (an `_Unsent` would pickle as an empty one)."""
+    return md if type(md) is Metadata else Metadata(**{f.name: getattr(md, f.name) for f in dataclasses.fields(Metadata)})
 
 
 class Writer(StorageWriter):
@@ -157,6 +182,7 @@ class Writer(StorageWriter):
         return (*layout.add([head, (*where, nbytes), tail]), True)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        metadata = plain(metadata)  # IMPORTANT: what `.metadata` holds is all of it
         metadata.version = CURRENT_DCP_VERSION
         metadata.storage_data = {wr.index: wr.storage_data for rs in results for wr in rs}
         # Nothing that names this save or its directory: the same layout pickles to the same

@@ -54,3 +54,27 @@ def test_the_writer_process_and_the_thread_write_the_same_bytes(tmp_path, monkey
     a = _save(tmp_path / "process", monkeypatch, "process")
     b = _save(tmp_path / "thread", monkeypatch, "thread")
     assert (a / "__0_0.distcp").read_bytes() == (b / "__0_0.distcp").read_bytes()
+
+
+def test_the_global_metadata_dcp_sends_every_rank_at_the_end_of_a_save_is_empty(tmp_path, monkeypatch):
+    """DCP's save ends by broadcasting rank 0's result, the whole global metadata (3 GB for
+    70B over 10,000 ranks), to every rank, which does nothing with it (issue 40). ckpt's
+    planner hands DCP one that pickles as an empty Metadata; `.metadata` holds all of it."""
+    import pickle
+
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    from ckpt.save.dcp_write import Planner
+
+    state = {f"w{i}": torch.randn(8, 8) for i in range(50)}
+    planner = Planner(enable_plan_caching=True)
+    planner.set_up_planner(state, is_coordinator=True)
+    _, md = planner.create_global_plan([planner.create_local_plan()])
+    assert len(md.state_dict_metadata) == 50
+    sent = pickle.dumps(md)  # what the other ranks would receive
+    assert len(sent) < 200 and pickle.loads(sent) == Metadata({}), len(sent)
+    # The saved `.metadata` is whole: plain DCP reads the checkpoint (above); every key is in it.
+    step_dir = _save(tmp_path, monkeypatch, "thread")
+    with open(step_dir / ".metadata", "rb") as f:
+        saved = pickle.load(f)
+    assert type(saved) is Metadata and {f"extra.t.{k}" for k in _state()} <= set(saved.state_dict_metadata), saved.state_dict_metadata.keys()
