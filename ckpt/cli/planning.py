@@ -122,13 +122,17 @@ def scale_rows(a: AtScale) -> list[list[str]]:
     return [
         ["per rank: saves / loads", f"{human_bytes(a.saved_per_rank)} / {human_bytes(a.loaded_per_rank)}"],
         [".metadata (every piece of every tensor)", human_bytes(a.metadata_bytes)],
-        ["a rank's metadata read: its index + .index", f"{human_bytes(a.index_bytes)} + {human_bytes(a.shared_index_bytes)}"],
+        (
+            ["a rank's metadata read: its index + .index", f"{human_bytes(a.index_bytes)} + {human_bytes(a.shared_index_bytes)}"]
+            if a.metadata_read != ".metadata, whole"
+            else ["a rank's metadata read: .metadata, whole", human_bytes(a.metadata_bytes)]
+        ),
         ["save: bytes / requests (PUT) bound", f"{duration(a.save_bytes_s)} / {duration(a.save_requests_s)} ({a.save_requests:,.0f} requests)"],
         ["save: rank 0's .metadata", duration(a.save_metadata_s)],
-        ["save, predicted", f"{duration(a.save_s)} ({a.save_binds} bind)"],
+        ["save, predicted", f"{duration(a.save_s)} (bound by {a.save_binds})"],
         ["restore: bytes / requests (GET) bound", f"{duration(a.restore_bytes_s)} / {duration(a.restore_requests_s)} ({a.restore_requests:,.0f} requests)"],
         *([["restore: replicas send each other what they read", duration(a.restore_exchange_s)]] if a.restore_exchange_s else []),
-        ["restore, predicted", f"{duration(a.restore_s)} ({a.restore_binds} bind)"],
+        ["restore, predicted", f"{duration(a.restore_s)} (bound by {a.restore_binds})"],
         ["restore on half the ranks: a rank's metadata", duration(a.restore_resharded_metadata_s)],
     ]
 

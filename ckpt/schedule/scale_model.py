@@ -99,13 +99,14 @@ class AtScale:
     save_requests_s: float  # the request rate's bound
     save_metadata_s: float  # rank 0 pickles and writes `.metadata` and `.index`
     save_s: float
-    save_binds: str
+    save_binds: str  # the largest of the save's terms
     restore_bytes_s: float
     restore_requests_s: float
     restore_exchange_s: float  # the replicas' parts, sent to each other once read
     restore_metadata_s: float  # reading and unpickling this rank's metadata
     restore_s: float
-    restore_binds: str
+    restore_binds: str  # the largest of the restore's terms
+    metadata_read: str  # what a rank reads of the metadata: indexes, or all of `.metadata`
     restore_resharded_metadata_s: float  # on half the ranks that saved: each rank's metadata
 
 
@@ -156,15 +157,23 @@ def at_scale(checkpoint_bytes: float, s: Scale) -> AtScale:
         save_requests_s=save_requests_s,
         save_metadata_s=save_metadata_s,
         save_s=save_s,
-        save_binds="requests" if save_requests_s > save_bytes_s else "bandwidth",
+        save_binds=_largest({"bandwidth": save_bytes_s, "requests": save_requests_s, "rank 0's .metadata": save_metadata_s}),
         restore_bytes_s=restore_bytes_s,
         restore_requests_s=restore_requests_s,
         restore_exchange_s=restore_exchange_s,
         restore_metadata_s=restore_metadata_s,
         restore_s=restore_s,
-        restore_binds="requests" if restore_requests_s > restore_bytes_s else "bandwidth",
+        restore_binds=_largest(
+            {"bandwidth": restore_bytes_s, "requests": restore_requests_s, "the replicas' exchange": restore_exchange_s, "each rank's metadata": restore_metadata_s}
+        ),
+        metadata_read="its index + .index" if indexed else ".metadata, whole",
         restore_resharded_metadata_s=resharded_s,
     )
+
+
+def _largest(terms: dict[str, float]) -> str:
+    """The name of the largest term: what binds."""
+    return max(terms, key=lambda k: terms[k])
 
 
 def _index_s(nbytes: float, s: Scale) -> float:

@@ -76,8 +76,19 @@ def test_llama_like_tensor_counts_are_near_llama_3s():
 def test_plan_prints_the_scale_table_and_its_json():
     args = ("plan", "--params", "70B", "--nodes", "1250", "--write-bandwidth", "12.5GB/s", "--mtbf", "3h")
     out = ckpt_cli(*args, "--layout", "hsdp:8").stdout
-    assert "at 10000 ranks (hsdp:8)" in out and ".metadata" in out and "bind)" in out
+    assert "at 10000 ranks (hsdp:8)" in out and ".metadata" in out and "(bound by " in out
     doc = json.loads(ckpt_cli(*args, "--json").stdout)
     assert doc["at_scale"]["restore_binds"] == "requests" and doc["at_scale"]["loaded_per_rank"] > 0
     bad = ckpt_cli(*args, "--layout", "zero3", check=False)
     assert bad.returncode != 0 and "fsdp, ddp or hsdp:R" in bad.stderr
+
+
+def test_what_binds_is_the_largest_term_and_ddp_at_scale_says_it_reads_metadata_whole():
+    """At 10,000 ranks a 70B save is bound by rank 0's `.metadata` (minutes of pickling), not
+    by the requests; a DDP restore past the indexes' reach reads `.metadata` whole, and says so
+    (outside review of issue 40)."""
+    fsdp = at_scale(980e9, Scale(world=10_000, nodes=1250, tensors=723, write_bandwidth=12.5e9, read_bandwidth=12.5e9, store_bandwidth=1e12))
+    assert fsdp.save_metadata_s > fsdp.save_requests_s and fsdp.save_binds == "rank 0's .metadata"
+    assert fsdp.metadata_read == "its index + .index"
+    ddp = at_scale(980e9, Scale(world=10_000, nodes=1250, tensors=723, layout="ddp", write_bandwidth=12.5e9, read_bandwidth=12.5e9, store_bandwidth=1e12))
+    assert ddp.metadata_read == ".metadata, whole" and ddp.restore_binds == "the replicas' exchange"
