@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from typing import Any
 
 from ckpt.admin import tools
@@ -211,7 +212,12 @@ def _priced(schedule: dict[str, Any]) -> str:
 
     def num(key: str) -> float | None:
         v = sc.get(key)
-        return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+        if not isinstance(v, (int, float)) or isinstance(v, bool):
+            return None
+        try:
+            return float(v) if math.isfinite(v) else None
+        except OverflowError:  # an int of 400 digits
+            return None
 
     seconds, cost, blocked, busy, mtbf, goodput = (num(k) for k in ("seconds", "cost_s", "blocking_s", "persist_s", "mtbf_s", "goodput"))
     if sc.get("policy") != "auto" or None in (seconds, cost, blocked, busy, mtbf, goodput):

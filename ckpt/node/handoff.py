@@ -18,8 +18,10 @@ import json
 import logging
 import math
 import os
+import statistics
 import threading
 import time
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, BinaryIO
@@ -45,6 +47,8 @@ from ckpt.storage.nofollow import UnsafeEntry, open_dir
 from ckpt.storage.store import Store
 
 log = logging.getLogger(__name__)
+
+_DURABLE_KEPT = 5  # learned commit times `busy_s` is the median of
 
 POLL_S = 0.05  # the agent's status files, in the spool
 ROOT_POLL_S = 1.0  # the root, for a save written there
@@ -85,9 +89,9 @@ class Handoff:
         self._pending: list[_Handed] = []  # handed off, not known to be committed yet
         self._lock = threading.Lock()
         # From a save's start to its commit, by the agent's clock as its status file says
-        # (the newest hand-off through the spool learned committed): what keeps a save busy
-        # with an agent, not the hand-off. None: none learned yet.
-        self.durable_s: float | None = None
+        # (the hand-offs through the spool learned committed, newest last): what keeps a save
+        # busy with an agent, not the hand-off (`busy_s`).
+        self._durable: deque[float] = deque(maxlen=_DURABLE_KEPT)
 
     @classmethod
     def find(cls, spool: str | None, store: Store, rank: int, storage_options: dict[str, Any] | None) -> Handoff | None:
@@ -253,26 +257,21 @@ class Handoff:
 
     def busy_s(self) -> float:
         """How long a save keeps the agent busy, as known now: from a save's start to its
-        commit, the newest learned (`durable_s`), or longer if a hand-off through the spool has
-        been waiting longer than that for its commit (an upload slower than the interval).
-        0: nothing known. A dead agent's hand-offs wait for the next agent: not a price (the
-        saves go to the root meanwhile)."""
-        now = time.time()
+        commit, the median of the last `_DURABLE_KEPT` learned (one save held up by an
+        outage, or left to the next agent, is not the price of the next). 0: none learned."""
         with self._lock:
-            waiting = [now - h.request.started for h in self._pending if h.status]
-        if waiting and (self.spool is None or self.spool.agent() is None):
-            waiting = []
-        return max([self.durable_s or 0.0, *waiting])
+            return statistics.median(self._durable) if self._durable else 0.0
 
     def _learn_durable(self, h: _Handed) -> None:
-        """`durable_s` from a committed hand-off's status file: the time its agent recorded
-        the commit (the agent that committed: at once; another node's commit: at its next
-        look, `LOOKS_S`, seconds late at most, never a whole interval)."""
+        """From a committed hand-off's status file: the time its agent recorded the commit
+        (the agent that committed: at once; another node's commit: at its next look,
+        `LOOKS_S`, seconds late at most, never a whole interval), no later than now (the
+        status file is the agent's to write: a clock that jumped, a bad value)."""
         if not h.status:  # written to the root by this rank: its own background save's time
             return
         at = (read_json(h.status) or {}).get("time")
         if isinstance(at, (int, float)) and not isinstance(at, bool) and math.isfinite(at):
-            self.durable_s = max(0.0, at - h.request.started)
+            self._durable.append(max(0.0, min(float(at), time.time()) - h.request.started))
 
     def _state(self, h: _Handed) -> str | None:
         if not h.status:  # written to the root by this rank: look (and commit, for a party that died before it)

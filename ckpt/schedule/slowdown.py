@@ -159,7 +159,7 @@ class Slowdown:
     def z(self) -> float:
         """The standard errors a difference must exceed: 2 on one rank, 3.5 over 100, 4.6 over
         10,000 (the largest of the ranks' noises is within it as often as one rank's is within 2)."""
-        return NormalDist().inv_cdf(1 - _FALSE / max(1, self.ranks))
+        return NormalDist().inv_cdf(1 - _FALSE / min(max(1, self.ranks), 1 << 40))
 
     def estimate(self) -> float | None:
         """The slowdown per save (seconds), or None until a save was priced."""

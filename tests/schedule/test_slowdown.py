@@ -232,6 +232,8 @@ PRICED = {"policy": "auto", "seconds": 7.7, "cost_s": 0.05, "blocking_s": 0.002,
         ({**PRICED, "slowdown_s": None}, "slowed the steps beside it not measured yet"),
         ({**PRICED, "seconds": "7 s"}, ""),  # the manifest may be anyone's: not numbers, no line
         ({**PRICED, "goodput": True}, ""),
+        ({**PRICED, "seconds": 10**400}, ""),  # float() of it overflows
+        ({**PRICED, "cost_s": float("nan")}, ""),
         ({k: v for k, v in PRICED.items() if k != "mtbf_s"}, ""),
         ({**PRICED, "policy": "every"}, ""),
     ],
@@ -241,3 +243,30 @@ def test_ckpt_show_says_what_an_interval_was_priced_at_and_nothing_for_a_schedul
 
     got = _priced(schedule)
     assert (says in got) if says else got == "", got
+
+
+@pytest.mark.parametrize("at", [1e308, "later", float("nan"), -5.0, True, "now+3e8"])
+def test_a_status_file_time_from_a_jumped_clock_or_a_hostile_agent_never_stops_the_saves(tmp_path, at):
+    """The agent's status file says when it recorded the commit; the trainer takes the time
+    from the save's start to then as what a save keeps busy. A time in the future is taken
+    as now, anything not a finite number is not taken, and whatever it says the interval is
+    never longer than the job's MTBF (outside review: 1e308 crashed the save's aftermath, a
+    clock 10 years ahead chose a 10-year interval)."""
+    from ckpt.node.handoff import Handoff, _Handed
+    from ckpt.node.spool import Request, Spool, write_json
+    from ckpt.storage.store import Store
+
+    started = time.time() - 2.0
+    status = tmp_path / "spool" / "status.json"
+    status.parent.mkdir()
+    when = time.time() + 3e8 if at == "now+3e8" else at
+    write_json(str(status), {"state": "committed", "time": when})
+    handoff = Handoff(Store(str(tmp_path / "root")), Spool(str(tmp_path / "spool")), 0)
+    request = Request(root="r", storage_options={}, rel="step-1", step=1, save_id="s", rank=0, world=1, files=[], manifest={}, started=started)
+    handoff._learn_durable(_Handed(str(status), request, None))  # type: ignore[arg-type]
+    busy = handoff.busy_s()
+    assert 0.0 <= busy <= 3.0, busy
+    coordinator = Coordinator(ckpt.Auto(node_mtbf_s=600), world=1)
+    for persist_s in (busy, 3e8, float("inf")):
+        coordinator.retune(0.003, persist_s, 0.0, 0.1, 0.05)
+        assert 0 < coordinator.seconds <= 600, coordinator.schedule
