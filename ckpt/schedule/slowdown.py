@@ -20,8 +20,10 @@ a step slows that one step: it is counted). Once that step ended the save is pri
   over the save's steps would count in full. (A save whose cost falls on one step among many
   is therefore under-priced; its cost is spread over its steps as the copy, checksums and
   writes are.)
-- each save's steps are taken as excess over the clean median of its own time (the step time
-  changes); the last `SAVES` saves' are pooled (the noise falls with their number), and the
+- each save's steps are taken as excess over the clean step time of its own time: the mean of
+  the medians of the `_SIDE` clean steps before it and of those after it (the step time
+  drifts: a warm-up, longer sequences; a save is priced once they came, or at the next save);
+  the last `SAVES` saves' are pooled (the noise falls with their number), and the
   slowdown is the per-step excess times the steps a save overlaps (their mean).
 - saves within a step or two are priced from those steps, less the save's blocking time.
 
@@ -53,6 +55,7 @@ _MIN_CLEAN = 5  # clean steps needed before a baseline is trusted
 _FALSE = 0.0228
 _Z = 2.0  # and what is priced is the difference less 2 standard errors (as on one rank)
 _STALE_AFTER = 3  # saves back to back after a clean step before the baseline is too old to price against
+_SIDE = 32  # clean steps on each side of a save its baseline is made of (the step time drifts)
 
 
 @dataclass
@@ -96,6 +99,9 @@ class Slowdown:
         self._clean: deque[float] = deque(maxlen=CLEAN)
         self._saves: deque[_Save] = deque(maxlen=SAVES)  # the last priced saves' steps
         self._open: _Save | None = None  # the save in flight (or committed, its last step running)
+        # Saves ended, waiting for the clean steps after them: (the save, the median of the
+        # clean steps before it, the clean steps after it so far).
+        self._awaiting: list[tuple[_Save, float, list[float]]] = []
         self._saves_since_clean = 0  # saves begun since the last clean step
         self._estimate: float | None = None
         self._rng = random.Random(0)
@@ -106,6 +112,7 @@ class Slowdown:
         with self._lock:
             if self._open is not None:  # the last one is still in flight: it ends here
                 self._close()
+            self._price_awaiting()  # with the clean steps after them there are
             self._open = _Save(clean_before=self._saves_since_clean < _STALE_AFTER)
             self._saves_since_clean += 1
 
@@ -115,6 +122,10 @@ class Slowdown:
             if self._open is None:
                 self._clean.append(seconds)
                 self._saves_since_clean = 0
+                for _, _, after in self._awaiting:
+                    after.append(seconds)
+                if self._awaiting and len(self._awaiting[0][2]) >= _SIDE:
+                    self._price_awaiting()
                 return
             self._open.add(seconds, self._rng)
             if not busy:
@@ -133,10 +144,18 @@ class Slowdown:
         save, self._open = self._open, None
         if save is None or not save.clean_before or len(self._clean) < _MIN_CLEAN:
             return  # saves back to back (the baseline may be stale), or none yet
-        save.excess(statistics.median(self._clean))
-        self._saves.append(save)
-        if len(self._saves) >= _MIN_SAVES:
+        self._awaiting.append((save, statistics.median(list(self._clean)[-_SIDE:]), []))
+
+    def _price_awaiting(self) -> None:
+        """Price the saves that ended against the clean steps on both sides of them: the mean
+        of the two medians is the step time in the middle of the save where it drifts (a
+        warm-up, a curriculum of longer sequences), which the steps before alone are not."""
+        for save, before, after in self._awaiting:
+            save.excess((before + statistics.median(after)) / 2 if after else before)
+            self._saves.append(save)
+        if self._awaiting and len(self._saves) >= _MIN_SAVES:
             self._estimate = self._priced()
+        self._awaiting = []
 
     def _priced(self) -> float | None:
         clean = list(self._clean)

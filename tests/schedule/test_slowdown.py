@@ -20,11 +20,11 @@ from tests.support.cli import ckpt_cli
 
 def drive(slowdown: Slowdown, saves: int, *, step: Callable[[int, bool], float], save_steps: int, blocked_s: float = 0.0, clean: int = 40) -> list[float | None]:
     """`saves` saves of `save_steps` steps each (the first calls it, the last ends after its
-    commit), `clean` clean steps before each; `step(i, busy)` is the i-th step's time. The
-    estimate after each save."""
+    commit), `clean` clean steps before the first and after each; `step(i, busy)` is the i-th
+    step's time. The estimate after each save and the clean steps after it."""
     i, got = 0, []
-    for _ in range(saves):
-        for _ in range(clean):
+    for n in range(saves):
+        for _ in range(clean if n == 0 else 0):
             slowdown.step(step(i, False), busy=False)
             i += 1
         slowdown.began()
@@ -33,6 +33,9 @@ def drive(slowdown: Slowdown, saves: int, *, step: Callable[[int, bool], float],
                 slowdown.committed(blocked_s)
             took = step(i, True) + (blocked_s if k == 0 else 0.0)
             slowdown.step(took, busy=k < save_steps - 1)
+            i += 1
+        for _ in range(clean):  # a save is priced once the clean steps after it are known too
+            slowdown.step(step(i, False), busy=False)
             i += 1
         got.append(slowdown.estimate())
     return got
@@ -50,6 +53,12 @@ def some_slow(share: float, extra: float, seed: int) -> Callable[[int, bool], fl
     return lambda i, busy: (0.3 if r.random() < share else 0.1) + (extra if busy else 0.0)
 
 
+def rising(extra: float, seed: int) -> Callable[[int, bool], float]:
+    """Steps rising from 0.1 to 0.2 s over 20,000 steps, +-1 %, `extra` longer beside a save."""
+    r = random.Random(seed)
+    return lambda i, busy: (0.1 + 0.1 * min(i, 20_000) / 20_000) * (1 + 0.01 * r.uniform(-1, 1)) + (extra if busy else 0.0)
+
+
 # (what the steps are like, the save's steps, the true slowdown per save, how close, as a
 # share of the truth or of 1 s): a table of the step-time patterns a job has.
 CASES = {
@@ -60,6 +69,11 @@ CASES = {
     "5% of steps 3x slower, nothing more": (some_slow(0.05, 0.0, 5), 600, 0.0, 0.3),
     "5% of steps 3x slower, 20 ms more": (some_slow(0.05, 0.02, 6), 100, 2.0, 0.25),
     "a 12,000-step save of 5 ms steps, 1 ms more": (lambda i, busy: 0.005 + (0.001 if busy else 0), 12000, 12.0, 0.05),
+    # The step time rising through a save (a warm-up, a curriculum of longer sequences) is no
+    # cost: a save is priced against the clean steps on both sides of it (outside review: the
+    # steps before alone priced this rise at 2.5 s a save).
+    "steps rising 0.1 to 0.2 s over 20,000 steps, 1,000-step saves, nothing more": (rising(0.0, 8), 1000, 0.0, 0.1),
+    "the same rise, 300-step saves, 10 ms more": (rising(0.01, 9), 300, 3.0, 0.1),
 }
 
 
