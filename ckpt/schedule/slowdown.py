@@ -22,7 +22,8 @@ a step slows that one step: it is counted). Once that step ended the save is pri
   writes are.)
 - each save's steps are taken as excess over the clean step time of its own time: the mean of
   the medians of the `_SIDE` clean steps before it and of those after it (the step time
-  drifts: a warm-up, longer sequences; a save is priced once they came, or at the next save);
+  drifts: a warm-up, longer sequences; a save is priced once half as many clean steps
+  followed it as ran before it, up to `_SIDE`, or at the next save);
   the last `SAVES` saves' are pooled (the noise falls with their number), and the
   slowdown is the per-step excess times the steps a save overlaps (their mean).
 - saves within a step or two are priced from those steps, less the save's blocking time.
@@ -100,8 +101,10 @@ class Slowdown:
         self._saves: deque[_Save] = deque(maxlen=SAVES)  # the last priced saves' steps
         self._open: _Save | None = None  # the save in flight (or committed, its last step running)
         # Saves ended, waiting for the clean steps after them: (the save, the median of the
-        # clean steps before it, the clean steps after it so far).
-        self._awaiting: list[tuple[_Save, float, list[float]]] = []
+        # clean steps before it, the clean steps after it so far, how many it waits for).
+        self._awaiting: list[tuple[_Save, float, list[float], int]] = []
+        self._clean_run = 0  # clean steps since the last save began
+        self._run_before = 0  # those before the save in flight
         self._saves_since_clean = 0  # saves begun since the last clean step
         self._estimate: float | None = None
         self._rng = random.Random(0)
@@ -114,6 +117,7 @@ class Slowdown:
                 self._close()
             self._price_awaiting()  # with the clean steps after them there are
             self._open = _Save(clean_before=self._saves_since_clean < _STALE_AFTER)
+            self._run_before, self._clean_run = self._clean_run, 0
             self._saves_since_clean += 1
 
     def step(self, seconds: float, busy: bool) -> None:
@@ -122,9 +126,10 @@ class Slowdown:
             if self._open is None:
                 self._clean.append(seconds)
                 self._saves_since_clean = 0
-                for _, _, after in self._awaiting:
+                self._clean_run += 1
+                for _, _, after, _ in self._awaiting:
                     after.append(seconds)
-                if self._awaiting and len(self._awaiting[0][2]) >= _SIDE:
+                if self._awaiting and len(self._awaiting[0][2]) >= self._awaiting[0][3]:
                     self._price_awaiting()
                 return
             self._open.add(seconds, self._rng)
@@ -144,13 +149,15 @@ class Slowdown:
         save, self._open = self._open, None
         if save is None or not save.clean_before or len(self._clean) < _MIN_CLEAN:
             return  # saves back to back (the baseline may be stale), or none yet
-        self._awaiting.append((save, statistics.median(list(self._clean)[-_SIDE:]), []))
+        # Half as many clean steps after it as ran before it (up to `_SIDE`): a save is priced
+        # before the next one is due, whether saves come every few steps or every few hundred.
+        self._awaiting.append((save, statistics.median(list(self._clean)[-_SIDE:]), [], max(1, min(_SIDE, self._run_before) // 2)))
 
     def _price_awaiting(self) -> None:
         """Price the saves that ended against the clean steps on both sides of them: the mean
         of the two medians is the step time in the middle of the save where it drifts (a
         warm-up, a curriculum of longer sequences), which the steps before alone are not."""
-        for save, before, after in self._awaiting:
+        for save, before, after, _ in self._awaiting:
             save.excess((before + statistics.median(after)) / 2 if after else before)
             self._saves.append(save)
         if self._awaiting and len(self._saves) >= _MIN_SAVES:
