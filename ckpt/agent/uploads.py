@@ -107,6 +107,7 @@ class Uploads:
         self._running: dict[str, concurrent.futures.Future[None]] = {}  # request path -> its upload
         self._waiting: dict[tuple[str, str], tuple[str, Request, float]] = {}  # (path, save id) -> durable since
         self._looks: dict[tuple[str, str, str], tuple[int, float]] = {}  # a save -> its looks so far, the next one's time
+        self._durable_here: dict[tuple[str, str, str], set[str]] = {}  # a save -> its requests here this agent made durable
         self._lock = threading.Lock()
         self._abandon = threading.Event()
 
@@ -174,8 +175,11 @@ class Uploads:
                 self.metrics.upload_time.observe(max(0.0, time.time() - request.submitted))  # queued and earlier agents' tries too
                 log.info("step %d rank %d durable in %s (%.1f MB in %.2f s)", request.step, request.rank, store.display, done / 1e6, time.monotonic() - began, extra=where)
                 # IMPORTANT: the commit is tried before the status says durable, so that when
-                # every rank of the node reads durable, the last marker's commit was tried.
-                self._settle(path, request, commit_if_complete(store, request), durable_since=time.time())
+                # every rank of the node reads durable, the last marker's commit was tried. The
+                # node's last rank of the save lists the markers: one listing per node and
+                # save (ten LIST pages at 10,000 ranks), not one per rank.
+                last_here = self._node_durable(path, request)
+                self._settle(path, request, commit_if_complete(store, request, markers=last_here), durable_since=time.time())
                 return
             except Abandoned:
                 log.warning("upload of step %d rank %d abandoned (the agent is stopping); left for the next agent", request.step, request.rank, extra=where)
@@ -230,9 +234,26 @@ class Uploads:
                 raise SpoolCopyBad(f"{where}: the spool's copy does not match the manifest ({hasher.size} bytes, expected {entry.size}); not uploaded")
         return hasher.size
 
+    def _node_durable(self, path: str, request: Request) -> bool:
+        """`request`'s rank is durable: are all of its save's ranks on this node now? Asked
+        under the lock, so that of two finishing together the second sees the first."""
+        step_dir = os.path.dirname(os.path.dirname(path))  # <spool>/jobs/<job>/<rel>/.requests/<rank>.json
+        job, rel = os.path.basename(os.path.dirname(step_dir)), os.path.basename(step_dir)
+        with self._lock:
+            done = self._durable_here.setdefault((request.root, request.rel, request.save_id), set())
+            done.add(path)
+            for p in self.spool.request_files(job, rel):
+                other = self.requests.get(p) if p not in done else None
+                if other is not None and other.save_id == request.save_id and other.state(read_json(status_of(p))) not in (DURABLE, COMMITTED):
+                    return False
+        return True
+
     def _settle(self, path: str, request: Request, outcome: str | None, durable_since: float) -> None:
         """Record what a look at the commit found for one request."""
         key = (path, request.save_id)
+        if outcome is not None or time.time() - durable_since > self.config.commit_wait:
+            with self._lock:
+                self._durable_here.pop((request.root, request.rel, request.save_id), None)
         if outcome == "superseded":
             self._waiting.pop(key, None)
             self._set(path, request, FAILED, "another save of the step committed or claimed it")

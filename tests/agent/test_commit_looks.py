@@ -23,8 +23,8 @@ def proxy(s3_endpoint):
     p.close()
 
 
-def _job(tmp_path, s3_root: str, options: dict) -> list[int]:
-    env = {"TEST_SPOOL_OF_RANK": str(tmp_path / "node{rank}")}
+def _job(tmp_path, s3_root: str, options: dict, one_node: bool = False) -> list[int]:
+    env = {"CKPT_SPOOL": str(tmp_path / "node0")} if one_node else {"TEST_SPOOL_OF_RANK": str(tmp_path / "node{rank}")}
     args = ("--mode", "plain", "--root", s3_root, "--steps", 5, "--every", 5, "--no-save-on-exit", "--storage-options", json.dumps(options))
     return run(RANKS, WORKER, *map(str, args), env=env, log_dir=tmp_path, timeout=120)
 
@@ -61,3 +61,28 @@ def test_when_rank_0s_node_dies_between_its_marker_and_the_commit_another_node_c
         assert _job(tmp_path, s3_root, options) == [0] * RANKS, rank_logs(tmp_path)
         until("rank 1's node to commit step 5", lambda: "committed" in a1.text(), timeout=60, logs=lambda: a0.text() + a1.text())
         assert a0.proc.poll() is not None and "committed" not in a0.text()
+
+
+def test_the_ranks_of_one_node_list_the_markers_once_and_the_commit_is_known_without_reading_the_manifest(tmp_path, proxy, s3_root, s3_options):
+    """Two ranks on one node (one spool, one agent), rank 0's upload slower: rank 1 is durable
+    first and does not list the markers; rank 0, the node's last, lists once and commits, and
+    records the commit beside the markers. Rank 1's look at the commit reads that record (a
+    few bytes), not the manifest (one entry per file: tens of MB at 10,000 ranks). Before:
+    each rank listed, ten LIST pages each at 10,000 ranks."""
+    options = {**s3_options, "endpoint_url": proxy.url}
+    with agent(tmp_path / "node0", tmp_path / "agent0.log", env={"CKPT_FAULT": "agent_upload:0:5:sleep=2"}) as a0:
+        assert _job(tmp_path, s3_root, options, one_node=True) == [0] * RANKS, rank_logs(tmp_path)
+        until("the node to commit step 5", lambda: "committed" in a0.text(), logs=a0.text)
+        until("rank 1's look at the commit", lambda: _read_after_commit(proxy) is not None, logs=a0.text)
+    assert _durable_lists(proxy) == 1, proxy.listed
+    assert _read_after_commit(proxy) == [".committed"], proxy.requests  # not the manifest
+
+
+def _read_after_commit(proxy: FaultyProxy) -> list[str] | None:
+    """What step 5's directory was read for after its commit record was written (None: not
+    written, or nothing read after it yet)."""
+    done = [i for i, (k, p) in enumerate(proxy.requests) if k == "put" and p.endswith(".committed")]
+    if not done:
+        return None
+    read = [p.rsplit("/", 1)[-1] for k, p in proxy.requests[done[0] + 1 :] if k in ("get", "range", "head") and "step-0000000005/" in p]
+    return sorted({".committed" if n.endswith(".committed") else n for n in read}) or None
