@@ -65,7 +65,8 @@ def test_ranks_killed_after_handing_off_still_commit_and_the_restart_reads_the_s
         until("the agent to commit step 10", lambda: "step-0000000010/manifest.json" in s3_keys(s3_endpoint, s3_root), logs=a.text)
         assert "committed" in a.text()
         keys = s3_keys(s3_endpoint, s3_root)
-        assert sum(".durable/" in k and k.startswith("step-0000000010/") for k in keys) == RANKS
+        assert sum(".durable/" in k and ".rank-" in k and k.startswith("step-0000000010/") for k in keys) == RANKS
+        assert sum(k.startswith("step-0000000010/.durable/") and k.endswith(".committed") for k in keys) == 1  # the commit's record
 
         # The restart on the same node: the agent has nothing left to do, the ranks read their
         # files from the spool, and the run ends as if never interrupted.
@@ -110,7 +111,7 @@ def test_ranks_on_two_nodes_one_without_an_agent_commit_by_whoever_is_last(tmp_p
     assert [d["step"] for d in dumps(tmp_path / "out")] == [10] * RANKS
     for step in (5, 10):
         durable = sorted(p.name.split(".")[1] for p in (root / f"step-{step:010d}" / ".durable").iterdir())
-        assert durable == ["rank-00000", "rank-00001"]
+        assert durable == ["committed", "rank-00000", "rank-00001"]  # each rank's marker, and the commit's record
     assert not list((tmp_path / "node1").rglob("*.distcp"))  # rank 1 wrote to the root
     rc = ckpt_cli("verify", root, "--deep")
     assert rc.returncode == 0, rc.stdout + rc.stderr
