@@ -39,6 +39,7 @@ def add_parsers(sub: Any) -> None:
     at.add_argument("--tensors", type=int, help="the model's parameter tensors (default: a Llama-like model's for --params)")
     at.add_argument("--store-bandwidth", help="the store's own bound, all nodes together: 1TB/s (default: none)")
     at.add_argument("--prefixes", type=int, default=1, help="partitions S3 spreads a step directory over (default 1: until it splits)")
+    at.add_argument("--gpu-memory", default="80GB", help="a GPU's memory, which what a rank loads must fit in (default 80GB)")
     pl.add_argument("--json", action="store_true")
     pl.set_defaults(func=cmd_plan)
 
@@ -114,6 +115,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     table(rows, ["quantity", "estimate"])
     say("")
     table(scale_rows(big), [f"at {nodes * args.gpus_per_node} ranks ({args.layout})", "estimate"])
+    if big.loaded_per_rank > parse_bytes(args.gpu_memory):
+        say(
+            f"\nnote: each rank of this layout holds {human_bytes(big.loaded_per_rank)} of state, more than a GPU's "
+            f"{args.gpu_memory} (--gpu-memory): the job cannot run so; shard it (fsdp, or hsdp:R with fewer replicas)"
+        )
     return EXIT_OK
 
 

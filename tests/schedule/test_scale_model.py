@@ -92,3 +92,10 @@ def test_what_binds_is_the_largest_term_and_ddp_at_scale_says_it_reads_metadata_
     assert fsdp.metadata_read == "its index + .index"
     ddp = at_scale(980e9, Scale(world=10_000, nodes=1250, tensors=723, layout="ddp", write_bandwidth=12.5e9, read_bandwidth=12.5e9, store_bandwidth=1e12))
     assert ddp.metadata_read == ".metadata, whole" and ddp.restore_binds == "the replicas' exchange"
+
+
+def test_ckpt_plan_says_when_what_a_rank_loads_cannot_fit_in_a_gpu():
+    ddp = ckpt_cli("plan", "--params", "70B", "--nodes", "1250", "--write-bandwidth", "12.5GB/s", "--mtbf", "3h", "--layout", "ddp", check=True).stdout
+    assert "note: each rank of this layout holds 980.0 GB" in ddp, ddp
+    fsdp = ckpt_cli("plan", "--params", "70B", "--nodes", "1250", "--write-bandwidth", "12.5GB/s", "--mtbf", "3h", check=True).stdout
+    assert "note:" not in fsdp, fsdp
