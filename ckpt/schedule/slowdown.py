@@ -24,7 +24,8 @@ a step slows that one step: it is counted). Once that step ended the save is pri
   the medians of the `_SIDE` clean steps before it and of those after it (the step time
   drifts: a warm-up, longer sequences; a save is priced once half as many clean steps
   followed it as ran before it, up to `_SIDE`, or at the next save);
-  the last `SAVES` saves' are pooled (the noise falls with their number), and the
+  the last `SAVES` saves' are pooled (the noise falls with their number; saves of a step or
+  two, up to `_KEEP` of them, until `_POOL` steps are), and the
   slowdown is the per-step excess times the steps a save overlaps (their mean).
 - saves within a step or two are priced from those steps, less the save's blocking time.
 
@@ -46,7 +47,9 @@ from dataclasses import dataclass, field
 from statistics import NormalDist
 
 CLEAN = 64  # recent clean steps the baseline is the median of (the machine's load changes)
-SAVES = 5  # saves whose steps are pooled
+SAVES = 5  # saves whose steps are pooled, at least
+_POOL = 32  # steps pooled, at least: saves of a step or two each are pooled up to `_KEEP` of them
+_KEEP = 20
 _MIN_SAVES = 3  # saves priced before the estimate is trusted (one save's stall is not its price)
 _SAMPLES = 512  # step times kept per save (a uniform sample of its steps: a long save's too)
 _MIN_CLEAN = 5  # clean steps needed before a baseline is trusted
@@ -98,7 +101,7 @@ class Slowdown:
     def __init__(self, ranks: int = 1) -> None:
         self.ranks = ranks  # whose figures the largest is taken of (`Cadence.start`)
         self._clean: deque[float] = deque(maxlen=CLEAN)
-        self._saves: deque[_Save] = deque(maxlen=SAVES)  # the last priced saves' steps
+        self._saves: deque[_Save] = deque(maxlen=_KEEP)  # the last priced saves' steps
         self._open: _Save | None = None  # the save in flight (or committed, its last step running)
         # Saves ended, waiting for the clean steps after them: (the save, the median of the
         # clean steps before it, the clean steps after it so far, how many it waits for).
@@ -168,12 +171,17 @@ class Slowdown:
         clean = list(self._clean)
         base = statistics.median(clean)
         spread = 1.4826 * statistics.median(abs(c - base) for c in clean)  # a robust sigma
-        pooled = [s for save in self._saves for s in save.sample]
+        saves: list[_Save] = []
+        for save in reversed(self._saves):  # the newest, as many as make `_POOL` steps
+            saves.append(save)
+            if len(saves) >= SAVES and sum(len(s.sample) for s in saves) >= _POOL:
+                break
+        pooled = [s for save in saves for s in save.sample]
         steps = 1.0
         if len(pooled) < _MIN_SAVES:  # saves within a step or two: their steps, less what they blocked
-            pooled = [save.first for save in self._saves if save.first is not None] + pooled
+            pooled = [save.first for save in saves if save.first is not None] + pooled
         else:
-            steps = statistics.fmean(save.steps for save in self._saves)
+            steps = statistics.fmean(save.steps for save in saves)
         if not pooled:
             return self._estimate
         # 1.2533: a median's standard error against a mean's, for normal noise.
