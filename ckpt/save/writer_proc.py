@@ -35,6 +35,7 @@ from ckpt.format.manifest import FileEntry
 from ckpt.redact import redact
 from ckpt.save.filewrite import PROGRESS, Fixed, Gate, Piece, piece_len
 from ckpt.save.prefix import Prefixes
+from ckpt.storage.pacing import writer_share
 from ckpt.storage.store import Store
 
 log = logging.getLogger(__name__)
@@ -111,7 +112,8 @@ class ProcessSink:
         self.store = store
         self.timeout_s = timeout_s
         # Fails here, in the trainer, for options that cannot be sent (a credential callable).
-        init = pickle.dumps(("init", store.root if store.is_local else store.url, dict(storage_options or {}), store.transfer, store.checksum_algo))
+        transfer = writer_share(store.transfer)  # IMPORTANT: it and the trainer keep to the rank's share together
+        init = pickle.dumps(("init", store.root if store.is_local else store.url, dict(storage_options or {}), transfer, store.checksum_algo))
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         src = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # above ckpt/save/
         try:

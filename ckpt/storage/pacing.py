@@ -18,10 +18,13 @@ loop (the lock is a thread lock, held for arithmetic only).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 import threading
 import time
+
+from ckpt.storage.transfer import Transfer
 
 FLOOR = 0.5  # requests a second: the slowest a throttled process goes
 _CLIMB = 1.5  # per second without a throttling answer
@@ -65,6 +68,16 @@ class Pace:
             self.current = max(FLOOR, self.current / 2)
             self._tokens = min(self._tokens, 0.0)
             self._slowed_at = now
+
+
+def writer_share(transfer: Transfer) -> Transfer:
+    """The Transfer of a rank's writer process: half the rank's share of a paced job's rate.
+    The writer process sends a save's data (its PUTs or parts), the trainer then the rest (its
+    index, on rank 0 the metadata and the commit): each paced at the rank's whole share, a rank
+    sent up to twice it. With the writer at half, its data and then the trainer's few requests
+    keep to the share together, and the trainer keeps the whole of it for what it sends alone
+    (a restore)."""
+    return dataclasses.replace(transfer, ranks=transfer.ranks * 2) if transfer.requests_per_s > 0 else transfer
 
 
 def pace_for(requests_per_s: float, ranks: int) -> Pace:

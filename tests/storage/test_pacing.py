@@ -118,3 +118,13 @@ def test_a_node_agent_takes_its_nodes_share_from_a_flag_or_its_environment(tmp_p
     assert Config.load(["--spool", str(tmp_path), "--requests-per-s", "12"]).requests_per_s == 12.0
     monkeypatch.setenv("CKPT_AGENT_REQUESTS_PER_S", "3")
     assert Config.load(["--spool", str(tmp_path)]).requests_per_s == 3.0
+
+
+def test_a_ranks_writer_process_paces_at_half_its_share_so_that_with_the_trainer_it_keeps_to_it():
+    """A save's data goes from the rank's writer process, its index then from the trainer: each
+    pacing at the rank's whole share, a rank sent up to twice it (outside review of issue 40)."""
+    from ckpt.storage.pacing import writer_share
+
+    paced = Transfer(requests_per_s=3500.0, ranks=1000)
+    assert pace_for(writer_share(paced).requests_per_s, writer_share(paced).ranks).bound == pytest.approx(1.75)
+    assert writer_share(Transfer()) == Transfer()  # unpaced: nothing to share
