@@ -23,11 +23,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import json
 import os
 import time
 from collections.abc import Iterator
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 from ckpt.errors import CheckpointError, NotFound
 from ckpt.format.manifest import MANIFEST_NAME, SaveCosts
@@ -49,6 +50,17 @@ def committed_name(save_id: str) -> str:
     """Beside the markers, once save `save_id` committed: the others need not read the
     manifest (one entry per file: tens of MB at 10,000 ranks) to know it is theirs."""
     return f"{save_id}.committed"
+
+
+def files_digest(files: Any) -> bytes:
+    """What the commit's record holds: a digest of every file's name and checksum in the
+    committed manifest, which each party compares with its own request's (a record with the
+    save's name over other files, a forger's or another save's, vouches for nothing)."""
+    h = hashlib.sha256()
+    for name in sorted(files) if isinstance(files, dict) else ():
+        entry = files[name]
+        h.update(json.dumps([name, entry.get("checksum") if isinstance(entry, dict) else None]).encode())
+    return h.hexdigest().encode()
 
 
 def mark_durable(store: Store, rel: str, save_id: str, rank: int, files: dict[str, str]) -> None:
@@ -86,7 +98,7 @@ def commit_if_complete(store: Store, request: Request, markers: bool = True) -> 
     put(store, f"{rel}/{MANIFEST_NAME}", manifest.to_json())
     # After the commit, never before it: a party that finds no such record reads the manifest.
     with contextlib.suppress(CheckpointError):
-        put(store, f"{rel}/{DURABLE_DIR}/{committed_name(request.save_id)}", b"")
+        put(store, f"{rel}/{DURABLE_DIR}/{committed_name(request.save_id)}", files_digest(request.manifest.get("files")))
     return "committed"
 
 
@@ -109,11 +121,12 @@ def superseded(store: Store, request: Request) -> str | None:
 
 def committed_as_requested(store: Store, request: Request) -> bool | None:
     """Is the step committed with this request's files (True), committed by another save
-    (False), or not committed (None)? The committer's record says so in a few bytes; without
-    it (a committer that died after the manifest, an earlier ckpt's) the manifest is read."""
+    (False), or not committed (None)? The committer's record says so in a few bytes, if it
+    names these files; without it (a committer that died after the manifest, an earlier
+    ckpt's), or naming others, the manifest is read."""
     with contextlib.suppress(NotFound):
-        store.read_bytes(f"{request.rel}/{DURABLE_DIR}/{committed_name(request.save_id)}")
-        return True
+        if store.read_bytes(f"{request.rel}/{DURABLE_DIR}/{committed_name(request.save_id)}") == files_digest(request.manifest.get("files")):
+            return True
     try:
         doc = json.loads(store.read_bytes(f"{request.rel}/{MANIFEST_NAME}"))
     except NotFound:

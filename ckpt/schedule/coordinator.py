@@ -91,11 +91,11 @@ class Coordinator:
         mtbf_s = self.mtbf.job_mtbf_s(self.nodes)
         cost_s = blocking_s + (slowdown_s or 0.0)
         new = self.policy.seconds(cost_s, persist_s, mtbf_s, time.time() - run_started)
-        if step_s:  # IMPORTANT: a clean step between saves, or no step time to price a save against
-            new = max(new, 2 * step_s)
         # Never longer than the job's MTBF (nor not a number): a busy time from a clock that
         # jumped, or an upload held up for hours, would otherwise stop the saves for as long.
         new = min(new, mtbf_s) if math.isfinite(new) else mtbf_s
+        if step_s:  # IMPORTANT: a clean step between saves, or no step time to price a save against
+            new = max(new, 2 * step_s)
         old, self.seconds = self.seconds, new
         self.schedule = {
             "policy": "auto",

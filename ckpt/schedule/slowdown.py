@@ -202,6 +202,6 @@ class Slowdown:
 
     @property
     def saves(self) -> int:
-        """How many saves the estimate is made of."""
+        """How many priced saves are kept for the estimate (it pools the newest of them)."""
         with self._lock:
             return len(self._saves)

@@ -79,7 +79,7 @@ def test_the_ranks_of_one_node_list_the_markers_once_and_the_commit_is_known_wit
 
 
 def test_a_party_knows_the_commit_from_its_record_without_the_manifest_and_from_the_manifest_without_the_record(tmp_path):
-    from ckpt.node.durable import DURABLE_DIR, committed_as_requested, committed_name
+    from ckpt.node.durable import DURABLE_DIR, committed_as_requested, committed_name, files_digest
     from ckpt.node.spool import Request
     from ckpt.storage.store import Store
 
@@ -91,7 +91,11 @@ def test_a_party_knows_the_commit_from_its_record_without_the_manifest_and_from_
     assert committed_as_requested(store, request) is False
     (tmp_path / "step-5" / "manifest.json").write_text('{"files": {"a": {"checksum": "x"}}}')
     assert committed_as_requested(store, request) is True  # no record: the manifest says
+    (tmp_path / "step-5" / "manifest.json").write_text('{"files": {"a": {"checksum": "y"}}}')  # another save's
+    record = tmp_path / "step-5" / DURABLE_DIR / committed_name("s1")
+    record.write_bytes(files_digest({"a": {"checksum": "y"}}))  # the save's name over other files
+    assert committed_as_requested(store, request) is False  # vouches for nothing: the manifest says
     (tmp_path / "step-5" / "manifest.json").unlink()
-    (tmp_path / "step-5" / DURABLE_DIR / committed_name("s1")).write_bytes(b"")
+    record.write_bytes(files_digest(request.manifest["files"]))
     assert committed_as_requested(store, request) is True  # the record alone: the manifest not read
 
