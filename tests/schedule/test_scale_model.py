@@ -99,3 +99,15 @@ def test_ckpt_plan_says_when_what_a_rank_loads_cannot_fit_in_a_gpu():
     assert "note: each rank of this layout holds 980.0 GB" in ddp, ddp
     fsdp = ckpt_cli("plan", "--params", "70B", "--nodes", "1250", "--write-bandwidth", "12.5GB/s", "--mtbf", "3h", check=True).stdout
     assert "note:" not in fsdp, fsdp
+
+
+def test_a_restore_prices_the_manifest_every_rank_parses():
+    """Every rank parses the manifest at a restore: an entry per file and a checksum per block
+    of a data file, 15.6 MB for 70B on 10,000 ranks (measured on a synthetic one: 0.16 s),
+    which the restore's prediction counts (outside review of issue 40: it was left out)."""
+    from ckpt.schedule.scale_model import MANIFEST_PARSE_RATE
+
+    big = at_scale(980e9, Scale(world=10_000, nodes=1250, tensors=723, write_bandwidth=12.5e9, read_bandwidth=12.5e9, store_bandwidth=1e12, prefixes=100))
+    parse_s = big.restore_metadata_s - at_scale(980e9, Scale(world=8, nodes=1, tensors=723)).restore_metadata_s
+    assert 15e6 / MANIFEST_PARSE_RATE < parse_s < 17e6 / MANIFEST_PARSE_RATE + 0.1, parse_s
+    assert big.restore_s / big.restore_bytes_s == pytest.approx(1.2, abs=0.02)  # the target's edge, before the root's survey
