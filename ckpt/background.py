@@ -77,10 +77,10 @@ class BackgroundSaves:
             if self._cadence.coordinator is not None:
                 busy, handoff = now - save.started, self._handoff
                 agent = handoff is not None and handoff.spool is not None
-                if handoff is not None and agent:  # IMPORTANT: the next save waits for the upload, not the hand-off
+                if agent:  # IMPORTANT: the next save waits for the upload, not the hand-off
                     with contextlib.suppress(CheckpointError):  # a store that flakes: learned at the next save
                         self._learn_commits()
-                    busy = max(busy, handoff.busy_s())
+                    busy = max(busy, handoff.busy_s())  # type: ignore[union-attr]
                 self._cadence.coordinator.retune(blocked, busy, self.history.record.started, self._cadence.agreement.step_s, self._cadence.slowest(), agent=agent)
         self._say_commit(save.step, manifest)
 
