@@ -1,7 +1,10 @@
 """Restore on enter: the newest checkpoint that loads, into the training state of every rank.
 
-Rank 0 lists the root and picks the candidates (committed, newest first; incomplete and
-corrupt ones passed over, saying why); every rank loads the same one through ckpt's verified
+Rank 0 surveys the root and picks the candidates (committed, newest first; incomplete and
+corrupt ones passed over, saying why). On an object store the survey lists the root's top
+level and looks at each step's manifest; only the candidate's directory is listed whole
+(`Store.survey(whole=False)`): a recursive listing of every checkpoint kept is tens of LIST
+pages each at thousands of ranks, one after another. Every rank loads the same one through ckpt's verified
 reader, and all ranks learn each phase's outcome together, so none is left alone in a
 collective. A checkpoint that fails to load falls back to the one before; a storage error or
 a state that does not match the checkpoint (another model) stops the restore, and committed
@@ -160,7 +163,7 @@ def start_fresh(store: Store, ctrl: Group, key: SigningKey | None = None) -> tup
     if ctrl.rank == 0:
         try:
             store.check_reachable()
-            listings, strays = store.survey()
+            listings, strays = store.survey(whole=False)
             taken = {s for s, lst in listings.items() if lst.has_manifest}
             got = (taken | _held_by_strays(store, strays), newest_commit(store, key, listings) if taken else 0.0)
         except Exception as e:
@@ -207,13 +210,13 @@ def _restore_plan(
         if tried:
             return [], set(), [], 0.0, None
         store.check_reachable()
-        listings, strays = store.survey()  # one listing for all three
+        listings, strays = store.survey(whole=False)  # one survey for all three
         entry = catalog.find(store, mode, key, keep=True, listings=listings, world=world)
         taken = {s for s, lst in listings.items() if lst.has_manifest} | _held_by_strays(store, strays)
         return [entry.step], taken, [], newest_commit(store, key, listings), entry
     if not tried:
         store.check_reachable()
-    listings, strays = store.survey()
+    listings, strays = store.survey(whole=False)
     good, skipped = catalog.restore_candidates(store, key, exclude=set(tried), keep=True, listings=listings, world=world)
     taken = {e.step for e in good} | {e.step for e in skipped if e.state == catalog.CORRUPT} | set(tried)
     taken |= _held_by_strays(store, strays, say=not tried)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 from abc import ABC, abstractmethod
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
@@ -70,10 +71,18 @@ class Backend(ABC):
         that are no step directory. IMPORTANT: a directory that cannot be read is an error,
         never an empty listing ("no checkpoint", then "debris")."""
 
+    def survey_manifests(self, root: str) -> tuple[dict[int, StepListing], list[Stray]]:
+        """`survey`, where each step directory's listing may hold its manifest alone
+        (`StepListing.whole` False): a root's entries and a look at each manifest, where a
+        listing of every file of every checkpoint kept costs more (an object store's, at
+        thousands of ranks). This: the whole survey (a local directory's costs no round trip)."""
+        return self.survey(root)
+
     @abstractmethod
-    def list_step(self, path: str, step: int, where: str) -> StepListing | None:
+    def list_step(self, path: str, step: int, where: str, expect: Collection[str] = ()) -> StepListing | None:
         """The files of the step directory `path`, or None if there is none. A file or
-        object named like it is none (NotFound where it cannot be a directory's)."""
+        object named like it is none (NotFound where it cannot be a directory's). `expect`:
+        names it should hold (its manifest's), which an object store may list in parallel by."""
 
     @abstractmethod
     def check_reachable(self, root: str, where: str) -> None:

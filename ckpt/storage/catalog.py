@@ -107,8 +107,13 @@ def inspect(
         if METADATA_NAME not in manifest.files:
             raise InvalidCheckpoint(f"{where}: manifest lists no {METADATA_NAME}")
         check_ranks(manifest, where)
+        if not listing.whole and (metadata or deep):  # a survey's look at the manifest alone
+            listing = _listed(store, listing, manifest)
+            entry.bytes_on_store = sum(listing.files.values())
         for name, f in manifest.files.items():
             algorithm(f, f"{where}/{name}")  # one this ckpt cannot check is never trusted
+            if not listing.whole:  # checked when it is restored (a restore's survey)
+                continue
             size = listing.files.get(name)
             if size is None:
                 raise InvalidCheckpoint(_odd(where, name, listing) if name in listing.odd else f"{where}/{name}: missing")
@@ -133,6 +138,13 @@ def inspect(
         return entry
     entry.state = COMMITTED
     return entry
+
+
+def _listed(store: Store, looked: StepListing, manifest: Manifest) -> StepListing:
+    """The whole listing of a step directory a survey looked at the manifest of (`looked`)."""
+    listing = store.list_step(looked.step, expect=manifest.files) or StepListing(looked.step)
+    listing.manifest_mtime = looked.manifest_mtime
+    return listing
 
 
 def _odd(where: str, name: str, listing: StepListing) -> str:

@@ -6,10 +6,11 @@ is checked then written in two steps, which two racing writers can both pass.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import logging
-from collections.abc import Iterator
-from typing import Any, BinaryIO
+from collections.abc import Callable, Collection, Iterator
+from typing import Any, BinaryIO, TypeVar
 
 from fsspec import AbstractFileSystem
 
@@ -17,7 +18,9 @@ from ckpt.errors import StorageError
 from ckpt.format.checksum import checksum
 from ckpt.format.manifest import MANIFEST_NAME
 from ckpt.storage.backend import Backend, Tagged, checksum_tagged
-from ckpt.storage.layout import NOT_A_STEP_NAME, SMALL_JSON_MAX, StepListing, Stray, step_of
+from ckpt.storage.layout import NOT_A_STEP_NAME, SMALL_JSON_MAX, StepListing, Stray, step_dir_name, step_of
+
+T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
@@ -54,11 +57,46 @@ class FsspecBackend(Backend):
             if tail and info.get("type") != "directory":
                 listing.files[tail] = int(info.get("size") or 0)
                 if tail == MANIFEST_NAME:
-                    when = info.get("mtime", info.get("LastModified"))
-                    listing.manifest_mtime = when.timestamp() if hasattr(when, "timestamp") else float(when) if when is not None else None
+                    listing.manifest_mtime = _mtime(info)
         return steps, sorted(strays.values(), key=lambda s: s.name)
 
-    def list_step(self, path: str, step: int, where: str) -> StepListing | None:
+    def survey_manifests(self, root: str) -> tuple[dict[int, StepListing], list[Stray]]:
+        """The root's entries (one listing of its top level), and a look (HEAD) at each step
+        directory's manifest, 16 at a time: ceil(steps/1000) + steps round trips, whatever the
+        checkpoints hold (a recursive listing is ceil(files/1000) pages, one after another:
+        about 2·W/1000 for each checkpoint kept of a job of W ranks)."""
+        self.fs.invalidate_cache()
+        try:
+            found = self.fs.ls(root, detail=True)
+        except FileNotFoundError:
+            return {}, []
+        steps: dict[int, StepListing] = {}
+        strays: dict[str, Stray] = {}
+        for info in found:
+            head = info["name"].rstrip("/").rsplit("/", 1)[-1]
+            step = step_of(head)
+            if step is None:
+                if head.startswith("step-"):
+                    strays.setdefault(head, Stray(head, NOT_A_STEP_NAME))
+            elif info.get("type") != "directory":  # an object named like a step: no checkpoint
+                strays[head] = Stray(head, "an object, not a directory", step)
+            else:
+                steps[step] = StepListing(step, whole=False)
+        prefix = root.rstrip("/") + "/"
+
+        def look(listing: StepListing) -> None:
+            try:
+                info = self.fs.info(f"{prefix}{step_dir_name(listing.step)}/{MANIFEST_NAME}")
+            except FileNotFoundError:
+                return
+            if info.get("type") != "directory":
+                listing.files[MANIFEST_NAME] = int(info.get("size") or 0)
+                listing.manifest_mtime = _mtime(info)
+
+        each(look, list(steps.values()))
+        return steps, sorted(strays.values(), key=lambda s: s.name)
+
+    def list_step(self, path: str, step: int, where: str, expect: Collection[str] = ()) -> StepListing | None:
         self.fs.invalidate_cache()
         try:
             found = self.fs.find(path, detail=True)
@@ -178,3 +216,19 @@ class FsspecBackend(Backend):
         for d in [*sorted((p for p, x in found.items() if x.get("type") == "directory"), key=len, reverse=True), base]:
             with contextlib.suppress(OSError):
                 self.fs.rmdir(d)
+
+
+def _mtime(info: dict[str, Any]) -> float | None:
+    """When a listing says a file was written (seconds since the epoch), if it says."""
+    when = info.get("mtime", info.get("LastModified"))
+    return when.timestamp() if hasattr(when, "timestamp") else float(when) if when is not None else None
+
+
+def each(fn: Callable[[T], None], items: list[T]) -> None:
+    """`fn` over `items`, 16 at a time (small requests: round trips, not bytes)."""
+    if len(items) < 2:
+        for x in items:
+            fn(x)
+        return
+    with concurrent.futures.ThreadPoolExecutor(min(16, len(items)), thread_name_prefix="ckpt-list") as pool:
+        list(pool.map(fn, items))

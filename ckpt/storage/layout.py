@@ -53,6 +53,9 @@ class StepListing:
     # Entries that are neither files nor directories (links, FIFOs, ...) and what each is:
     # never followed, never read.
     odd: dict[str, str] = field(default_factory=dict)
+    # False: only the manifest was looked at (`Store.survey(whole=False)`), `files` holds it
+    # alone if it is there; the directory's other files are listed when they are needed.
+    whole: bool = True
 
     @property
     def has_manifest(self) -> bool:

@@ -146,18 +146,21 @@ class Store:
         """Every step directory under the root with its files, in one recursive listing."""
         return self.survey()[0]
 
-    def survey(self) -> tuple[dict[int, StepListing], list[Stray]]:
-        """`scan`, and the root's entries named `step-...` that are no step directory."""
+    def survey(self, whole: bool = True) -> tuple[dict[int, StepListing], list[Stray]]:
+        """`scan`, and the root's entries named `step-...` that are no step directory. Not
+        `whole`: a step directory's listing may hold its manifest alone (`StepListing.whole`),
+        which is what a restore needs to pick a checkpoint (`Backend.survey_manifests`)."""
         with storage_errors(f"listing {self.display}"):
-            return self.backend.survey(self.root)
+            return self.backend.survey(self.root) if whole else self.backend.survey_manifests(self.root)
 
-    def list_step(self, step: int) -> StepListing | None:
+    def list_step(self, step: int, expect: Collection[str] = ()) -> StepListing | None:
         """The files of one step directory, or None if there is no such directory. NotFound
         when something else holds its name on a local root (a link, a file, a FIFO): nothing
-        is read, written or deleted through it."""
+        is read, written or deleted through it. `expect`: the names it should hold (its
+        manifest's), by which an object store lists it in parallel pages."""
         where = f"{self.display}/{step_dir_name(step)}"
         with storage_errors(f"listing {where}"):
-            return self.backend.list_step(self.step_path(step), step, where)
+            return self.backend.list_step(self.step_path(step), step, where, expect)
 
     def check_reachable(self) -> None:
         """Fail now, with a clear error, if the root's bucket (on an object store) does not

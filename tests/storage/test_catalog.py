@@ -32,9 +32,9 @@ def _root_listings(monkeypatch) -> list[int]:
     listed: list[int] = []
     real = Store.survey
 
-    def counting(self):
+    def counting(self, whole=True):
         listed.append(1)
-        return real(self)
+        return real(self, whole)
 
     monkeypatch.setattr(Store, "survey", counting)
     return listed
