@@ -18,7 +18,14 @@ from ckpt.errors import StorageError
 from ckpt.format.checksum import checksum
 from ckpt.format.manifest import MANIFEST_NAME
 from ckpt.storage.backend import Backend, Tagged, checksum_tagged
-from ckpt.storage.layout import NOT_A_STEP_NAME, SMALL_JSON_MAX, StepListing, Stray, step_dir_name, step_of
+from ckpt.storage.layout import (
+    NOT_A_STEP_NAME,
+    SMALL_JSON_MAX,
+    StepListing,
+    Stray,
+    step_dir_name,
+    step_of,
+)
 
 T = TypeVar("T")
 

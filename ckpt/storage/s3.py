@@ -21,7 +21,6 @@ from ckpt.storage.s3_read import Reader
 from ckpt.storage.s3_write import S3Upload, upload
 from ckpt.storage.transfer import Transfer
 
-
 # Keys a LIST answers at most (S3's limit): a step directory's listing of more names than this
 # is sent in parallel pages (`S3Backend.list_step`).
 LIST_PAGE = 1000

@@ -16,7 +16,7 @@ import errno
 import math
 import os
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from typing import Any, BinaryIO
 
 import fsspec
