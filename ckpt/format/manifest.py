@@ -99,6 +99,11 @@ class Manifest:
         data = [n for n, e in self.files.items() if e.rank >= 0 and n.endswith(".distcp")]
         return len(data) == self.world_size and all(index_name(n) in self.files for n in data)
 
+    def narrowed(self, files: dict[str, FileEntry]) -> Manifest:
+        """This manifest listing `files` alone (what a rank other than 0 is told of a save:
+        its own); its format and signature as they were (the signature no longer checks)."""
+        return dataclasses.replace(self, files=dict(files))
+
     @property
     def total_bytes(self) -> int:
         return sum(f.size for f in self.files.values())

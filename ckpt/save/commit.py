@@ -131,7 +131,8 @@ class Upload(Protocol):
         returns what every rank is told."""
 
     def finish(self, save: Save, told: Any, written: Written) -> Manifest:
-        """Every rank, told rank 0's commit: the manifest committed, or handed off for the commit."""
+        """Every rank, told rank 0's commit: the manifest committed, or handed off for the
+        commit (rank 0's whole; on the other ranks it may list their own files alone)."""
 
     def abandon(self, save: Save, written: Written) -> None:
         """Every rank, once all know the save failed: what it left behind goes."""
@@ -193,12 +194,22 @@ def _decided(save: Save, written: Written, commit: Callable[[list[Report]], Any]
     if group.rank != 0:
         fault_point("before_manifest", group.rank, save.step)
     long = [m.n for m in everyone if isinstance(m, TooLong)]
-    told = group.broadcast((TooLong(max(long)) if long else commit(everyone)) if group.rank == 0 else None)
+    mine = commit(everyone) if group.rank == 0 and not long else None
+    told = group.broadcast((TooLong(max(long)) if long else _told(mine)) if group.rank == 0 else None)
     if isinstance(told, TooLong):  # a rank's report did not fit gather_short: all send theirs again
         group.fit(told.n)
         everyone = group.gather(written.report) or []  # IMPORTANT: on every rank
-        told = group.broadcast(commit(everyone) if group.rank == 0 else None)
-    return told
+        mine = commit(everyone) if group.rank == 0 else None
+        told = group.broadcast(_told(mine) if group.rank == 0 else None)
+    return mine if group.rank == 0 else told
+
+
+def _told(committed: Any) -> Any:
+    """What the other ranks are told of rank 0's commit: a manifest without its files (each
+    rank knows its own: `Upload.finish`). The list of every rank's files and their blocks'
+    checksums is tens of MB at 10,000 ranks, which each rank would receive and unpickle at
+    every save; rank 0 keeps it."""
+    return committed.narrowed({}) if isinstance(committed, Manifest) else committed
 
 
 def _commit(save: Save, upload: Upload, written: Written, everyone: list[Report]) -> Any:

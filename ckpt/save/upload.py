@@ -56,7 +56,10 @@ class Direct:
         return manifest
 
     def finish(self, save: Save, told: Manifest, written: Written) -> Manifest:
-        return told
+        """Rank 0's manifest; on the other ranks, it with their own files alone (`commit._told`)."""
+        if save.rank == 0 or isinstance(written.report, str):
+            return told
+        return told.narrowed(written.report[2])
 
     def abandon(self, save: Save, written: Written) -> None:
         if save.rank == 0 and not self._tried:  # else the next claim of the step decides
