@@ -49,8 +49,8 @@ class Transfer:
     before they count against `attempts`. While any request of the process (at its pace,
     `ckpt.storage.pacing`) succeeded within it, a throttled request is sent again after a
     backoff (at most `max_backoff_s`) without counting, however long it waits: a busy store
-    slows a save down, it does not fail it. A store silent for it fails the save about
-    `attempts` backoffs later, never hangs it."""
+    slows a save down, it does not fail it. A store that answers only throttles for this long
+    fails the save `attempts` tries later: it never hangs it."""
 
     def __post_init__(self) -> None:
         if not 5 * MiB <= self.part_size <= PUT_MAX:
