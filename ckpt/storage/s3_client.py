@@ -66,6 +66,8 @@ class RetriedFS(S3FileSystem):
         try:
             return await tried(self.transfer, f"S3 {method}", lambda: super(RetriedFS, self)._call_s3(method, *args, **kwargs))
         except GaveUp as e:
+            if e.unanswered_s is not None:  # a throttle, never a FileNotFoundError: say why
+                raise OSError(f"{describe(e.error)}{e.why}") from e.error
             raise e.error from e.error.__cause__  # as s3fs raised it: FileNotFoundError stays one
 
 
@@ -98,8 +100,7 @@ class S3Client:
         try:
             return await tried(self.config, what, request)
         except GaveUp as e:
-            tries = f" (gave up after {e.attempts} attempts)" if e.attempts > 1 else ""
-            raise StorageError(f"{what}: {describe(e.error)}{tries}") from e.error
+            raise StorageError(f"{what}: {describe(e.error)}{e.why}") from e.error
 
     def call(self, what: str, method: str, **kwargs: Any) -> Any:
         """One S3 request with retries, from synchronous code."""

@@ -45,8 +45,12 @@ class Transfer:
     ranks: int = 1
     """The job's ranks: the Checkpointer sets it."""
     throttled_s: float = 300.0
-    """Seconds one request is sent again while the store answers SlowDown, which does not
-    count against `attempts`: a busy store slows a save down, it does not fail it."""
+    """Seconds the store may answer this process nothing but throttles (SlowDown, 429, 503)
+    before they count against `attempts`. While any request of the process (at its pace,
+    `ckpt.storage.pacing`) succeeded within it, a throttled request is sent again after a
+    backoff (at most `max_backoff_s`) without counting, however long it waits: a busy store
+    slows a save down, it does not fail it. A store that answers only throttles for this long
+    fails the save `attempts` tries later: it never hangs it."""
 
     def __post_init__(self) -> None:
         if not 5 * MiB <= self.part_size <= PUT_MAX:

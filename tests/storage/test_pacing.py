@@ -7,11 +7,15 @@ past a request rate, as S3 does per prefix."""
 from __future__ import annotations
 
 import concurrent.futures
+import re
+import time
 
 import pytest
 
+from ckpt.errors import StorageError
 from ckpt.storage import pacing
 from ckpt.storage.pacing import FLOOR, Pace, pace_for
+from ckpt.storage.s3_retry import backoff_s
 from ckpt.storage.store import Store
 from ckpt.storage.transfer import Transfer
 from tests.support.s3proxy import FaultyProxy
@@ -110,6 +114,56 @@ def test_a_store_that_throttles_slows_writes_down_and_fails_none_and_a_paced_job
     _write_many(paced, 60)
     assert proxy.throttled == throttled, proxy.throttled - throttled
     assert len(paced.list_dir("many")) == 60
+
+
+@pytest.fixture
+def fresh_paces(monkeypatch):
+    """The process's paces as a new process has them: no request answered yet (another
+    test's thread, still at the store, would otherwise count as this process being served)."""
+    monkeypatch.setattr(pacing, "_paces", {})
+
+
+def test_a_request_throttled_for_longer_than_throttled_s_still_lands_while_others_get_through(proxy, s3_root, s3_options, fresh_paces):
+    """10 PUTs at once, one try each, against a store that takes 2.5 a second: the last to
+    land is throttled for longer than `throttled_s` (1 s) and lands, because the store answers
+    one of the others every 0.4 s. Before issue 40's fix, it failed at 1 s."""
+    store = Store(s3_root, {**s3_options, "endpoint_url": proxy.url}, Transfer(attempts=1, backoff_s=0.05, max_backoff_s=0.1, throttled_s=1.0))
+    proxy.limit(2.5)
+    with concurrent.futures.ThreadPoolExecutor(10) as pool:
+        list(pool.map(lambda i: store.put_atomic(f"many/{i}", str(i).encode()), range(10)))
+
+    proxy.limit(None)
+    assert [store.read_bytes(f"many/{i}") for i in range(10)] == [str(i).encode() for i in range(10)]
+    spans: dict[str, list[float]] = {}
+    for path, at in proxy.throttled_at:
+        spans.setdefault(path, []).append(at)
+    assert max(max(ats) - min(ats) for ats in spans.values()) > 1.0  # throttled_s
+
+
+def test_a_store_that_answers_nothing_but_throttles_for_throttled_s_fails_the_write_and_says_why(proxy, s3_root, s3_options, fresh_paces):
+    """Then throttling answers count against `attempts`: the write fails soon after
+    `throttled_s`, with a message that says the store answered nothing else; it does not hang."""
+    store = Store(s3_root, {**s3_options, "endpoint_url": proxy.url}, Transfer(attempts=2, backoff_s=0.05, max_backoff_s=0.1, throttled_s=0.5))
+    proxy.limit(0.0)
+    start = time.monotonic()
+    with pytest.raises(StorageError) as err:
+        store.put_atomic("never", b"x")
+
+    assert 0.5 <= time.monotonic() - start < 3.0
+    message = str(err.value)
+    assert f"{s3_root}/never" in message and "SlowDown" in message
+    assert re.search(r"gave up after 2 attempts; throttled for 0\.\d s with no request of this process answered, past Transfer.throttled_s", message), message
+    proxy.limit(None)
+    assert not store.exists("never")
+
+
+def test_a_throttle_of_hours_waits_at_most_max_backoff_s_between_tries():
+    """Thousands of throttled tries: the bound stops doubling at `max_backoff_s` (2.0 ** 1100
+    overflowed), and the wait is drawn below it."""
+    cfg = Transfer(backoff_s=0.25, max_backoff_s=20.0)
+    waits = [backoff_s(cfg, n) for n in (1, 2, 8, 1100, 10**6) for _ in range(200)]
+    assert 0.0 <= min(waits) and max(waits) <= 20.0
+    assert max(backoff_s(cfg, 1) for _ in range(200)) <= 0.25
 
 
 def test_a_node_agent_takes_its_nodes_share_from_a_flag_or_its_environment(tmp_path, monkeypatch):

@@ -87,6 +87,35 @@ def test_a_store_that_keeps_failing_gives_a_storage_error_quickly_and_leaves_not
 
 
 @pytest.mark.parametrize(
+    "answers, lands",
+    [
+        pytest.param(("500", "500"), True, id="two 500s: lands at the third try"),
+        pytest.param(("500", "500", "500"), False, id="three 500s: fails"),
+        pytest.param(("503", "500", "503", "500"), True, id="SlowDowns do not count"),
+        pytest.param(("500", "503", "503", "500", "503", "500"), False, id="the third 500 fails"),
+    ],
+)
+def test_failures_other_than_throttling_count_against_attempts_even_while_the_store_answers(
+    proxy, s3_root, s3_options, answers, lands
+):
+    """Three tries (`attempts=3`) of one PUT, just after the store answered another: a 500
+    is a failed try as before issue 40; only throttling answers are not."""
+    store = through(proxy, s3_root, s3_options, attempts=3)
+    store.put_atomic("answered", b"a")
+    proxy.fail("put", *answers)
+    puts = proxy.seen["put"]
+
+    if lands:
+        store.put_atomic("x", b"x")
+        assert store.read_bytes("x") == b"x"
+    else:
+        with pytest.raises(StorageError, match=r"InternalError.*\(gave up after 3 attempts\)$"):
+            store.put_atomic("x", b"x")
+        assert not store.exists("x")
+    assert proxy.seen["put"] - puts == len(answers) + lands
+
+
+@pytest.mark.parametrize(
     "server, refusal",
     [
         ("s3_endpoint", "NoSuchBucket"),

@@ -42,6 +42,7 @@ class FaultyProxy:
         self._rng = random.Random(0)
         self._limit: tuple[float, float, float] | None = None  # (rate, tokens, when): `limit`
         self.throttled = 0  # requests answered SlowDown by `limit`
+        self.throttled_at: list[tuple[str, float]] = []  # and each one's (path, monotonic time)
         self.delay_s, self.stall_s = (0.05, 0.5), 30.0
         self._lock = threading.Lock()
         proxy = self
@@ -82,9 +83,10 @@ class FaultyProxy:
 
     def limit(self, rate: float | None) -> None:
         """Answer SlowDown (503) to requests beyond `rate` a second (a token bucket of one
-        second's worth), as S3 does to a prefix past its request rate; None: no limit."""
+        second's worth), as S3 does to a prefix past its request rate; 0: to every request;
+        None: no limit."""
         with self._lock:
-            self._limit = (rate, rate, time.monotonic()) if rate else None
+            self._limit = (rate, rate, time.monotonic()) if rate is not None else None
 
     def flaky(self, seed: int, rates: dict[str, float] | None = None) -> None:
         """From now on, each request meets at most one fault, drawn at these rates (keys of
@@ -129,6 +131,7 @@ class FaultyProxy:
                 self._limit = (rate, tokens - 1 if tokens >= 1 else tokens, now)
                 if tokens < 1:
                     self.throttled += 1
+                    self.throttled_at.append((urlsplit(req.path).path, now))
                     return "503"
             draw = self._rng.random()
             for fault, rate in self._rates.items():
