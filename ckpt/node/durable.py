@@ -30,8 +30,8 @@ import time
 from collections.abc import Iterator
 from typing import Any, BinaryIO
 
-from ckpt.errors import CheckpointError, NotFound
-from ckpt.format.manifest import MANIFEST_NAME, SaveCosts
+from ckpt.errors import CheckpointError, InvalidCheckpoint, NotFound
+from ckpt.format.manifest import MANIFEST_MAX, MANIFEST_NAME, Manifest, SaveCosts
 from ckpt.node.spool import Request, rank_name
 from ckpt.storage.nofollow import fsync_dir, new_file, put_file
 from ckpt.storage.store import Store, storage_errors
@@ -50,6 +50,46 @@ def committed_name(save_id: str) -> str:
     """Beside the markers, once save `save_id` committed: the others need not read the
     manifest (one entry per file: tens of MB at 10,000 ranks) to know it is theirs."""
     return f"{save_id}.committed"
+
+
+def draft_name(save_id: str) -> str:
+    """Beside the markers, from rank 0 before any rank hands off: the manifest to commit. The
+    ranks' requests carry its checksum, not it (tens of MB at 10,000 ranks, in every request)."""
+    return f"{save_id}.draft"
+
+
+def write_draft(store: Store, rel: str, save_id: str, manifest: Manifest) -> dict[str, Any]:
+    """Rank 0: put the draft of save `save_id` in the root; what each request says of it."""
+    data = manifest.to_json()
+    put(store, f"{rel}/{DURABLE_DIR}/{draft_name(save_id)}", data)
+    return {"checksum": hashlib.sha256(data).hexdigest(), "size": len(data), "digest": files_digest(json.loads(data)["files"]).decode()}
+
+
+def _drafted(store: Store, request: Request) -> Manifest:
+    """The manifest to commit: the request's own, or rank 0's draft in the root, read and
+    checked against the request (its bytes' checksum, its step and world, this rank's files).
+    IMPORTANT: whoever can write the root could put another draft there; the request (in the
+    node's spool, or this rank's own) says which one."""
+    if not request.draft:
+        return request.manifest_obj()
+    rel = f"{request.rel}/{DURABLE_DIR}/{draft_name(request.save_id)}"
+    where = f"{store.display}/{rel}"
+    size = request.draft.get("size")
+    data = store.read_small(rel, size) if isinstance(size, int) and 0 < size <= MANIFEST_MAX else None
+    if data is None or len(data) != request.draft.get("size") or hashlib.sha256(data).hexdigest() != request.draft.get("checksum"):
+        raise InvalidCheckpoint(f"{where}: not the draft this save's ranks handed off (its size or checksum differs)")
+    manifest = Manifest.from_json(data, where)
+    mine = request.manifest.get("files", {})
+    if manifest.step != request.step or manifest.world_size != request.world or any(
+        n not in manifest.files or manifest.files[n].checksum != mine.get(n, {}).get("checksum") for n in request.files
+    ):
+        raise InvalidCheckpoint(f"{where}: of another step or world, or not listing this rank's files as it wrote them")
+    return manifest
+
+
+def _digest(request: Request) -> bytes:
+    """`files_digest` of what the request's save commits."""
+    return str(request.draft["digest"]).encode() if request.draft else files_digest(request.manifest.get("files"))
 
 
 def files_digest(files: Any) -> bytes:
@@ -86,7 +126,7 @@ def commit_if_complete(store: Store, request: Request, markers: bool = True) -> 
     durable = set(store.list_dir(f"{rel}/{DURABLE_DIR}"))
     if not all(marker_name(request.save_id, r) in durable for r in range(request.world)):
         return None
-    manifest = request.manifest_obj()
+    manifest = _drafted(store, request)
     # `created` stays the draft's: commits of different steps may land out of order (one
     # node slower), and the order of the saves is what restore and retention go by.
     # IMPORTANT: a signed draft is committed exactly as signed (its persist time stays the
@@ -98,7 +138,7 @@ def commit_if_complete(store: Store, request: Request, markers: bool = True) -> 
     put(store, f"{rel}/{MANIFEST_NAME}", manifest.to_json())
     # After the commit, never before it: a party that finds no such record reads the manifest.
     with contextlib.suppress(CheckpointError):
-        put(store, f"{rel}/{DURABLE_DIR}/{committed_name(request.save_id)}", files_digest(request.manifest.get("files")))
+        put(store, f"{rel}/{DURABLE_DIR}/{committed_name(request.save_id)}", _digest(request))
     return "committed"
 
 
@@ -125,7 +165,7 @@ def committed_as_requested(store: Store, request: Request) -> bool | None:
     names these files; without it (a committer that died after the manifest, an earlier
     ckpt's), or naming others, the manifest is read."""
     with contextlib.suppress(NotFound):
-        if store.read_bytes(f"{request.rel}/{DURABLE_DIR}/{committed_name(request.save_id)}") == files_digest(request.manifest.get("files")):
+        if store.read_bytes(f"{request.rel}/{DURABLE_DIR}/{committed_name(request.save_id)}") == _digest(request):
             return True
     try:
         doc = json.loads(store.read_bytes(f"{request.rel}/{MANIFEST_NAME}"))

@@ -185,9 +185,13 @@ class Handoff:
                 with contextlib.suppress(OSError):
                     os.unlink(target.path(rel, name))
 
-    def submit(self, target: Store, rel: str, save_id: str, manifest: Manifest, files: list[str], world: int, started: float) -> None:
+    def submit(
+        self, target: Store, rel: str, save_id: str, manifest: Manifest, files: list[str], world: int, started: float,
+        draft: dict[str, Any] | None = None,
+    ) -> None:  # fmt: skip
         """Hand this rank's files of the save off (spool), or mark them durable and commit if
-        they are the last (root)."""
+        they are the last (root). `manifest` lists them; `draft`: rank 0's draft of the whole
+        manifest in the root (`ckpt.node.durable.write_draft`), which the commit writes."""
         request = Request(
             root=self.store.url,
             storage_options=self.options,
@@ -199,6 +203,7 @@ class Handoff:
             files=sorted(files),
             manifest=_doc(manifest),
             started=started,
+            draft=dict(draft or {}),
         )
         if target is self.local and self.spool is not None:
             status = self.spool.status_path(self.job, rel, self.rank)

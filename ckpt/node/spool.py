@@ -153,9 +153,15 @@ class Request:
     rank: int
     world: int
     files: list[str]  # this rank's files, under rel
-    manifest: dict[str, Any]  # the checkpoint's manifest, to write when every rank is durable
+    # The checkpoint's manifest, to write when every rank is durable; with a `draft`, it lists
+    # this rank's files alone (to check and mark them by), and the draft is the manifest.
+    manifest: dict[str, Any]
     started: float  # unix time the save started (the commit's persist time counts from it)
     submitted: float = field(default_factory=time.time)
+    # Rank 0's draft of the manifest in the root (`ckpt.node.durable.write_draft`): its
+    # "checksum" (sha256 of its bytes), "size", and "digest" (`files_digest` of its files).
+    # Empty: `manifest` is the whole draft (an earlier ckpt's request).
+    draft: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def from_doc(cls, doc: Any) -> Request:
@@ -164,7 +170,7 @@ class Request:
         names = {f.name for f in dataclasses.fields(cls)}
         if not isinstance(doc, dict) or not names >= set(doc) or not set(_FIELD_TYPES) <= set(doc):
             raise ValueError("not a hand-off request")
-        kinds_of = {**_FIELD_TYPES, "submitted": (int, float)}  # submitted: optional
+        kinds_of = {**_FIELD_TYPES, "submitted": (int, float), "draft": (dict,)}  # optional
         wrong = [k for k, v in doc.items() if not isinstance(v, kinds_of[k]) or (isinstance(v, bool) and bool not in kinds_of[k])]
         if wrong or not all(isinstance(n, str) for n in doc["files"]):
             raise ValueError(f"not a hand-off request: {', '.join(wrong) or 'files'} of the wrong type")

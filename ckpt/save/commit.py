@@ -209,6 +209,8 @@ def _told(committed: Any) -> Any:
     rank knows its own: `Upload.finish`). The list of every rank's files and their blocks'
     checksums is tens of MB at 10,000 ranks, which each rank would receive and unpickle at
     every save; rank 0 keeps it."""
+    if isinstance(committed, tuple):  # a draft handed off, and what goes with it
+        return tuple(_told(x) for x in committed)
     return committed.narrowed({}) if isinstance(committed, Manifest) else committed
 
 

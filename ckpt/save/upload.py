@@ -2,23 +2,26 @@
 
 `Direct`: every rank writes to the root; rank 0 writes the manifest once every rank's files
 are durable there. `ViaAgent`: every rank writes to its node spool (the root where the spool
-cannot take the save) and hands its files off to the node agent (`ckpt.node.handoff`) with
-the manifest rank 0 drafted; the agent uploads them, and whoever makes the last rank durable
-in the root writes the manifest (`ckpt.node.spool`), even if the trainers died meanwhile.
+cannot take the save) and hands its files off to the node agent (`ckpt.node.handoff`); rank
+0 puts its draft of the manifest in the root first, and each request names it by its
+checksum and lists the rank's own files; the agent uploads them, and whoever makes the last
+rank durable in the root commits the draft (`ckpt.node.durable`), even if the trainers died
+meanwhile. No rank is sent the list of every rank's files, nor writes it into its request:
+tens of MB at 10,000 ranks.
 """
 
 from __future__ import annotations
 
 import logging
 import secrets
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from torch.distributed.checkpoint.api import CheckpointException
 
 from ckpt._faults import fault_point
 from ckpt.errors import DiskFull, SaveFailed, dcp_failures
 from ckpt.format.manifest import MANIFEST_NAME, Manifest
-from ckpt.node.durable import claim
+from ckpt.node.durable import claim, write_draft
 from ckpt.save.commit import Report, Save, Source, Written, claim_step_dir, draft, write_files
 from ckpt.storage.store import step_dir_name
 
@@ -98,22 +101,29 @@ class ViaAgent:
             self.handoff.spool_filled()
         return written
 
-    def commit(self, save: Save, written: Written, everyone: list[Report]) -> tuple[Manifest, str]:
+    def commit(self, save: Save, written: Written, everyone: list[Report]) -> tuple[Manifest, str, dict[str, Any]]:
         try:
-            # Rank 0's save id travels with the draft: the other ranks need it only to hand off.
-            return draft(save, written, everyone), self._save_id
+            manifest = draft(save, written, everyone)
         except DiskFull:
             if written.where is not save.store:
                 self.handoff.spool_filled()  # `.metadata` found no room there: the next save goes to the root
             raise
+        # The draft goes to the root once, before any rank hands off, for whoever commits;
+        # each request names it by its checksum (`ckpt.node.durable.write_draft`). Rank 0's
+        # save id travels with it: the other ranks need it only to hand off.
+        return manifest, self._save_id, write_draft(save.store, save.rel, self._save_id, manifest)
 
-    def finish(self, save: Save, told: tuple[Manifest, str], written: Written) -> Manifest:
+    def finish(self, save: Save, told: tuple[Manifest, str, dict[str, Any]], written: Written) -> Manifest:
         """Every rank hands its files off (or marks them durable in the root); all learn
         whether every rank could."""
-        manifest, self._save_id = told
+        whole, self._save_id, drafted = told
+        names = written.names(save.rank)
+        # The request lists this rank's files alone; rank 0 keeps the whole manifest.
+        own = whole.files if save.rank == 0 else written.report[2] if not isinstance(written.report, str) else {}
+        manifest = whole.narrowed({n: own[n] for n in names if n in own})
         why = ""
         try:
-            self.handoff.submit(written.where, save.rel, self._save_id, manifest, written.names(save.rank), save.group.world, save.began)
+            self.handoff.submit(written.where, save.rel, self._save_id, manifest, names, save.group.world, save.began, drafted)
         except Exception as e:  # reported to every rank below, not left to hang them
             why = f"rank {save.rank}: {type(e).__name__}: {e}"
             log.warning("handing off %s failed: %s", save.rel, why)
@@ -122,7 +132,7 @@ class ViaAgent:
             self.handoff.cancel(self._save_id)  # it can never commit: nobody waits for it
             raise SaveFailed(f"hand-off of {save.rel} failed: {why or 'on another rank'}")
         self.handoff.wrote(manifest)
-        return manifest
+        return whole if save.rank == 0 else manifest
 
     def abandon(self, save: Save, written: Written) -> None:
         if not isinstance(written.report, str):

@@ -111,7 +111,8 @@ def test_ranks_on_two_nodes_one_without_an_agent_commit_by_whoever_is_last(tmp_p
     assert [d["step"] for d in dumps(tmp_path / "out")] == [10] * RANKS
     for step in (5, 10):
         durable = sorted(p.name.split(".")[1] for p in (root / f"step-{step:010d}" / ".durable").iterdir())
-        assert durable == ["committed", "rank-00000", "rank-00001"]  # each rank's marker, and the commit's record
+        # rank 0's draft of the manifest, each rank's marker, and the commit's record
+        assert durable == ["committed", "draft", "rank-00000", "rank-00001"]
     assert not list((tmp_path / "node1").rglob("*.distcp"))  # rank 1 wrote to the root
     rc = ckpt_cli("verify", root, "--deep")
     assert rc.returncode == 0, rc.stdout + rc.stderr
@@ -264,7 +265,6 @@ def test_a_trainer_does_not_wait_for_a_dead_agent_and_a_bad_spool_copy_is_never_
     file is changed: the next agent fails the hand-off and the root gets neither the file nor
     a commit. Mended, the hand-off goes through a root that fails for a while, retried.
     (These agents run in this process, on a local root.)"""
-    import shutil
     import threading
 
     import torch
@@ -297,9 +297,14 @@ def test_a_trainer_does_not_wait_for_a_dead_agent_and_a_bad_spool_copy_is_never_
     raw[-1] ^= 1
     data.write_bytes(bytes(raw))
     os.remove(status_of(path))
-    shutil.rmtree(root / "step-0000000001")
+    (root / "step-0000000001").rename(tmp_path / "aside")  # its claim and rank 0's draft
     (root / "step-0000000001").write_text("in the way")
-    threading.Timer(1.5, (root / "step-0000000001").unlink).start()
+
+    def mended() -> None:
+        (root / "step-0000000001").unlink()
+        (tmp_path / "aside").rename(root / "step-0000000001")
+
+    threading.Timer(1.5, mended).start()
     retrying = Agent(Config(spool=str(spool), metrics_port=-1, retries=5))
     retrying.uploads.upload(path, Request.from_doc(read_json(path)))
     assert read_json(status_of(path))["state"] == "committed"

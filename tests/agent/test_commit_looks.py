@@ -99,3 +99,77 @@ def test_a_party_knows_the_commit_from_its_record_without_the_manifest_and_from_
     record.write_bytes(files_digest(request.manifest["files"]))
     assert committed_as_requested(store, request) is True  # the record alone: the manifest not read
 
+
+
+def _draft_of_two_ranks(step: int = 5):
+    from ckpt.format.manifest import FileEntry, Manifest
+
+    files = {
+        "__0_0.distcp": FileEntry(10, "xxh3_64:00000000000000a0", 0),
+        "__1_0.distcp": FileEntry(20, "xxh3_64:00000000000000b1", 1),
+        ".metadata": FileEntry(30, "xxh3_64:00000000000000c2", -1),
+    }
+    return Manifest(step=step, world_size=2, created=1.0, files=files)
+
+
+def _forged(draft):  # another manifest put in the draft's place: rank 0's file swapped
+    from ckpt.format.manifest import FileEntry
+
+    return draft.narrowed({**draft.files, "__0_0.distcp": FileEntry(10, "xxh3_64:00000000000000ff", 0)}).to_json()
+
+
+# What is in the draft's place when the last rank is durable, and what the commit does.
+DRAFTS = [
+    ("rank 0's draft", lambda d: d.to_json(), "committed"),
+    ("another draft put in its place", _forged, "not the draft"),
+    ("the draft cut short", lambda d: d.to_json()[:-5], "not the draft"),
+    ("another step's draft, its checksum in the request", None, "of another step"),
+    ("no draft", lambda d: None, "NotFound"),
+]
+
+
+@pytest.mark.parametrize("what,content,outcome", DRAFTS, ids=[d[0] for d in DRAFTS])
+def test_each_request_lists_its_own_files_and_the_commit_writes_rank_0s_draft_and_no_other(tmp_path, what, content, outcome):
+    """A request names rank 0's draft of the manifest in the root by its checksum, and lists
+    the rank's own files alone (the whole list is tens of MB at 10,000 ranks); whoever finds
+    every rank durable commits that draft, and nothing else that is in its place."""
+    from ckpt.errors import InvalidCheckpoint, NotFound
+    from ckpt.format.manifest import Manifest
+    from ckpt.node.durable import (
+        DURABLE_DIR,
+        commit_if_complete,
+        draft_name,
+        mark_durable,
+        write_draft,
+    )
+    from ckpt.node.spool import Request
+    from ckpt.storage.store import Store
+
+    store, rel = Store(str(tmp_path)), "step-0000000005"
+    draft = _draft_of_two_ranks()
+    ref = write_draft(store, rel, "s1", draft)
+    mine = draft.narrowed({"__1_0.distcp": draft.files["__1_0.distcp"]})
+    if content is None:  # a draft of step 6 whose checksum the request carries
+        ref = write_draft(store, rel, "s1", _draft_of_two_ranks(step=6))
+    else:
+        data = content(draft)
+        path = tmp_path / rel / DURABLE_DIR / draft_name("s1")
+        path.unlink()
+        if data is not None:
+            path.write_bytes(data)
+    request = Request(
+        root=str(tmp_path), storage_options={}, rel=rel, step=5, save_id="s1", rank=1, world=2, files=["__1_0.distcp"],
+        manifest=json.loads(mine.to_json()), started=0.0, draft=ref,
+    )  # fmt: skip
+    assert set(request.manifest["files"]) == {"__1_0.distcp"}
+    for rank, names in ((0, ["__0_0.distcp", ".metadata"]), (1, ["__1_0.distcp"])):
+        mark_durable(store, rel, "s1", rank, {n: draft.files[n].checksum for n in names})
+    if outcome == "committed":
+        assert commit_if_complete(store, request) == "committed"
+        committed = Manifest.from_json((tmp_path / rel / "manifest.json").read_bytes(), "the commit")
+        assert committed.files == draft.files and committed.created == draft.created  # as drafted (its persist time: the commit's)
+        assert commit_if_complete(store, request) == "found"  # by the record
+        return
+    with pytest.raises(NotFound if outcome == "NotFound" else InvalidCheckpoint, match=None if outcome == "NotFound" else outcome):
+        commit_if_complete(store, request)
+    assert not (tmp_path / rel / "manifest.json").exists()
