@@ -199,6 +199,8 @@ class Uploads:
                     return
 
     def _fail(self, path: str, request: Request, why: str, e: BaseException, where: dict[str, Any]) -> None:
+        with self._lock:  # a save that failed here is never looked at again: not kept for it
+            self._durable_here.pop((request.root, request.rel, request.save_id), None)
         self.metrics.uploads.labels("failed").inc()
         self.metrics.failures.labels(failure_kind(e)).inc()
         log.error("hand-off of step %d rank %d failed: %s", request.step, request.rank, redact(why), extra=where)
