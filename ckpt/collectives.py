@@ -1,6 +1,6 @@
 """ckpt's collectives: a `Group` of ranks over a gloo group of ckpt's own, and the few
 operations a save and a restore take on it (a broadcast and a gather of pickled objects in one
-collective when they are short, element-wise max and bitwise OR of a few ints).
+collective when they are short, a scatter, element-wise max and bitwise OR of a few ints).
 
 The objects are this job's own ranks' (never read from storage): unpickling them is as safe as
 torch's `broadcast_object_list` and `gather_object`, which these replace.
@@ -67,6 +67,16 @@ class Group:
         out: list[Any] | None = [None] * self.world if self.rank == 0 else None
         dist.gather_object(obj, out, dst=0, group=self.pg)
         return out
+
+    def scatter(self, objs: list[Any] | None) -> Any:
+        """Rank 0's `objs[r]` on each rank r (the others pass None): each rank receives its
+        own, as long as the longest one's pickle (torch's `scatter_object_list`)."""
+        if self.pg is None:
+            assert objs is not None
+            return objs[0]
+        out: list[Any] = [None]
+        dist.scatter_object_list(out, objs if self.rank == 0 else None, src=0, group=self.pg)
+        return out[0]
 
     def gather_short(self, obj: Any) -> list[Any] | None:
         """`gather` in one collective: every rank sends `gather_bytes` bytes. Rank 0 gets, for

@@ -53,7 +53,7 @@ from ckpt.format.dcp_metadata import load_metadata
 from ckpt.format.manifest import METADATA_NAME, Manifest
 from ckpt.restore.replicas import Replicas, group
 from ckpt.restore.replicas import exchange as replicate
-from ckpt.restore.shared_items import Ref, Sharing, exchange, server
+from ckpt.restore.shared_items import Ref, Servers, Sharing, exchange
 from ckpt.restore.tensor_stream import Scratch, disjoint, load_blob, read_tensor_item
 from ckpt.storage.store import Store
 from ckpt.storage.verified import VerifyingReader, read_verified
@@ -223,9 +223,7 @@ class _Reader(FileSystemReader):
         """`replicas.group`, once per restore on every rank of the job."""
         assert self._ctrl is not None and not self._grouped
         self._grouped = True
-        saved_on, world = self.manifest.world_size, self._ctrl.world
-        servers = {name: server(e.rank, saved_on, world) for name, e in self.manifest.files.items() if e.rank >= 0}
-        self.replicas = group(self._ctrl, pieces, servers)
+        self.replicas = group(self._ctrl, pieces, Servers(self.manifest, self._ctrl.world))
 
     def share(self, planner: LoadPlanner, state_dict: dict[str, Any], ok: bool) -> None:
         """Send and receive the values several ranks load into `state_dict`: the small ones

@@ -38,6 +38,7 @@ from ckpt.restore.dcp_read import make_reader
 from ckpt.restore.partial import first_reads, metadata_of
 from ckpt.restore.planner import SafeLoadPlanner
 from ckpt.restore.prefetch import Prefetch
+from ckpt.restore.view import views
 from ckpt.storage import catalog
 from ckpt.storage.store import StepListing, Store, Stray, step_dir_name
 
@@ -103,7 +104,8 @@ def restore(
                 plan, error = f"{type(e).__name__}: {e}", e
             if plan and not isinstance(plan, str) and doc is None and store.is_local:
                 doc = _read_manifest(store, plan[0])
-        plan, taken, passed, newest, doc = ctrl.broadcast((plan, taken, passed if ctrl.rank == 0 else [], newest, doc))
+        # The manifest stays on rank 0: each rank is told its part of it (`_try_restore`).
+        plan, taken, passed, newest = ctrl.broadcast((plan, taken, passed if ctrl.rank == 0 else [], newest))
         problems += passed
         if isinstance(plan, str):
             kind = plan.partition(":")[0]  # the error's type name, as rank 0 raised it
@@ -282,27 +284,17 @@ def _try_restore(
     # read, and rank 0 then for their templates).
     local = store.is_local or (handoff is not None and handoff.local is not None)
     base = None if local else _template(state, rank)
-    if doc is None:  # the same on every rank: rank 0 sent it or not
-        doc = ctrl.broadcast(_read_manifest(store, step) if rank == 0 else None)
-    if isinstance(doc, str):
-        return (2 if doc.startswith("StorageError") else 1), doc, None
+    # Rank 0 reads and checks the manifest (as the catalog read it, or now) and tells each rank
+    # its part of it (`ckpt.restore.view`), or why it cannot be restored from.
+    whole = _checked(store, step, doc if doc is not None else _read_manifest(store, step), key) if rank == 0 else None
+    told = ctrl.scatter((views(whole, ctrl.world) if isinstance(whole, Manifest) else [whole] * ctrl.world) if rank == 0 else None)
+    got = whole if rank == 0 else told
+    if isinstance(got, tuple):
+        return (*got, None)
+    manifest: Manifest = got
     prep: tuple[int, str] = (0, "")
     with contextlib.ExitStack() as stack:
         try:
-            manifest = Manifest.from_json(doc, f"{store.display}/{rel}")
-            # IMPORTANT: the manifest read now is the one checked, whatever the listing saw.
-            why = key.check(manifest)[1] if key is not None else ""
-            if why:
-                raise InvalidCheckpoint(f"{store.display}/{rel}: {why}")
-            if key is not None and rank == 0 and (weak := sorted(n for n, e in manifest.files.items() if not e.checksum.startswith(BLAKE3))):
-                log.warning(
-                    "%s/%s is signed, but %s carry xxh3-64 checksums (written by an earlier ckpt, or by a rank without "
-                    "the key): its signature covers them against corruption, not against a forger",
-                    store.display, rel, catalog.first_few(weak, ", "),
-                )
-            if manifest.step != step:  # IMPORTANT: another step's manifest lists that step's files
-                raise InvalidCheckpoint(f"{store.display}/{rel}: manifest is for step {manifest.step}")
-            catalog.check_ranks(manifest, f"{store.display}/{rel}")
             tiered = handoff.reader_store(rel, manifest) if handoff is not None else None
             # Stopped as the reader starts (nothing read ahead is trusted before the reader
             # verified it, as always).
@@ -316,6 +308,33 @@ def _try_restore(
         if failed := _agreed(ctrl, *prep, "another rank could not prepare the restore"):
             return (*failed, None)
         return _load(ctrl, state, store, rel, manifest, sd, tiered, warm.stop, metadata)
+
+
+def _checked(store: Store, step: int, doc: bytes | str, key: SigningKey | None) -> Manifest | tuple[int, str]:
+    """Rank 0: the manifest of `step` from its bytes `doc` (or why they could not be read),
+    checked (its signature with `key`, its step, its ranks); else the code of the failure
+    (2: the store's, 1: the checkpoint's) and why."""
+    rel = step_dir_name(step)
+    if isinstance(doc, str):
+        return (2 if doc.startswith("StorageError") else 1), doc
+    try:
+        manifest = Manifest.from_json(doc, f"{store.display}/{rel}")
+        # IMPORTANT: the manifest read now is the one checked, whatever the listing saw.
+        why = key.check(manifest)[1] if key is not None else ""
+        if why:
+            raise InvalidCheckpoint(f"{store.display}/{rel}: {why}")
+        if key is not None and (weak := sorted(n for n, e in manifest.files.items() if not e.checksum.startswith(BLAKE3))):
+            log.warning(
+                "%s/%s is signed, but %s carry xxh3-64 checksums (written by an earlier ckpt, or by a rank without "
+                "the key): its signature covers them against corruption, not against a forger",
+                store.display, rel, catalog.first_few(weak, ", "),
+            )  # fmt: skip
+        if manifest.step != step:  # IMPORTANT: another step's manifest lists that step's files
+            raise InvalidCheckpoint(f"{store.display}/{rel}: manifest is for step {manifest.step}")
+        catalog.check_ranks(manifest, f"{store.display}/{rel}")
+    except Exception as e:  # told to every rank: none is left in the scatter
+        return 1, f"{type(e).__name__}: {e}"
+    return manifest
 
 
 def _agreed(ctrl: Group, code: int, why: str, otherwise: str) -> tuple[int, str] | None:

@@ -36,6 +36,8 @@ from ckpt.format.dcp_layout import LAYOUT, Budget, checked_layout, files_for
 from ckpt.format.index_file import decode_index
 from ckpt.format.manifest import MAX_INDEXES, METADATA_NAME, SHARED_INDEX, Manifest
 from ckpt.restore.dcp_read import Parts
+from ckpt.restore.shared_items import server
+from ckpt.restore.view import fetch, saved_by
 from ckpt.storage.store import Store
 from ckpt.storage.verified import checked, read_verified
 
@@ -64,6 +66,7 @@ def metadata_of(
     parts = partial_metadata(ctrl, spool or store, rel, manifest, state_dict, kept.get(SHARED_INDEX)) if manifest.indexed_for(ctrl.world) else None
     if parts is not None:
         return None, False, parts
+    fetch(ctrl, manifest, None)  # a rank that reads `.metadata` may read any file: every entry
     if ctrl.any(spool is not None):  # a node's spool may hold the step and another's not: agreed
         return kept.get(METADATA_NAME), False, None
     return (*metadata_once(ctrl, store, rel, manifest, kept.get(METADATA_NAME)), None)
@@ -93,26 +96,51 @@ def partial_metadata(
     shared_bytes = ctrl.broadcast(shared_bytes)
     parts = None
     why = ""
+    shared, names = None, None
     if shared_bytes is not None:
         try:
             shared = decode_index(checked(f"{store.display}/{rel}/{SHARED_INDEX}", SHARED_INDEX, manifest, shared_bytes), f"{rel}/{SHARED_INDEX}")
             names = indexes_to_read(shared, state_dict, manifest, ctrl.rank, ctrl.world)
             if names is None:
                 why = "the index does not say where all of it is"
-            else:
-                read = _read_indexes(store, rel, manifest, names)
-                part = merged(shared, *(decode_index(data, f"{rel}/{name}") for name, data in read.items()))
-                why = uncovered(part, state_dict)
-                got = sum(map(len, read.values())) + (len(shared_bytes) if ctrl.rank == 0 else 0)  # kept: read by this restore's catalog
-                parts = Parts(part, shared, got) if not why else None
+        except Exception as e:  # IMPORTANT: on this rank alone: all read .metadata, none left in a collective
+            why = _unusable(ctrl, store, rel, e)
+    # The entries of the files this rank may read, which its part of the manifest may lack (a
+    # collective): the indexes it reads, their data files, and the data files whose shared
+    # items it serves (`ckpt.restore.shared_items`).
+    fetch(ctrl, manifest, _to_read(manifest, shared, names, ctrl.rank, ctrl.world) if shared is not None and names is not None else set())
+    if shared is not None and names is not None:
+        try:
+            read = _read_indexes(store, rel, manifest, names)
+            part = merged(shared, *(decode_index(data, f"{rel}/{name}") for name, data in read.items()))
+            why = uncovered(part, state_dict)
+            got = sum(map(len, read.values())) + (len(shared_bytes) if ctrl.rank == 0 else 0)  # kept: read by this restore's catalog
+            parts = Parts(part, shared, got) if not why else None
         except Exception as e:  # IMPORTANT: on this rank alone (a store error, a bad index): all read .metadata, none left in `any`
-            why = f"{type(e).__name__}: {e}"
-            log.warning("rank %d: the index of %s/%s could not be used (%s): reading .metadata", ctrl.rank, store.display, rel, why)
+            why = _unusable(ctrl, store, rel, e)
     if ctrl.any(parts is None):
         if why:
             log.debug("rank %d reads .metadata of %s: %s", ctrl.rank, rel, why)
         return None
     return parts
+
+
+def _unusable(ctrl: Group, store: Store, rel: str, e: Exception) -> str:
+    why = f"{type(e).__name__}: {e}"
+    log.warning("rank %d: the index of %s/%s could not be used (%s): reading .metadata", ctrl.rank, store.display, rel, why)
+    return why
+
+
+def _to_read(manifest: Manifest, shared: Metadata, indexes: list[str], rank: int, world: int) -> set[str]:
+    """The files a rank reads by the indexes (`indexes_to_read`): those indexes, their data
+    files, and the data files of shared items it serves."""
+    files = {*indexes, *(n.rpartition(".")[0] + ".distcp" for n in indexes)}  # a data file's index: `index_name`
+    for info in shared.storage_data.values():
+        name = info.relative_path
+        saver = saved_by(manifest, name)
+        if saver is not None and server(saver, manifest.world_size, world) == rank:
+            files.add(name)
+    return files
 
 
 def indexes_to_read(shared: Metadata, state_dict: dict[str, Any], manifest: Manifest, rank: int, world: int) -> list[str] | None:

@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.planner import LoadPlanner, ReadItem
 
 from ckpt.collectives import Group
 from ckpt.format.dcp_index import Ref
-from ckpt.restore.shared_items import load_item
+from ckpt.restore.shared_items import Servers, load_item
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ class Replicas:
 
 
 def group(
-    ctrl: Group, pieces: dict[Ref, list[ReadItem]], servers: dict[str, int]
+    ctrl: Group, pieces: dict[Ref, list[ReadItem]], servers: Servers
 ) -> Replicas | None:
     """Find this rank's group of replicas and split the group's pieces among its members: a
     collective, called once per restore on every rank (with no pieces by a rank that did not
@@ -114,7 +114,7 @@ def _digest(pieces: dict[Ref, list[ReadItem]]) -> bytes:
     return h.digest() + sum(ref[2] for ref in pieces).to_bytes(8, "little")
 
 
-def _assign(refs: list[Ref], members: list[int], servers: dict[str, int]) -> dict[Ref, int]:
+def _assign(refs: list[Ref], members: list[int], servers: Servers) -> dict[Ref, int]:
     """Each piece to one member: the one that serves its file while that member's bytes stay
     within a quarter over an even share, else the member with the fewest bytes so far."""
     load = dict.fromkeys(members, 0)

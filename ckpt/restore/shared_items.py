@@ -38,6 +38,7 @@ from ckpt.collectives import Group
 from ckpt.format.dcp_index import Ref, shared_refs
 from ckpt.format.manifest import Manifest
 from ckpt.restore.tensor_stream import load_blob
+from ckpt.restore.view import saved_by
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +52,18 @@ def server(rank: int, saved_on: int, world: int) -> int:
     return min((2 * rank + 1) * world // (2 * max(saved_on, 1)), world - 1)
 
 
+class Servers:
+    """Data file -> the rank of this restore that serves it (`server`), for any file of the
+    checkpoint, whichever part of the manifest this rank was told (`ckpt.restore.view`)."""
+
+    def __init__(self, manifest: Manifest, world: int) -> None:
+        self.manifest, self.world = manifest, world
+
+    def get(self, name: str, default: int) -> int:
+        saver = saved_by(self.manifest, name)
+        return default if saver is None else server(saver, self.manifest.world_size, self.world)
+
+
 @dataclass
 class Sharing:
     """One rank's part in sharing the small items of one restore."""
@@ -58,7 +71,7 @@ class Sharing:
     rank: int
     world: int
     refs: list[Ref]  # the shareable items, numbered alike on every rank
-    servers: dict[str, int]  # data file -> the rank that reads its shared items
+    servers: Servers  # data file -> the rank that reads its shared items
     pending: dict[int, list[ReadItem]] = field(default_factory=dict)  # items this rank waits for
     captured: dict[int, bytes] = field(default_factory=dict)  # shared items it read, verified
     received_bytes: int = 0
@@ -67,8 +80,7 @@ class Sharing:
     def of(cls, ctrl: Group, manifest: Manifest, metadata: Metadata) -> Sharing:
         """`metadata`: the whole `.metadata`, or the shared part of the index (`.index`)."""
         refs = shared_refs(metadata)
-        servers = {name: server(entry.rank, manifest.world_size, ctrl.world) for name, entry in manifest.files.items() if entry.rank >= 0}
-        return cls(ctrl.rank, ctrl.world, refs, servers)
+        return cls(ctrl.rank, ctrl.world, refs, Servers(manifest, ctrl.world))
 
     def __post_init__(self) -> None:
         self._number = {ref: i for i, ref in enumerate(self.refs)}

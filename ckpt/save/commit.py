@@ -205,13 +205,15 @@ def _decided(save: Save, written: Written, commit: Callable[[list[Report]], Any]
 
 
 def _told(committed: Any) -> Any:
-    """What the other ranks are told of rank 0's commit: a manifest without its files (each
-    rank knows its own: `Upload.finish`). The list of every rank's files and their blocks'
-    checksums is tens of MB at 10,000 ranks, which each rank would receive and unpickle at
-    every save; rank 0 keeps it."""
+    """What the other ranks are told of rank 0's commit: a manifest without the ranks' files,
+    only those written for all (`.metadata`, `.index`); each rank knows its own (`Upload.finish`).
+    The list of every rank's files and their blocks' checksums is tens of MB at 10,000 ranks,
+    which each rank would receive and unpickle at every save; rank 0 keeps it."""
     if isinstance(committed, tuple):  # a draft handed off, and what goes with it
         return tuple(_told(x) for x in committed)
-    return committed.narrowed({}) if isinstance(committed, Manifest) else committed
+    if isinstance(committed, Manifest):
+        return committed.narrowed({n: e for n, e in committed.files.items() if e.rank < 0})
+    return committed
 
 
 def _commit(save: Save, upload: Upload, written: Written, everyone: list[Report]) -> Any:

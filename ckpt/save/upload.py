@@ -59,10 +59,11 @@ class Direct:
         return manifest
 
     def finish(self, save: Save, told: Manifest, written: Written) -> Manifest:
-        """Rank 0's manifest; on the other ranks, it with their own files alone (`commit._told`)."""
+        """Rank 0's manifest; on the other ranks, it with the files written for all and their
+        own (`commit._told`)."""
         if save.rank == 0 or isinstance(written.report, str):
             return told
-        return told.narrowed(written.report[2])
+        return told.narrowed({**told.files, **written.report[2]})
 
     def abandon(self, save: Save, written: Written) -> None:
         if save.rank == 0 and not self._tried:  # else the next claim of the step decides
@@ -132,7 +133,7 @@ class ViaAgent:
             self.handoff.cancel(self._save_id)  # it can never commit: nobody waits for it
             raise SaveFailed(f"hand-off of {save.rel} failed: {why or 'on another rank'}")
         self.handoff.wrote(manifest)
-        return whole if save.rank == 0 else manifest
+        return whole if save.rank == 0 else whole.narrowed({**whole.files, **manifest.files})
 
     def abandon(self, save: Save, written: Written) -> None:
         if not isinstance(written.report, str):

@@ -161,7 +161,7 @@ with ckpt.Checkpointer(sys.argv[1], model=model, optimizer=opt, interval=None, s
     m = cp.last_commit
     own = sum(e.size for e in m.files.values() if e.rank == dist.get_rank())
     # one write: another thread's line on stderr (the same file) never lands inside this one
-    sys.stdout.write("READ " + json.dumps([cp.restored_step, cp.metrics.read._value.get(), own, m.files[".index"].size]) + "\\n")
+    sys.stdout.write("READ " + json.dumps([cp.restored_step, cp.metrics.read._value.get(), own, m.files[".index"].size, sorted(m.files)]) + "\\n")
     sys.stdout.flush()
 """
 
@@ -172,11 +172,27 @@ def test_an_empty_shard_keeps_the_index_path_and_restores_bit_for_bit(tmp_path):
     root = tmp_path / "root"
     assert run(3, script, str(root), log_dir=tmp_path) == [0] * 3, rank_logs(tmp_path)
     assert run(3, script, str(root), log_dir=tmp_path) == [0] * 3, rank_logs(tmp_path)
+    told = []
     for r in range(3):
-        line = re.findall(r"^READ (\[[^\]]*\])", (tmp_path / f"rank{r}.log").read_text(), re.M)[-1]
-        step, read, own, shared = json.loads(line)
+        step, read, own, shared, names = _read_line(tmp_path, r)
         # no .metadata, and no other rank's index: a rank's own holds the key of its empty shard
         assert step == 0 and read == own + (shared if r == 0 else 0), (r, read, own, shared)
+        told.append(names)
+    # Of the manifest, rank 0 holds it whole; each other rank was told the files written for
+    # all and its own alone (ckpt.restore.view), which is all it read.
+    assert len(told[0]) == 8, told[0]
+    assert told[1:] == [[".index", ".metadata", f"__{r}_0.distcp", f"__{r}_0.index"] for r in (1, 2)], told
+    # On 2 ranks, rank 1 loads pieces of saving ranks 1 and 2: it asks rank 0 for their
+    # entries (`fetch`), and for no other rank's.
+    out = tmp_path / "two"
+    out.mkdir()
+    assert run(2, script, str(root), log_dir=out) == [0] * 2, rank_logs(out)
+    step, read, own, shared, names = _read_line(out, 1)
+    assert step == 0 and read > 0 and "__0_0.distcp" not in names and "__2_0.distcp" in names, names
+
+
+def _read_line(logs, rank: int) -> list:
+    return json.loads(re.findall(r"^READ (\[.*\])$", (logs / f"rank{rank}.log").read_text(), re.M)[-1])
 
 
 def test_a_files_shared_values_are_served_by_a_rank_that_loads_rows_of_that_file():

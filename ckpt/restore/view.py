@@ -1,0 +1,95 @@
+"""What each rank of a restore is told of the manifest (issue 40): not all of it.
+
+The manifest holds an entry per file, a data file's with a checksum per block: about 15 MB for
+70B on 10,000 ranks, which every rank was sent and parsed at every restore. Rank 0 reads and
+checks it (its signature, step, ranks) and sends each rank a `Partial`: the manifest without
+its files but the ones written for all (`.metadata`, `.index`) and the rank's own, with what the
+others are needed for (whether the indexes can be read instead of `.metadata`, and which rank
+saved each data file). A rank that then finds it must read other files (a restore on another
+world size reads its neighbours' indexes and data) asks rank 0 for their entries, all ranks
+together (`fetch`); one that must read `.metadata` whole gets all of them.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from ckpt.collectives import Group
+from ckpt.format.manifest import Manifest
+
+# How ckpt and DCP name a rank's files: `__<rank>_<n>.distcp` and its index `__<rank>_<n>.index`.
+_BY_RANK = re.compile(r"\A__([0-9]+)_[0-9]+\.(?:distcp|index)\Z")
+
+
+@dataclass
+class Partial(Manifest):
+    """A manifest as rank 0 tells one rank of a restore: the header, the files written for
+    all and the rank's own (more as `fetch` brings them). Never written anywhere: `to_json`
+    would say only the files it holds."""
+
+    restoring_world: int = 0  # the world size `indexed` was decided for
+    indexed: bool = False  # `Manifest.indexed_for(restoring_world)`, on the whole manifest
+    # Data file -> the rank that saved it, where a name does not say (`saved_by`); None: every
+    # name does.
+    saved: dict[str, int] | None = field(default=None, repr=False)
+
+    def indexed_for(self, world: int) -> bool:
+        return self.indexed and world == self.restoring_world
+
+
+def saved_by(manifest: Manifest, name: str) -> int | None:
+    """The rank that saved file `name` of the checkpoint (None: no rank's, or no such file)."""
+    entry = manifest.files.get(name)
+    if entry is not None:
+        return entry.rank if entry.rank >= 0 else None
+    if not isinstance(manifest, Partial):
+        return None
+    if manifest.saved is not None:
+        return manifest.saved.get(name)
+    m = _BY_RANK.match(name)
+    return int(m.group(1)) if m and int(m.group(1)) < manifest.world_size else None
+
+
+def views(manifest: Manifest, world: int) -> list[Any]:
+    """Rank 0: what each rank is told (rank 0 itself: None, it keeps the whole)."""
+    shared = {n: e for n, e in manifest.files.items() if e.rank < 0}
+    own: list[dict[str, Any]] = [{} for _ in range(world)]
+    saved: dict[str, int] = {}
+    named = True
+    for n, e in manifest.files.items():
+        if e.rank >= 0:
+            saved[n] = e.rank
+            m = _BY_RANK.match(n)
+            named = named and m is not None and int(m.group(1)) == e.rank
+            if e.rank < world:
+                own[e.rank][n] = e
+    indexed = manifest.indexed_for(world)
+    header = {f: getattr(manifest, f) for f in ("step", "world_size", "created", "costs", "counters", "versions", "user", "schedule", "format", "format_version", "signature")}
+    return [None] + [
+        Partial(**header, files={**shared, **own[r]}, restoring_world=world, indexed=indexed, saved=None if named else saved) for r in range(1, world)
+    ]
+
+
+def fetch(ctrl: Group, manifest: Manifest, wanted: set[str] | None) -> None:
+    """A collective, on every rank once: the entries of `wanted` (None: every file) that this
+    rank's manifest lacks, from rank 0's, added to it. Names the checkpoint does not hold stay
+    missing (reading them fails as before)."""
+    if ctrl.world == 1:
+        return
+    if ctrl.rank == 0:  # it holds the whole
+        missing: list[str] | None = []
+    else:
+        missing = None if wanted is None else sorted(n for n in wanted if n not in manifest.files)
+    if not ctrl.any(missing is None or bool(missing)):
+        return
+    asked = ctrl.gather(missing)
+    answers = None
+    if ctrl.rank == 0:
+        assert asked is not None
+        every = manifest.files
+        answers = [None] + [({n: every[n] for n in want if n in every} if want is not None else dict(every)) for want in asked[1:]]
+    got = ctrl.scatter(answers)
+    if ctrl.rank != 0 and got:
+        manifest.files.update(got)
