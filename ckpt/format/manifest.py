@@ -101,8 +101,8 @@ class Manifest:
 
     def narrowed(self, files: dict[str, FileEntry]) -> Manifest:
         """This manifest listing `files` alone (what a rank other than 0 is told of a save:
-        its own); its format and signature as they were (the signature no longer checks)."""
-        return dataclasses.replace(self, files=dict(files))
+        its own); without its signature, which would no longer check."""
+        return dataclasses.replace(self, files=dict(files), signature=None)
 
     @property
     def total_bytes(self) -> int:

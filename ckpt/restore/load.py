@@ -2,9 +2,12 @@
 
 Rank 0 surveys the root and picks the candidates (committed, newest first; incomplete and
 corrupt ones passed over, saying why). On an object store the survey lists the root's top
-level and looks at each step's manifest; only the candidate's directory is listed whole
-(`Store.survey(whole=False)`): a recursive listing of every checkpoint kept is tens of LIST
-pages each at thousands of ranks, one after another. Every rank loads the same one through ckpt's verified
+level and looks at each step's manifest (`Store.survey(whole=False)`): a recursive listing is
+about 2·W keys for each checkpoint kept, one page of 1,000 after another, each parsed on rank 0
+(1.4 s of its CPU for one checkpoint of 10,000 ranks). No step's directory is listed: the
+ranks find a file of the candidate missing or short as they read it (every byte is checked
+against the manifest), and the restore falls back to the one before, as it did when the
+listing passed the candidate over. Every rank loads the same one through ckpt's verified
 reader, and all ranks learn each phase's outcome together, so none is left alone in a
 collective. A checkpoint that fails to load falls back to the one before; a storage error or
 a state that does not match the checkpoint (another model) stops the restore, and committed

@@ -66,7 +66,8 @@ def views(manifest: Manifest, world: int) -> list[Any]:
             if e.rank < world:
                 own[e.rank][n] = e
     indexed = manifest.indexed_for(world)
-    header = {f: getattr(manifest, f) for f in ("step", "world_size", "created", "costs", "counters", "versions", "user", "schedule", "format", "format_version", "signature")}
+    # Not the signature: it would not check (rank 0 checked it).
+    header = {f: getattr(manifest, f) for f in ("step", "world_size", "created", "costs", "counters", "versions", "user", "schedule", "format", "format_version")}
     return [None] + [
         Partial(**header, files={**shared, **own[r]}, restoring_world=world, indexed=indexed, saved=None if named else saved) for r in range(1, world)
     ]

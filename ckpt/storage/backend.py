@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 from abc import ABC, abstractmethod
-from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
@@ -79,10 +78,9 @@ class Backend(ABC):
         return self.survey(root)
 
     @abstractmethod
-    def list_step(self, path: str, step: int, where: str, expect: Collection[str] = ()) -> StepListing | None:
+    def list_step(self, path: str, step: int, where: str) -> StepListing | None:
         """The files of the step directory `path`, or None if there is none. A file or
-        object named like it is none (NotFound where it cannot be a directory's). `expect`:
-        names it should hold (its manifest's), which an object store may list in parallel by."""
+        object named like it is none (NotFound where it cannot be a directory's)."""
 
     @abstractmethod
     def check_reachable(self, root: str, where: str) -> None:

@@ -107,12 +107,15 @@ def inspect(
         if METADATA_NAME not in manifest.files:
             raise InvalidCheckpoint(f"{where}: manifest lists no {METADATA_NAME}")
         check_ranks(manifest, where)
-        if not listing.whole and (metadata or deep):  # a survey's look at the manifest alone
-            listing = _listed(store, listing, manifest)
+        if not listing.whole and deep:  # a survey's look at the manifest alone
+            listing = _listed(store, listing)
             entry.bytes_on_store = sum(listing.files.values())
         for name, f in manifest.files.items():
             algorithm(f, f"{where}/{name}")  # one this ckpt cannot check is never trusted
-            if not listing.whole:  # checked when it is restored (a restore's survey)
+            # A restore's survey: each rank finds a file missing or short as it reads it
+            # (checked against the manifest), and the restore falls back. A listing of the
+            # candidate's files is about 2·W keys, 1.4 s of rank 0's CPU at 10,000 ranks.
+            if not listing.whole:
                 continue
             size = listing.files.get(name)
             if size is None:
@@ -140,9 +143,9 @@ def inspect(
     return entry
 
 
-def _listed(store: Store, looked: StepListing, manifest: Manifest) -> StepListing:
+def _listed(store: Store, looked: StepListing) -> StepListing:
     """The whole listing of a step directory a survey looked at the manifest of (`looked`)."""
-    listing = store.list_step(looked.step, expect=manifest.files) or StepListing(looked.step)
+    listing = store.list_step(looked.step) or StepListing(looked.step)
     listing.manifest_mtime = looked.manifest_mtime
     return listing
 

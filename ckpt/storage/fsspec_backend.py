@@ -9,7 +9,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import logging
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, BinaryIO, TypeVar
 
 from fsspec import AbstractFileSystem
@@ -103,7 +103,7 @@ class FsspecBackend(Backend):
         each(look, list(steps.values()))
         return steps, sorted(strays.values(), key=lambda s: s.name)
 
-    def list_step(self, path: str, step: int, where: str, expect: Collection[str] = ()) -> StepListing | None:
+    def list_step(self, path: str, step: int, where: str) -> StepListing | None:
         self.fs.invalidate_cache()
         try:
             found = self.fs.find(path, detail=True)

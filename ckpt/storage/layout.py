@@ -54,7 +54,7 @@ class StepListing:
     # never followed, never read.
     odd: dict[str, str] = field(default_factory=dict)
     # False: only the manifest was looked at (`Store.survey(whole=False)`), `files` holds it
-    # alone if it is there; the directory's other files are listed when they are needed.
+    # alone if it is there; the directory's other files are not known (a deep check lists them).
     whole: bool = True
 
     @property

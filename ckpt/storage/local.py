@@ -10,7 +10,7 @@ import errno
 import os
 import stat
 import uuid
-from collections.abc import Collection, Iterator
+from collections.abc import Iterator
 from typing import Any, BinaryIO
 
 from fsspec.implementations.local import LocalFileSystem
@@ -64,7 +64,7 @@ class LocalBackend(Backend):
                 steps[step] = listing
         return steps, strays
 
-    def list_step(self, path: str, step: int, where: str, expect: Collection[str] = ()) -> StepListing | None:
+    def list_step(self, path: str, step: int, where: str) -> StepListing | None:
         """NotFound when something else holds its name (a link, a file, a FIFO): nothing is
         read, written or deleted through it."""
         _step_dir(path, where)

@@ -8,22 +8,15 @@ bucket" is told from "cannot reach the store".
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
-from collections.abc import Collection
 from typing import Any, BinaryIO
 
 from ckpt.storage.backend import Tagged
 from ckpt.storage.fsspec_backend import FsspecBackend
-from ckpt.storage.layout import StepListing
 from ckpt.storage.s3_client import RetriedFS, S3Client, file_system
 from ckpt.storage.s3_read import Reader
 from ckpt.storage.s3_write import S3Upload, upload
 from ckpt.storage.transfer import Transfer
-
-# Keys a LIST answers at most (S3's limit): a step directory's listing of more names than this
-# is sent in parallel pages (`S3Backend.list_step`).
-LIST_PAGE = 1000
 
 
 class S3Backend(FsspecBackend):
@@ -60,39 +53,6 @@ class S3Backend(FsspecBackend):
             self.fs.invalidate_cache()
             return self.bucket_exists(path.strip("/"), where)
         return super().exists(path, where)
-
-    def list_step(self, path: str, step: int, where: str, expect: Collection[str] = ()) -> StepListing | None:
-        """With `expect` (the manifest's names), in pages of LIST_PAGE keys sent 16 at a time,
-        each starting after one of those names: a step directory of 10,000 ranks' files is
-        about 20 pages, 2 round trips instead of 20 one after another."""
-        if len(expect) <= LIST_PAGE:
-            return super().list_step(path, step, where, expect)
-        bucket, key, _ = self.fs.split_path(path)
-        prefix = key + "/"
-        names = sorted(expect)
-        # Page i holds the keys after starts[i] up to starts[i + 1]: the keys between two
-        # expected names (another's, debris) are listed by the page before, however many.
-        starts = ["", *(prefix + names[i - 1] for i in range(LIST_PAGE, len(names), LIST_PAGE))]
-
-        def page(i: int) -> dict[str, int]:
-            until = starts[i + 1] if i + 1 < len(starts) else None
-            files: dict[str, int] = {}
-            more = {"StartAfter": starts[i]} if starts[i] else {}
-            while True:
-                got = self.client.call(f"listing {where}", "list_objects_v2", Bucket=bucket, Prefix=prefix, MaxKeys=LIST_PAGE, **more)
-                for o in got.get("Contents", ()):
-                    if until is not None and o["Key"] > until:
-                        return files
-                    if not o["Key"].endswith("/"):  # a "directory" marker some tools make
-                        files[o["Key"][len(prefix) :]] = int(o.get("Size") or 0)
-                if not got.get("IsTruncated") or not got.get("NextContinuationToken"):
-                    return files
-                more = {"ContinuationToken": got["NextContinuationToken"]}
-
-        with concurrent.futures.ThreadPoolExecutor(min(16, len(starts)), thread_name_prefix="ckpt-list") as pool:
-            pages = list(pool.map(page, range(len(starts))))
-        files = {n: size for got in pages for n, size in got.items()}
-        return StepListing(step, files) if files else None
 
     # -- reading ----------------------------------------------------------------------------
     def read(self, path: str, where: str) -> bytes:

@@ -16,7 +16,7 @@ import errno
 import math
 import os
 import time
-from collections.abc import Callable, Collection, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, BinaryIO
 
 import fsspec
@@ -153,14 +153,13 @@ class Store:
         with storage_errors(f"listing {self.display}"):
             return self.backend.survey(self.root) if whole else self.backend.survey_manifests(self.root)
 
-    def list_step(self, step: int, expect: Collection[str] = ()) -> StepListing | None:
+    def list_step(self, step: int) -> StepListing | None:
         """The files of one step directory, or None if there is no such directory. NotFound
         when something else holds its name on a local root (a link, a file, a FIFO): nothing
-        is read, written or deleted through it. `expect`: the names it should hold (its
-        manifest's), by which an object store lists it in parallel pages."""
+        is read, written or deleted through it."""
         where = f"{self.display}/{step_dir_name(step)}"
         with storage_errors(f"listing {where}"):
-            return self.backend.list_step(self.step_path(step), step, where, expect)
+            return self.backend.list_step(self.step_path(step), step, where)
 
     def check_reachable(self) -> None:
         """Fail now, with a clear error, if the root's bucket (on an object store) does not
