@@ -17,6 +17,13 @@ also reported, is what its own work costs). Rank 0 also times the restricted unp
 pickling on `.metadata`, and the index decoder on `.index` and its own index (the rates
 `ckpt.schedule.scale_model` uses).
 
+Last, `ckpt plan`'s model of the times: the machine's own parameters are calibrated on the
+world sizes below the largest (a rank's CPU-seconds in a save and a restore, their mean over
+ranks; the store's round trip and bandwidth, timed before the runs; a rank's CPU per piece of
+state, from a model of 4x the tensors at the smallest size), and the model's save and restore
+times at every size, the largest among them, are set against the measured ones (`model_times`).
+The machine's busy CPU-seconds in each window (every process) say whether something else ran.
+
     .venv/bin/python bench/scale.py                       # 2, 4, 8, 16 ranks on S3: bench/results/scale.json
     .venv/bin/python bench/scale.py --ranks 2,4,8 --store local
 """
@@ -98,16 +105,19 @@ def _worker(args: argparse.Namespace) -> None:
         opt.step()
         with ckpt.Checkpointer(args.root, model=model, optimizer=opt, restore="none", **kw) as cp:
             seen.clear()
-            began = time.perf_counter()
+            began, cpu, machine = time.perf_counter(), _cpu_s(), _machine_cpu_s()
             cp.save(blocking=True)
             out["save_s"] = time.perf_counter() - began
+            out["save_cpu_s"] = _cpu_s() - cpu
+            out["machine_cpu_s"] = _machine_cpu_s() - machine
             out["collectives"] = dict(seen)
     else:
         seen.clear()
-        began, cpu = time.perf_counter(), time.process_time()
+        began, cpu, machine = time.perf_counter(), _cpu_s(), _machine_cpu_s()
         with ckpt.Checkpointer(args.root, model=model, optimizer=opt, save_on_exit=False, **kw) as cp:
             out["restore_s"] = time.perf_counter() - began
-            out["restore_cpu_s"] = time.process_time() - cpu  # every thread of this rank's process
+            out["restore_cpu_s"] = _cpu_s() - cpu
+            out["machine_cpu_s"] = _machine_cpu_s() - machine
             out["collectives"] = dict(seen)
             out["read_bytes"] = cp.metrics.registry.get_sample_value("ckpt_read_bytes_total") or 0.0
             manifest = cp.last_commit
@@ -124,6 +134,26 @@ def _worker(args: argparse.Namespace) -> None:
     Path(f"{args.out}.rank{rank}.json").write_text(json.dumps(out))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _cpu_s() -> float:
+    """CPU-seconds of this rank: every thread of its process and of the processes it started
+    (the writer process a save starts), read from /proc (Linux)."""
+    tick, total, pids = os.sysconf("SC_CLK_TCK"), 0.0, [os.getpid()]
+    while pids:
+        pid = pids.pop()
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError):  # a child that just ended
+            fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+            total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+            for task in Path(f"/proc/{pid}/task").iterdir():
+                pids += map(int, (task / "children").read_text().split())
+    return total
+
+
+def _machine_cpu_s() -> float:
+    """CPU-seconds the whole machine has been busy (every process, every core), from /proc/stat."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")  # less idle and iowait
 
 
 def _rates(blob: bytes, indexes: list[bytes]) -> dict[str, float]:
@@ -228,6 +258,7 @@ def main() -> None:
     p.add_argument("--store", choices=["s3", "local"], default="s3")
     p.add_argument("--layers", type=int, default=24)
     p.add_argument("--width", type=int, default=256)
+    p.add_argument("--probe", type=int, default=4, help="the tensors' multiple of the model that calibrates a rank's CPU per piece (same bytes)")
     p.add_argument("--out", default=str(REPO / "bench" / "results" / "scale.json"))
     p.add_argument("--worker", choices=["save", "restore", "reshard"], help=argparse.SUPPRESS)
     p.add_argument("--root", help=argparse.SUPPRESS)
@@ -237,9 +268,15 @@ def main() -> None:
         args.phase = args.worker
         _worker(args)
         return
+    if args.probe < 2:
+        p.error("--probe must be >= 2 (the multiple of the tensors that calibrates a rank's CPU per piece)")
     rows = []
+    loadavg = [Path("/proc/loadavg").read_text().split()[:3]]
     with tempfile.TemporaryDirectory(prefix="ckpt-scale-") as d, _store(args.store, Path(d)) as (base, options, proxy):
-        for n in map(int, args.ranks.split(",")):
+        store = _time_store(f"{base}/probe", options)
+        sizes = list(map(int, args.ranks.split(",")))
+        probe = _probe(sizes[0], f"{base}/probe-tensors", Path(d, "probe"), args, options)
+        for n in sizes:
             root, out = f"{base}/root{n}", Path(d, f"out{n}")
             row: dict = {"ranks": n}
             for phase in ("save", "restore"):
@@ -248,7 +285,9 @@ def main() -> None:
                 ranks = _job(n, phase, root, out, args, options)
                 row[phase] = {
                     "s_max": max(r[f"{phase}_s"] for r in ranks),
-                    "cpu_s_max": max(r.get(f"{phase}_cpu_s", 0.0) for r in ranks),
+                    "cpu_s_max": max(r[f"{phase}_cpu_s"] for r in ranks),
+                    "cpu_s_mean": sum(r[f"{phase}_cpu_s"] for r in ranks) / n,
+                    "machine_cpu_s": ranks[0]["machine_cpu_s"],  # every process, over rank 0's window
                     "collectives_rank0": ranks[0]["collectives"],
                     "collectives_max_calls": max(sum(v for k, v in r["collectives"].items() if k != "bytes") for r in ranks),
                     "requests": _requests(proxy.requests, phase) if proxy is not None else {},
@@ -297,14 +336,21 @@ def main() -> None:
                     + (f"; GETs of .metadata {got['metadata']}, of indexes {got['index']}" if rs["requests"] else ""),
                     flush=True,
                 )
+    loadavg.append(Path("/proc/loadavg").read_text().split()[:3])
     fits = _fits(rows)
     model = _model_check(rows[-1], args)
-    for line in fits["lines"] + model["lines"]:
+    calibration = _calibrate(rows[:-1] if len(rows) > 1 else rows, store, probe, args)
+    times = _model_times(rows, calibration, args)
+    for line in fits["lines"] + model["lines"] + calibration["lines"] + times["lines"]:
         print(line)
     rates = rows[-1]["rates"]
     print(f"rates on rank 0 of {rows[-1]['ranks']}: restricted unpickler {rates['unpickle_bytes_per_s'] / 1e6:.1f} MB/s, "
-          f"pickling {rates['pickle_bytes_per_s'] / 1e6:.1f} MB/s, index decoder {rates['index_decode_bytes_per_s'] / 1e6:.1f} MB/s")  # fmt: skip
-    Path(args.out).write_text(json.dumps({"config": {k: v for k, v in vars(args).items() if k not in ("worker", "root", "options")}, "rows": rows, "fits": fits["table"], "model": model["table"]}, indent=1))
+          f"pickling {rates['pickle_bytes_per_s'] / 1e6:.1f} MB/s, index decoder {rates['index_decode_bytes_per_s'] / 1e6:.1f} MB/s; "
+          f"load average before the runs {' '.join(loadavg[0])}, after {' '.join(loadavg[1])}")  # fmt: skip
+    config = {k: v for k, v in vars(args).items() if k not in ("worker", "root", "options")}
+    doc = {"config": config, "loadavg": loadavg, "rows": rows, "fits": fits["table"], "model": model["table"],
+           "calibration": calibration["table"], "model_times": times["table"]}  # fmt: skip
+    Path(args.out).write_text(json.dumps(doc, indent=1))
     print(f"[scale] results: {args.out}")
 
 
@@ -327,6 +373,118 @@ def _model_check(row: dict, args: argparse.Namespace) -> dict:
     lines = [f"ckpt plan's model at {n} ranks:"] + [
         f"  {k:45s} predicted {v['predicted']:12.1f}, measured {v['measured']:12.1f} ({v['error']:+.1%})" for k, v in table.items()
     ]
+    return {"table": table, "lines": lines}
+
+
+def _time_store(root: str, options: str) -> dict[str, float]:
+    """This store's round trip (the median of 20 small GETs, and of 20 HEADs, one after
+    another) and bandwidth (one 32 MiB file written, then read), timed before the runs."""
+    sys.path.insert(0, str(REPO))
+    from ckpt.storage.store import Store
+
+    store = Store(root, json.loads(options) if options else None)
+    store.makedirs("")
+    with store.open_write("small.bin") as f:
+        f.write(b"x" * 1024)
+    store.read_bytes("small.bin")  # the client made, the connection open
+
+    def median_s(fn) -> float:  # noqa: ANN001
+        took = []
+        for _ in range(20):
+            began = time.perf_counter()
+            fn()
+            took.append(time.perf_counter() - began)
+        return sorted(took)[len(took) // 2]
+
+    got = {"get_s": median_s(lambda: store.read_bytes("small.bin")), "head_s": median_s(lambda: store.exists("small.bin"))}
+    blob = os.urandom(32 << 20)
+    began = time.perf_counter()
+    with store.open_write("large.bin", size=len(blob)) as f:
+        f.write(blob)
+    got["write_bytes_per_s"] = len(blob) / (time.perf_counter() - began)
+    began = time.perf_counter()
+    store.read_bytes("large.bin")
+    got["read_bytes_per_s"] = len(blob) / (time.perf_counter() - began)
+    return got
+
+
+def _probe(n: int, root: str, out: Path, args: argparse.Namespace, options: str) -> dict[str, float]:
+    """A save and a restore on `n` ranks of a model of `args.probe` times the tensors and the
+    same bytes (the layers times it, their width over its square root): each rank's mean
+    CPU-seconds, against the model's own at `n` for a rank's CPU per piece of state."""
+    wide = argparse.Namespace(**{**vars(args), "layers": args.layers * args.probe, "width": round(args.width / args.probe**0.5)})
+    got = {"layers": wide.layers, "width": wide.width}
+    for phase in ("save", "restore"):
+        ranks = _job(n, phase, root, out, wide, options)
+        got[f"{phase}_cpu_s_mean"] = sum(r[f"{phase}_cpu_s"] for r in ranks) / n
+    return got
+
+
+def _calibrate(rows: list[dict], store: dict[str, float], probe: dict[str, float], args: argparse.Namespace) -> dict:
+    """This machine's parameters of `ckpt plan`'s model, from the world sizes in `rows` (those
+    below the largest): a rank's CPU-seconds in a save and a restore (the mean over ranks, then
+    over sizes: what N ranks ask of cores they share; and the busiest rank's, which a job waits
+    for where each rank has a core), the store's round trip and bandwidth, and a rank's CPU per
+    piece of state (the probe's model against this one, at the smallest size)."""
+    pieces = 2 * args.layers * 3  # a weight and a bias per layer, each with Adam's two moments
+    first = rows[0]
+    table = {
+        "sizes": [r["ranks"] for r in rows],
+        "request_latency_s": store["get_s"],
+        "head_s": store["head_s"],
+        "write_bytes_per_s": store["write_bytes_per_s"],
+        "read_bytes_per_s": store["read_bytes_per_s"],
+    }
+    for phase in ("save", "restore"):
+        table[f"{phase}_cpu_s"] = sum(r[phase]["cpu_s_mean"] for r in rows) / len(rows)
+        table[f"{phase}_cpu_s_busiest"] = sum(r[phase]["cpu_s_max"] for r in rows) / len(rows)
+        extra = probe[f"{phase}_cpu_s_mean"] - first[phase]["cpu_s_mean"]
+        table[f"{phase}_cpu_per_piece_s"] = extra / ((args.probe - 1) * pieces)
+    lines = [
+        "calibrated on " + ",".join(map(str, table["sizes"])) + " ranks and the store:",
+        f"  a rank's CPU, save {table['save_cpu_s']:.2f} s, restore {table['restore_cpu_s']:.2f} s (mean over ranks; "
+        f"the busiest rank {table['save_cpu_s_busiest']:.2f} / {table['restore_cpu_s_busiest']:.2f} s); "
+        f"per piece of state {table['save_cpu_per_piece_s'] * 1e3:.2f} / {table['restore_cpu_per_piece_s'] * 1e3:.2f} ms "
+        f"({args.probe}x the tensors on {first['ranks']} ranks)",
+        f"  the store: a small GET {table['request_latency_s'] * 1e3:.1f} ms, a HEAD {table['head_s'] * 1e3:.1f} ms; "
+        f"writes {table['write_bytes_per_s'] / 1e6:.0f} MB/s, reads {table['read_bytes_per_s'] / 1e6:.0f} MB/s",
+    ]
+    return {"table": table, "lines": lines}
+
+
+def _model_times(rows: list[dict], calibration: dict, args: argparse.Namespace) -> dict:
+    """`ckpt plan`'s save and restore times at each size, with this machine's parameters
+    (one node of `os.cpu_count()` cores), against the measured ones (the slowest rank's)."""
+    sys.path.insert(0, str(REPO))
+    from ckpt.schedule.scale_model import Scale, at_scale
+
+    cal = calibration["table"]
+    table, lines = {}, [f"ckpt plan's model of the times, this machine's parameters ({os.cpu_count()} cores), the largest not calibrated on:"]
+    for row in rows:
+        n = row["ranks"]
+        data = sum(r["own_file_bytes"] - r["own_index_bytes"] for r in row["restore"]["per_rank"])
+        scale = Scale(world=n, nodes=1, tensors=2 * args.layers, cores_per_node=os.cpu_count() or 1, kept=1,
+                      save_cpu_s=cal["save_cpu_s"], restore_cpu_s=cal["restore_cpu_s"], request_latency=cal["request_latency_s"],
+                      write_bandwidth=cal["write_bytes_per_s"], read_bandwidth=cal["read_bytes_per_s"])  # fmt: skip
+        got = at_scale(data, scale)
+        entry = {"calibrated_on": n in cal["sizes"]}
+        for phase, predicted in (("save", got.save_s), ("restore", got.restore_s)):
+            measured = row[phase]["s_max"]
+            cores_s = (os.cpu_count() or 1) * measured
+            ranks_busy = row[phase]["cpu_s_mean"] * n / cores_s
+            others_busy = max(0.0, row[phase]["machine_cpu_s"] / cores_s - ranks_busy)  # the store, the bench, anyone else
+            entry[phase] = {"predicted_s": predicted, "measured_s": measured, "error": (predicted - measured) / measured,
+                            "cores_busy_ranks": ranks_busy, "cores_busy_others": others_busy}  # fmt: skip
+        entry["terms"] = {k: getattr(got, k) for k in ("save_cpu_s", "save_round_trips_s", "save_bytes_s", "save_metadata_s",
+                                                        "restore_cpu_s", "restore_round_trips_s", "restore_survey_s", "restore_bytes_s",
+                                                        "restore_metadata_s")}  # fmt: skip
+        table[n] = entry
+        lines.append(
+            f"  {n:3d} ranks{'' if entry['calibrated_on'] else ' (check)'}: "
+            + "; ".join(f"{ph} predicted {entry[ph]['predicted_s']:.2f} s, measured {entry[ph]['measured_s']:.2f} s ({entry[ph]['error']:+.1%}; "
+                        f"cores busy: ranks {entry[ph]['cores_busy_ranks']:.0%}, others {entry[ph]['cores_busy_others']:.0%})"
+                        for ph in ("save", "restore"))  # fmt: skip
+        )
     return {"table": table, "lines": lines}
 
 

@@ -40,6 +40,10 @@ def add_parsers(sub: Any) -> None:
     at.add_argument("--store-bandwidth", help="the store's own bound, all nodes together: 1TB/s (default: none)")
     at.add_argument("--prefixes", type=int, default=1, help="partitions S3 spreads a step directory over (default 1: until it splits)")
     at.add_argument("--gpu-memory", default="80GB", help="a GPU's memory, which what a rank loads must fit in (default 80GB)")
+    at.add_argument("--kept", type=int, default=5, help="checkpoints kept in the root, which a restore surveys first (default 5)")
+    at.add_argument("--request-latency", default="30ms", help="one round trip to the store (default 30ms: S3)")
+    at.add_argument("--cores-per-node", type=int, default=112, help="CPU cores for a node's ranks (default 112: they share them only when fewer than the ranks)")
+    at.add_argument("--rank-cpu", help="a rank's CPU time in a save and in a restore besides its bytes: 1s/0.8s (default: the model's, from --tensors)")
     pl.add_argument("--json", action="store_true")
     pl.set_defaults(func=cmd_plan)
 
@@ -69,6 +73,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.keep_grads and args.grads:
         raise ValueError("--keep-grads (gradients as large as the weights) and --grads N: give one")
     ledger = Ledger(args.weights, args.weights if args.keep_grads else args.grads, args.adam / 2, args.adam / 2, args.master)
+    if args.kept < 1 or args.cores_per_node < 1:
+        raise ValueError("--kept and --cores-per-node must be >= 1")
+    save_cpu, _, restore_cpu = (args.rank_cpu or "").partition("/")
+    if args.rank_cpu and not restore_cpu:
+        raise ValueError(f"--rank-cpu {args.rank_cpu!r}: a save's and a restore's, as 1s/0.8s")
     big = at_scale(
         parse_count(args.params) * ledger.per_param,
         Scale(
@@ -80,6 +89,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
             read_bandwidth=parse_bytes(args.read_bandwidth or args.write_bandwidth),
             store_bandwidth=parse_bytes(args.store_bandwidth) if args.store_bandwidth else float("inf"),
             prefixes=args.prefixes,
+            cores_per_node=args.cores_per_node,
+            save_cpu_s=parse_duration(save_cpu) if save_cpu else None,
+            restore_cpu_s=parse_duration(restore_cpu) if restore_cpu else None,
+            request_latency=parse_duration(args.request_latency),
+            kept=args.kept,
         ),
     )
     p = plan(
@@ -135,9 +149,12 @@ def scale_rows(a: AtScale) -> list[list[str]]:
         ),
         ["save: bytes / requests (PUT) bound", f"{duration(a.save_bytes_s)} / {duration(a.save_requests_s)} ({a.save_requests:,.0f} requests)"],
         ["save: rank 0's .metadata", duration(a.save_metadata_s)],
+        ["save: a rank's CPU / rank 0's round trips", f"{duration(a.save_cpu_s)} / {duration(a.save_round_trips_s)}"],
         ["save, predicted", f"{duration(a.save_s)} (bound by {a.save_binds})"],
         ["restore: bytes / requests (GET) bound", f"{duration(a.restore_bytes_s)} / {duration(a.restore_requests_s)} ({a.restore_requests:,.0f} requests)"],
         *([["restore: replicas send each other what they read", duration(a.restore_exchange_s)]] if a.restore_exchange_s else []),
+        ["restore: a rank's CPU / rank 0's round trips", f"{duration(a.restore_cpu_s)} / {duration(a.restore_round_trips_s)}"],
+        ["restore: rank 0's survey of the root", f"{duration(a.restore_survey_s)} ({a.survey_round_trips} round trips, {a.survey_keys:,} keys listed)"],
         ["restore, predicted", f"{duration(a.restore_s)} (bound by {a.restore_binds})"],
         ["restore on half the ranks: a rank's metadata", duration(a.restore_resharded_metadata_s)],
     ]

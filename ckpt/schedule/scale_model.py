@@ -14,6 +14,13 @@ ranks that load the same pieces send each other what they read (`ckpt.restore.re
 small values, `ckpt.restore.shared_items`): an HSDP or DDP rank then receives the rest of what
 it loads, S·R/W - S/W, over the job's network (`exchange_bandwidth` per node, gloo over TCP).
 
+Besides bytes and requests, three terms decide the time where the job is small or the store
+is fast: each rank's own CPU work (`Scale.save_cpu_s`, `restore_cpu_s`: planning, collectives,
+its index; on ranks that outnumber a node's cores, they share them), the store round trips
+rank 0 makes one after another (`request_latency` each), and rank 0's survey of the root
+before a restore (`_survey`: the step directories kept, their manifests, the chosen one's
+files). `bench/scale.py` calibrates them on 2-8 ranks and checks the times at 16.
+
 `.metadata` holds one entry per piece of every tensor: T·pieces of them (pieces W for FSDP,
 W/R for HSDP, 1 for DDP). A restore reads instead the shared `.index` and the indexes of the
 files that hold its pieces (`ckpt.restore.partial`): FSDP its own, HSDP up to R (DCP keeps
@@ -58,6 +65,33 @@ MANIFEST_PARSE_RATE = 97e6
 # events, `.metadata` and `.index`): bench/scale.py's fits, 20 + 2·N and 13 + 2·N.
 SAVE_FIXED = 20
 RESTORE_FIXED = 13
+# Store round trips rank 0 makes one after another (bench/scale.py's recording proxy, in
+# order). A save: the lease checked, the step directory claimed (three listings and a HEAD)
+# before the ranks write; after the gather `.metadata`, `.index`, the lease again and the
+# manifest, which commits. A restore: the root checked to be no step directory, the bucket, the
+# lease read and taken; after the survey (`_survey`) `.index`, then each rank's index and its
+# first range.
+SAVE_ROUND_TRIPS = 9
+RESTORE_ROUND_TRIPS = 7
+# A rank's own CPU-seconds in a save and in a restore that its bytes do not decide (the store's
+# client, imported and set up in a fresh process; DCP's planning and the state dict; the
+# collectives, its index, the manifest; a save's writer process, started at the first): a
+# fixed part, and a part per piece of state it holds. bench/scale.py's `calibration`, on this
+# machine's cores: the busiest rank's at 2-8 ranks (0.87 and 0.88 CPU-s for 144 pieces: where
+# each rank has a core, the job waits for it) less its pieces, at 0.50 and 0.25 ms a piece (a
+# model of 4x the tensors and the same bytes, on 2 ranks).
+SAVE_CPU_S = 0.8
+SAVE_CPU_PER_PIECE_S = 0.5e-3
+RESTORE_CPU_S = 0.84
+RESTORE_CPU_PER_PIECE_S = 0.25e-3
+# Rank 0's survey before a restore: a LIST answers at most LIST_PAGE keys; the HEADs, GETs and
+# pages of one step directory go PARALLEL at a time (`Store.each`). A listed key costs the
+# client about 70 µs of one core: a page of 1,000 took 74 ms of CPU through ckpt's S3 client
+# (moto on loopback, this machine), 53 ms of it botocore's XML parser; the pages sent together
+# are parsed on one event loop, one after another.
+LIST_PAGE = 1000
+PARALLEL = 16
+LIST_KEY_PARSE_S = 70e-6
 # S3's request rates per prefix (a partition of the key space) until it has split it.
 PUT_PER_S = 3500.0
 GET_PER_S = 5500.0
@@ -80,6 +114,13 @@ class Scale:
     part_size: int = 64 * MiB  # ckpt.storage.transfer.Transfer
     read_size: int = 32 * MiB
     state_per_param: int = 3  # tensors of state per parameter tensor: the weights, Adam's two moments
+    # CPU cores a node has for its ranks (a DGX H100's two 56-core CPUs): the ranks' own CPU
+    # work takes its time once each, until they outnumber the cores and share them.
+    cores_per_node: int = 112
+    save_cpu_s: float | None = None  # a rank's CPU-seconds in a save besides its bytes (None: SAVE_CPU_S and per piece)
+    restore_cpu_s: float | None = None  # the same in a restore (None: RESTORE_CPU_S and per piece)
+    request_latency: float = 0.03  # s, one store round trip for a small object (S3: 10-50 ms)
+    kept: int = 5  # checkpoints kept in the root: rank 0's survey looks at each before a restore
 
     @property
     def replicas(self) -> int:
@@ -114,6 +155,13 @@ class AtScale:
     restore_metadata_s: float  # reading and decoding this rank's metadata, and the manifest
     restore_s: float
     restore_binds: str  # the largest of the restore's terms
+    save_cpu_s: float  # a rank's own CPU work, on the cores its node gives its ranks
+    save_round_trips_s: float  # rank 0's requests one after another: the step's claim, the commit
+    restore_cpu_s: float
+    restore_round_trips_s: float  # besides the survey: the lease, `.index`, each rank's index
+    restore_survey_s: float  # rank 0's survey of the root, before the restore is planned
+    survey_round_trips: int
+    survey_keys: int  # listed and parsed: the step directories kept and the chosen one's files
     metadata_read: str  # what a rank reads of the metadata: indexes, or all of `.metadata`
     restore_resharded_metadata_s: float  # on half the ranks that saved: each rank's metadata
 
@@ -151,12 +199,19 @@ def at_scale(checkpoint_bytes: float, s: Scale) -> AtScale:
     restore_metadata_s = _index_s(part + shared, s) if indexed else whole_metadata_s
     # On half the ranks, an FSDP rank loads the pieces of 2 saving ranks (3 where they straddle).
     resharded_s = _index_s(3 * part + shared, s) if min(r, w) * 3 <= MAX_INDEXES else whole_metadata_s
-    save_s = max(save_bytes_s, save_requests_s) + save_metadata_s
     block = block_size(int(per_rank))
     manifest = w * (2 * MANIFEST_PER_FILE + (MANIFEST_PER_BLOCK * math.ceil(per_rank / block) if block else 0))
     restore_manifest_s = manifest / MANIFEST_PARSE_RATE + manifest / s.read_bandwidth  # read once, parsed everywhere
     restore_metadata_s += restore_manifest_s
-    restore_s = max(restore_bytes_s, restore_requests_s) + restore_exchange_s + restore_metadata_s
+    # A rank's own CPU work, once per rank; where the ranks outnumber their node's cores, they share them.
+    shared_cores = max(1.0, w / s.nodes / s.cores_per_node)
+    save_cpu_s = shared_cores * (SAVE_CPU_S + SAVE_CPU_PER_PIECE_S * entries if s.save_cpu_s is None else s.save_cpu_s)
+    restore_cpu_s = shared_cores * (RESTORE_CPU_S + RESTORE_CPU_PER_PIECE_S * entries if s.restore_cpu_s is None else s.restore_cpu_s)
+    save_trips_s = SAVE_ROUND_TRIPS * s.request_latency
+    restore_trips_s = RESTORE_ROUND_TRIPS * s.request_latency
+    survey_s, survey_trips, survey_keys = _survey(s, manifest)
+    save_s = save_cpu_s + save_trips_s + max(save_bytes_s, save_requests_s) + save_metadata_s
+    restore_s = restore_cpu_s + restore_trips_s + survey_s + max(restore_bytes_s, restore_requests_s) + restore_exchange_s + restore_metadata_s
     return AtScale(
         saved_per_rank=per_rank,
         loaded_per_rank=loaded,
@@ -169,18 +224,48 @@ def at_scale(checkpoint_bytes: float, s: Scale) -> AtScale:
         save_requests_s=save_requests_s,
         save_metadata_s=save_metadata_s,
         save_s=save_s,
-        save_binds=_largest({"bandwidth": save_bytes_s, "requests": save_requests_s, "rank 0's .metadata": save_metadata_s}),
+        save_binds=_largest(
+            {"bandwidth": save_bytes_s, "requests": save_requests_s, "rank 0's .metadata": save_metadata_s, "each rank's CPU": save_cpu_s, "round trips": save_trips_s}
+        ),
         restore_bytes_s=restore_bytes_s,
         restore_requests_s=restore_requests_s,
         restore_exchange_s=restore_exchange_s,
         restore_metadata_s=restore_metadata_s,
         restore_s=restore_s,
         restore_binds=_largest(
-            {"bandwidth": restore_bytes_s, "requests": restore_requests_s, "the replicas' exchange": restore_exchange_s, "each rank's metadata": restore_metadata_s}
+            {
+                "bandwidth": restore_bytes_s,
+                "requests": restore_requests_s,
+                "the replicas' exchange": restore_exchange_s,
+                "each rank's metadata": restore_metadata_s,
+                "each rank's CPU": restore_cpu_s,
+                "round trips": restore_trips_s,
+                "rank 0's survey": survey_s,
+            }
         ),
+        save_cpu_s=save_cpu_s,
+        save_round_trips_s=save_trips_s,
+        restore_cpu_s=restore_cpu_s,
+        restore_round_trips_s=restore_trips_s,
+        restore_survey_s=survey_s,
+        survey_round_trips=survey_trips,
+        survey_keys=survey_keys,
         metadata_read="its index + .index" if indexed else ".metadata, whole",
         restore_resharded_metadata_s=resharded_s,
     )
+
+
+def _survey(s: Scale, manifest: float) -> tuple[float, int, int]:
+    """Rank 0's survey of the root before a restore: its seconds, round trips and keys listed.
+    One listing of the root's top level (a page per LIST_PAGE steps kept, one after another), a
+    HEAD of each kept step's manifest, a read of the newest one or two, and the chosen step
+    directory's files (each rank's data file and index, `.metadata`, `.index`, the manifest) in
+    pages sent PARALLEL at a time, from the manifest's names."""
+    files = 2 * s.world + 3
+    trips = math.ceil(s.kept / LIST_PAGE) + math.ceil(s.kept / PARALLEL) + 1 + math.ceil(math.ceil(files / LIST_PAGE) / PARALLEL)
+    keys = s.kept + files
+    seconds = trips * s.request_latency + min(2, s.kept) * manifest / s.read_bandwidth + keys * LIST_KEY_PARSE_S
+    return seconds, trips, keys
 
 
 def _largest(terms: dict[str, float]) -> str:

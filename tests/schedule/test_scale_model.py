@@ -10,9 +10,12 @@ import pytest
 
 from ckpt.format.manifest import MAX_INDEXES
 from ckpt.schedule.scale_model import (
+    LIST_KEY_PARSE_S,
     METADATA_ENTRY,
     METADATA_PER_TENSOR,
     RESTORE_FIXED,
+    RESTORE_ROUND_TRIPS,
+    SAVE_ROUND_TRIPS,
     UNPICKLE_RATE,
     Scale,
     at_scale,
@@ -54,8 +57,9 @@ def test_a_restore_on_many_ranks_is_bound_by_the_stores_request_rate_until_it_sp
     one = at_scale(SEVENTY_B, Scale(**base))
     assert one.restore_binds == "requests" and one.restore_requests_s > 5 * one.restore_bytes_s
     spread = at_scale(SEVENTY_B, Scale(**base, prefixes=100))
-    assert spread.restore_requests_s == pytest.approx(one.restore_requests_s / 100) and spread.restore_binds == "bandwidth"
-    assert spread.restore_s < 1.2 * spread.restore_bytes_s + 1.0  # the index keeps a rank's metadata small
+    assert spread.restore_requests_s == pytest.approx(one.restore_requests_s / 100) and spread.restore_requests_s < spread.restore_bytes_s
+    assert spread.restore_binds == "rank 0's survey"  # its listings' parse, below
+    assert spread.restore_metadata_s < 0.25 * spread.restore_bytes_s  # the index keeps a rank's metadata small
     assert spread.restore_resharded_metadata_s < 4 * spread.restore_metadata_s  # a few indexes on half the ranks
     few = at_scale(SEVENTY_B, Scale(world=64, nodes=8, tensors=723, write_bandwidth=2 * GB))
     assert few.save_binds == "bandwidth" and few.save_requests > 64  # several parts per file
@@ -110,4 +114,76 @@ def test_a_restore_prices_the_manifest_every_rank_parses():
     big = at_scale(980e9, Scale(world=10_000, nodes=1250, tensors=723, write_bandwidth=12.5e9, read_bandwidth=12.5e9, store_bandwidth=1e12, prefixes=100))
     parse_s = big.restore_metadata_s - at_scale(980e9, Scale(world=8, nodes=1, tensors=723)).restore_metadata_s
     assert 15e6 / MANIFEST_PARSE_RATE < parse_s < 17e6 / MANIFEST_PARSE_RATE + 0.1, parse_s
-    assert big.restore_s / big.restore_bytes_s == pytest.approx(1.2, abs=0.02)  # the target's edge, before the root's survey
+    assert big.restore_metadata_s + big.restore_bytes_s == pytest.approx(1.2 * big.restore_bytes_s, abs=0.02)  # the target's edge, before the CPU and the survey
+
+
+CLUSTER = dict(tensors=723, write_bandwidth=12.5e9, read_bandwidth=12.5e9, store_bandwidth=1e12, prefixes=100)
+
+
+@pytest.mark.parametrize(
+    ("world", "nodes", "cores", "shared"),
+    [(10_000, 1250, 112, 1), (10_000, 1250, 8, 1), (10_000, 1250, 4, 2), (16, 1, 2, 8), (8, 1, 2, 4), (2, 1, 2, 1)],
+)
+def test_a_ranks_cpu_takes_its_own_time_until_the_ranks_outnumber_their_nodes_cores(world, nodes, cores, shared):
+    """A node's ranks share its cores only when there are more of them: 8 GPUs on 112 (or 8)
+    cores cost a rank's CPU once, the same job on 4 cores twice, 16 ranks on 2 cores 8 times."""
+    own = at_scale(SEVENTY_B, Scale(world=world, nodes=nodes, **CLUSTER, cores_per_node=10**6))
+    got = at_scale(SEVENTY_B, Scale(world=world, nodes=nodes, **CLUSTER, cores_per_node=cores))
+    assert got.save_cpu_s == pytest.approx(shared * own.save_cpu_s) and got.restore_cpu_s == pytest.approx(shared * own.restore_cpu_s)
+    assert got.restore_s - own.restore_s == pytest.approx((shared - 1) * own.restore_cpu_s)
+    if shared == 1:
+        assert got == own  # the default's cores change nothing on a cluster's node of 8 GPUs
+    given = at_scale(SEVENTY_B, Scale(world=world, nodes=nodes, **CLUSTER, cores_per_node=cores, save_cpu_s=2.0, restore_cpu_s=0.5))
+    assert (given.save_cpu_s, given.restore_cpu_s) == pytest.approx((2.0 * shared, 0.5 * shared))
+
+
+def test_rank_0s_round_trips_are_priced_one_after_another_at_the_stores_latency():
+    fast, slow = (at_scale(SEVENTY_B, Scale(world=10_000, nodes=1250, **CLUSTER, request_latency=t)) for t in (0.0, 0.05))
+    assert slow.save_round_trips_s == pytest.approx(SAVE_ROUND_TRIPS * 0.05) and fast.save_round_trips_s == 0
+    assert slow.restore_round_trips_s == pytest.approx(RESTORE_ROUND_TRIPS * 0.05)
+    assert slow.save_s - fast.save_s == pytest.approx(SAVE_ROUND_TRIPS * 0.05)
+    assert slow.restore_s - fast.restore_s == pytest.approx((RESTORE_ROUND_TRIPS + slow.survey_round_trips) * 0.05)
+
+
+@pytest.mark.parametrize(
+    ("world", "kept", "trips", "keys"),
+    [
+        (8, 5, 1 + 1 + 1 + 1, 5 + 19),  # one page of the root, 5 HEADs at once, the newest manifests, one page of 19 files
+        (10_000, 5, 1 + 1 + 1 + 2, 5 + 20_003),  # 21 pages of the step's files, 16 at a time: 2 round trips
+        (16_000, 5, 1 + 1 + 1 + 3, 5 + 32_003),  # 33 pages: 3
+        (10_000, 1000, 1 + 63 + 1 + 2, 1000 + 20_003),  # 1,000 HEADs, 16 at a time
+        (10_000, 1001, 2 + 63 + 1 + 2, 1001 + 20_003),  # the root's listing needs a second page
+    ],
+)
+def test_rank_0s_survey_grows_with_the_pages_of_the_root_and_of_the_chosen_steps_files(world, kept, trips, keys):
+    """Before a restore rank 0 lists the root's top level (a page per 1,000 steps kept, one
+    after another), HEADs each kept manifest and reads the newest (16 at a time), and lists
+    the chosen step directory's 2·W + 3 files in pages sent 16 at a time."""
+    s = Scale(world=world, nodes=max(1, world // 8), **CLUSTER, kept=kept, request_latency=0.03)
+    got = at_scale(SEVENTY_B, s)
+    assert (got.survey_round_trips, got.survey_keys) == (trips, keys)
+    free = at_scale(SEVENTY_B, Scale(world=world, nodes=max(1, world // 8), **{**CLUSTER, "read_bandwidth": math.inf}, kept=kept, request_latency=0.0))
+    assert free.restore_survey_s == pytest.approx(keys * LIST_KEY_PARSE_S)  # what is left: parsing the listings
+    assert got.restore_survey_s - free.restore_survey_s > trips * 0.03  # the round trips, and the manifests' bytes
+
+
+def test_the_survey_of_a_70b_job_on_10000_gpus_is_its_listings_parse_more_than_its_round_trips():
+    """5 round trips at 30 ms and two manifests of 15.6 MB at a node's 12.5 GB/s: 0.15 s; parsing
+    20,008 listed keys at ~70 µs each on rank 0's one event loop: 1.4 s, which binds the restore."""
+    got = at_scale(SEVENTY_B, Scale(world=10_000, nodes=1250, **CLUSTER))
+    assert got.survey_round_trips * 0.03 + 2 * 15.6e6 / 12.5e9 < 0.2
+    assert got.restore_survey_s == pytest.approx(0.15 + 20_008 * LIST_KEY_PARSE_S, abs=0.02)
+    assert got.restore_binds == "rank 0's survey" and got.restore_s > 1.2 * got.restore_bytes_s
+
+
+def test_ckpt_plan_prints_the_survey_and_each_ranks_cpu_and_takes_their_inputs():
+    args = ("plan", "--params", "70B", "--nodes", "1250", "--write-bandwidth", "12.5GB/s", "--store-bandwidth", "1TB/s", "--mtbf", "3h", "--prefixes", "100")
+    out = ckpt_cli(*args).stdout
+    assert "restore: rank 0's survey of the root" in out and "5 round trips, 20,008 keys listed" in out, out
+    assert "restore: a rank's CPU / rank 0's round trips" in out and "(bound by rank 0's survey)" in out
+    doc = json.loads(ckpt_cli(*args, "--kept", "2000", "--request-latency", "50ms", "--cores-per-node", "4", "--rank-cpu", "1s/0.5s", "--json").stdout)["at_scale"]
+    assert doc["survey_round_trips"] == 2 + 125 + 1 + 2 and doc["survey_keys"] == 2000 + 20_003
+    assert doc["restore_cpu_s"] == pytest.approx(2 * 0.5) and doc["save_cpu_s"] == pytest.approx(2 * 1.0)
+    assert doc["restore_round_trips_s"] == pytest.approx(RESTORE_ROUND_TRIPS * 0.05)
+    bad = ckpt_cli(*args, "--rank-cpu", "1s", check=False)
+    assert bad.returncode == 2 and "1s/0.8s" in bad.stderr

@@ -49,6 +49,9 @@ class FaultyProxy:
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
+            # An answer goes out in two writes (headers, then body): with Nagle's algorithm the
+            # body waits for the client's delayed ACK of the headers, about 40 ms a request.
+            disable_nagle_algorithm = True
 
             def log_message(self, *args: object) -> None:
                 pass
