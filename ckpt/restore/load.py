@@ -41,7 +41,7 @@ from ckpt.restore.dcp_read import make_reader
 from ckpt.restore.partial import first_reads, metadata_of
 from ckpt.restore.planner import SafeLoadPlanner
 from ckpt.restore.prefetch import Prefetch
-from ckpt.restore.view import views
+from ckpt.restore.view import tell
 from ckpt.storage import catalog
 from ckpt.storage.store import StepListing, Store, Stray, step_dir_name
 
@@ -290,8 +290,7 @@ def _try_restore(
     # Rank 0 reads and checks the manifest (as the catalog read it, or now) and tells each rank
     # its part of it (`ckpt.restore.view`), or why it cannot be restored from.
     whole = _checked(store, step, doc if doc is not None else _read_manifest(store, step), key) if rank == 0 else None
-    told = ctrl.scatter((views(whole, ctrl.world) if isinstance(whole, Manifest) else [whole] * ctrl.world) if rank == 0 else None)
-    got = whole if rank == 0 else told
+    got = tell(ctrl, whole)
     if isinstance(got, tuple):
         return (*got, None)
     manifest: Manifest = got

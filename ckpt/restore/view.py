@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckpt.collectives import Group
-from ckpt.format.manifest import Manifest
+from ckpt.format.manifest import FileEntry, Manifest
 
 # How ckpt and DCP name a rank's files: `__<rank>_<n>.distcp` and its index `__<rank>_<n>.index`.
 _BY_RANK = re.compile(r"\A__([0-9]+)_[0-9]+\.(?:distcp|index)\Z")
@@ -52,25 +52,46 @@ def saved_by(manifest: Manifest, name: str) -> int | None:
     return int(m.group(1)) if m and int(m.group(1)) < manifest.world_size else None
 
 
-def views(manifest: Manifest, world: int) -> list[Any]:
-    """Rank 0: what each rank is told (rank 0 itself: None, it keeps the whole)."""
-    shared = {n: e for n, e in manifest.files.items() if e.rank < 0}
-    own: list[dict[str, Any]] = [{} for _ in range(world)]
+def tell(ctrl: Group, whole: Manifest | tuple[int, str] | None) -> Manifest | tuple[int, str]:
+    """A collective: rank 0's `whole` manifest (or why there is none to restore from) as each
+    rank is told it: on rank 0 itself, whole; on the others a `Partial`, or the same why. One
+    broadcast of what every rank is told alike (the header, the files written for all), then
+    a scatter of each rank's own files as plain tuples: about 2 KB a rank, and 0.2 s of rank
+    0's CPU for 10,000 ranks."""
+    if ctrl.world == 1:
+        assert whole is not None
+        return whole
+    common, own = _parts(whole, ctrl.world) if ctrl.rank == 0 else (None, None)
+    common = ctrl.broadcast(common)
+    if isinstance(common, tuple):  # why there is nothing to restore from, on every rank
+        return common
+    mine = ctrl.scatter(own)
+    if ctrl.rank == 0:
+        assert isinstance(whole, Manifest)
+        return whole
+    common.files.update((n, FileEntry(*rest)) for n, *rest in mine)
+    return common
+
+
+def _parts(whole: Manifest | tuple[int, str] | None, world: int) -> tuple[Any, list[Any]]:
+    """Rank 0: what every rank is told alike, and each rank's own entries (rank 0's: none)."""
+    if not isinstance(whole, Manifest):
+        return whole, [()] * world
+    own: list[list[tuple[Any, ...]]] = [[] for _ in range(world)]
     saved: dict[str, int] = {}
     named = True
-    for n, e in manifest.files.items():
+    for n, e in whole.files.items():
         if e.rank >= 0:
             saved[n] = e.rank
             m = _BY_RANK.match(n)
             named = named and m is not None and int(m.group(1)) == e.rank
-            if e.rank < world:
-                own[e.rank][n] = e
-    indexed = manifest.indexed_for(world)
-    # Not the signature: it would not check (rank 0 checked it).
-    header = {f: getattr(manifest, f) for f in ("step", "world_size", "created", "costs", "counters", "versions", "user", "schedule", "format", "format_version")}
-    return [None] + [
-        Partial(**header, files={**shared, **own[r]}, restoring_world=world, indexed=indexed, saved=None if named else saved) for r in range(1, world)
-    ]
+            if 0 < e.rank < world:
+                own[e.rank].append((n, e.size, e.checksum, e.rank, e.block, e.blocks))
+    # Not the signature: it would not check on a part (rank 0 checked it).
+    header = {f: getattr(whole, f) for f in ("step", "world_size", "created", "costs", "counters", "versions", "user", "schedule", "format", "format_version")}
+    shared = {n: e for n, e in whole.files.items() if e.rank < 0}
+    common = Partial(**header, files=shared, restoring_world=world, indexed=whole.indexed_for(world), saved=None if named else saved)
+    return common, [tuple(x) for x in own]
 
 
 def fetch(ctrl: Group, manifest: Manifest, wanted: set[str] | None) -> None:
