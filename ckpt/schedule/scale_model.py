@@ -18,8 +18,8 @@ Besides bytes and requests, three terms decide the time where the job is small o
 is fast: each rank's own CPU work (`Scale.save_cpu_s`, `restore_cpu_s`: planning, collectives,
 its index; on ranks that outnumber a node's cores, they share them), the store round trips
 rank 0 makes one after another (`request_latency` each), and rank 0's survey of the root
-before a restore (`_survey`: the step directories kept, their manifests, the chosen one's
-files). `bench/scale.py` calibrates them on 2-8 ranks and checks the times at 16.
+before a restore (`_survey`: the step directories kept and their manifests; the chosen one's
+manifest parsed, and each rank told its part). `bench/scale.py` calibrates them on 2-8 ranks and checks the times at 16.
 
 `.metadata` holds one entry per piece of every tensor: T·pieces of them (pieces W for FSDP,
 W/R for HSDP, 1 for DDP). A restore reads instead the shared `.index` and the indexes of the
@@ -54,13 +54,15 @@ PICKLE_RATE = 17e6
 # ckpt's index decoder (`ckpt.format.index_file`: JSON, then DCP's classes built and checked),
 # bytes/s, on `.index` and a rank's index (bench/scale.py's `rates`).
 INDEX_DECODE_RATE = 14.8e6
-# The manifest every rank parses at a restore (rank 0 reads it, the others receive it): an
-# entry per file, a data file's with a checksum per block (`ckpt.format.checksum.block_size`),
-# and the rate `Manifest.from_json` parses and checks it at, bytes/s. Measured on a synthetic
-# manifest of 10,000 ranks of 98 MB (xxh3, 2 MiB blocks): 15.6 MB, 0.16 s.
+# The manifest rank 0 parses at a restore: an entry per file, a data file's with a checksum
+# per block (`ckpt.format.checksum.block_size`), and the rate `Manifest.from_json` parses and
+# checks it at, bytes/s. Measured on a synthetic manifest of 10,000 ranks of 98 MB (xxh3,
+# 2 MiB blocks): 15.6 MB, 0.16 s. It then tells each rank its part (`ckpt.restore.view`): 0.05
+# s of its CPU for those 10,000 ranks, about 1.4 KB each; the others parse nothing.
 MANIFEST_PER_FILE = 145.0
 MANIFEST_PER_BLOCK = 27.0
 MANIFEST_PARSE_RATE = 97e6
+TELL_PER_RANK_S = 5e-6
 # A save's and a restore's requests besides each rank's files (lease, manifest, listing,
 # events, `.metadata` and `.index`): bench/scale.py's fits, 20 + 2·N and 13 + 2·N.
 SAVE_FIXED = 20
@@ -152,7 +154,7 @@ class AtScale:
     restore_bytes_s: float
     restore_requests_s: float
     restore_exchange_s: float  # the replicas' parts, sent to each other once read
-    restore_metadata_s: float  # reading and decoding this rank's metadata, and the manifest
+    restore_metadata_s: float  # reading and decoding this rank's metadata (its index and `.index`)
     restore_s: float
     restore_binds: str  # the largest of the restore's terms
     save_cpu_s: float  # a rank's own CPU work, on the cores its node gives its ranks
@@ -201,8 +203,6 @@ def at_scale(checkpoint_bytes: float, s: Scale) -> AtScale:
     resharded_s = _index_s(3 * part + shared, s) if min(r, w) * 3 <= MAX_INDEXES else whole_metadata_s
     block = block_size(int(per_rank))
     manifest = w * (2 * MANIFEST_PER_FILE + (MANIFEST_PER_BLOCK * math.ceil(per_rank / block) if block else 0))
-    restore_manifest_s = manifest / MANIFEST_PARSE_RATE + manifest / s.read_bandwidth  # read once, parsed everywhere
-    restore_metadata_s += restore_manifest_s
     # A rank's own CPU work, once per rank; where the ranks outnumber their node's cores, they share them.
     shared_cores = max(1.0, w / s.nodes / s.cores_per_node)
     save_cpu_s = shared_cores * (SAVE_CPU_S + SAVE_CPU_PER_PIECE_S * entries if s.save_cpu_s is None else s.save_cpu_s)
@@ -256,15 +256,16 @@ def at_scale(checkpoint_bytes: float, s: Scale) -> AtScale:
 
 
 def _survey(s: Scale, manifest: float) -> tuple[float, int, int]:
-    """Rank 0's survey of the root before a restore: its seconds, round trips and keys listed.
-    One listing of the root's top level (a page per LIST_PAGE steps kept, one after another), a
-    HEAD of each kept step's manifest, a read of the newest one or two, and the chosen step
-    directory's files (each rank's data file and index, `.metadata`, `.index`, the manifest) in
-    pages sent PARALLEL at a time, from the manifest's names."""
-    files = 2 * s.world + 3
-    trips = math.ceil(s.kept / LIST_PAGE) + math.ceil(s.kept / PARALLEL) + 1 + math.ceil(math.ceil(files / LIST_PAGE) / PARALLEL)
-    keys = s.kept + files
+    """Rank 0's survey of the root before a restore, and what it tells the ranks of the
+    manifest: its seconds, round trips and keys listed. One listing of the root's top level (a
+    page per LIST_PAGE steps kept, one after another), a HEAD of each kept step's manifest
+    (PARALLEL at a time), a read of the newest one or two; no step directory is listed (the
+    ranks' reads find a missing file). Rank 0 parses the manifest and sends each rank its part
+    (`ckpt.restore.view`: TELL_PER_RANK_S each); the others wait for it."""
+    trips = math.ceil(s.kept / LIST_PAGE) + math.ceil(s.kept / PARALLEL) + 1
+    keys = s.kept
     seconds = trips * s.request_latency + min(2, s.kept) * manifest / s.read_bandwidth + keys * LIST_KEY_PARSE_S
+    seconds += manifest / MANIFEST_PARSE_RATE + s.world * TELL_PER_RANK_S
     return seconds, trips, keys
 
 
