@@ -2,12 +2,12 @@
 
 Rank 0 surveys the root and picks the candidates (committed, newest first; incomplete and
 corrupt ones passed over, saying why). On an object store the survey lists the root's top
-level and looks at each step's manifest (`Store.survey(whole=False)`): a recursive listing is
-about 2·W keys for each checkpoint kept, one page of 1,000 after another, each parsed on rank 0
-(1.4 s of its CPU for one checkpoint of 10,000 ranks). No step's directory is listed: the
-ranks find a file of the candidate missing or short as they read it (every byte is checked
-against the manifest), and the restore falls back to the one before, as it did when the
-listing passed the candidate over. Every rank loads the same one through ckpt's verified
+level and looks at each step's manifest (`Store.survey(whole=False)`), where a recursive
+listing costs more round trips: about 2·W keys for each checkpoint kept, one page of 1,000
+after another, each parsed on rank 0 (1.4 s of its CPU for one checkpoint of 10,000 ranks).
+No step's directory is listed then: the ranks find a file of the candidate missing or short as
+they read it (every byte is checked against the manifest), and the restore falls back to the
+one before, as it did when the listing passed the candidate over. Every rank loads the same one through ckpt's verified
 reader, and all ranks learn each phase's outcome together, so none is left alone in a
 collective. A checkpoint that fails to load falls back to the one before; a storage error or
 a state that does not match the checkpoint (another model) stops the restore, and committed
@@ -30,18 +30,16 @@ from ckpt.capture.state import CUDA_RNG, TrainingState
 from ckpt.collectives import Group
 from ckpt.errors import (
     CheckpointError,
-    InvalidCheckpoint,
     RestoreFailed,
     StorageError,
     dcp_failures,
 )
-from ckpt.format.checksum import BLAKE3
 from ckpt.format.manifest import MANIFEST_NAME, Manifest
 from ckpt.restore.dcp_read import make_reader
 from ckpt.restore.partial import first_reads, metadata_of
 from ckpt.restore.planner import SafeLoadPlanner
 from ckpt.restore.prefetch import Prefetch
-from ckpt.restore.view import tell
+from ckpt.restore.view import checked_manifest, tell
 from ckpt.storage import catalog
 from ckpt.storage.store import StepListing, Store, Stray, step_dir_name
 
@@ -289,7 +287,7 @@ def _try_restore(
     base = None if local else _template(state, rank)
     # Rank 0 reads and checks the manifest (as the catalog read it, or now) and tells each rank
     # its part of it (`ckpt.restore.view`), or why it cannot be restored from.
-    whole = _checked(store, step, doc if doc is not None else _read_manifest(store, step), key) if rank == 0 else None
+    whole = checked_manifest(store, step, doc if doc is not None else _read_manifest(store, step), key) if rank == 0 else None
     got = tell(ctrl, whole)
     if isinstance(got, tuple):
         return (*got, None)
@@ -310,33 +308,6 @@ def _try_restore(
         if failed := _agreed(ctrl, *prep, "another rank could not prepare the restore"):
             return (*failed, None)
         return _load(ctrl, state, store, rel, manifest, sd, tiered, warm.stop, metadata)
-
-
-def _checked(store: Store, step: int, doc: bytes | str, key: SigningKey | None) -> Manifest | tuple[int, str]:
-    """Rank 0: the manifest of `step` from its bytes `doc` (or why they could not be read),
-    checked (its signature with `key`, its step, its ranks); else the code of the failure
-    (2: the store's, 1: the checkpoint's) and why."""
-    rel = step_dir_name(step)
-    if isinstance(doc, str):
-        return (2 if doc.startswith("StorageError") else 1), doc
-    try:
-        manifest = Manifest.from_json(doc, f"{store.display}/{rel}")
-        # IMPORTANT: the manifest read now is the one checked, whatever the listing saw.
-        why = key.check(manifest)[1] if key is not None else ""
-        if why:
-            raise InvalidCheckpoint(f"{store.display}/{rel}: {why}")
-        if key is not None and (weak := sorted(n for n, e in manifest.files.items() if not e.checksum.startswith(BLAKE3))):
-            log.warning(
-                "%s/%s is signed, but %s carry xxh3-64 checksums (written by an earlier ckpt, or by a rank without "
-                "the key): its signature covers them against corruption, not against a forger",
-                store.display, rel, catalog.first_few(weak, ", "),
-            )  # fmt: skip
-        if manifest.step != step:  # IMPORTANT: another step's manifest lists that step's files
-            raise InvalidCheckpoint(f"{store.display}/{rel}: manifest is for step {manifest.step}")
-        catalog.check_ranks(manifest, f"{store.display}/{rel}")
-    except Exception as e:  # told to every rank: none is left in the scatter
-        return 1, f"{type(e).__name__}: {e}"
-    return manifest
 
 
 def _agreed(ctrl: Group, code: int, why: str, otherwise: str) -> tuple[int, str] | None:

@@ -12,12 +12,22 @@ together (`fetch`); one that must read `.metadata` whole gets all of them.
 
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckpt.collectives import Group
+from ckpt.errors import InvalidCheckpoint
+from ckpt.format.checksum import BLAKE3
 from ckpt.format.manifest import FileEntry, Manifest
+from ckpt.storage import catalog
+from ckpt.storage.store import Store, step_dir_name
+
+if TYPE_CHECKING:
+    from ckpt.format.signing import SigningKey
+
+log = logging.getLogger("ckpt.restore.load")  # its lines are the restore's
 
 # How ckpt and DCP name a rank's files: `__<rank>_<n>.distcp` and its index `__<rank>_<n>.index`.
 _BY_RANK = re.compile(r"\A__([0-9]+)_[0-9]+\.(?:distcp|index)\Z")
@@ -50,6 +60,33 @@ def saved_by(manifest: Manifest, name: str) -> int | None:
         return manifest.saved.get(name)
     m = _BY_RANK.match(name)
     return int(m.group(1)) if m and int(m.group(1)) < manifest.world_size else None
+
+
+def checked_manifest(store: Store, step: int, doc: bytes | str, key: SigningKey | None) -> Manifest | tuple[int, str]:
+    """Rank 0: the manifest of `step` from its bytes `doc` (or why they could not be read),
+    checked (its signature with `key`, its step, its ranks); else the code of the failure
+    (2: the store's, 1: the checkpoint's) and why."""
+    rel = step_dir_name(step)
+    if isinstance(doc, str):
+        return (2 if doc.startswith("StorageError") else 1), doc
+    try:
+        manifest = Manifest.from_json(doc, f"{store.display}/{rel}")
+        # IMPORTANT: the manifest read now is the one checked, whatever the listing saw.
+        why = key.check(manifest)[1] if key is not None else ""
+        if why:
+            raise InvalidCheckpoint(f"{store.display}/{rel}: {why}")
+        if key is not None and (weak := sorted(n for n, e in manifest.files.items() if not e.checksum.startswith(BLAKE3))):
+            log.warning(
+                "%s/%s is signed, but %s carry xxh3-64 checksums (written by an earlier ckpt, or by a rank without "
+                "the key): its signature covers them against corruption, not against a forger",
+                store.display, rel, catalog.first_few(weak, ", "),
+            )  # fmt: skip
+        if manifest.step != step:  # IMPORTANT: another step's manifest lists that step's files
+            raise InvalidCheckpoint(f"{store.display}/{rel}: manifest is for step {manifest.step}")
+        catalog.check_ranks(manifest, f"{store.display}/{rel}")
+    except Exception as e:  # told to every rank: none is left in the scatter
+        return 1, f"{type(e).__name__}: {e}"
+    return manifest
 
 
 def tell(ctrl: Group, whole: Manifest | tuple[int, str] | None) -> Manifest | tuple[int, str]:

@@ -191,10 +191,13 @@ class Reader(Stream):
             return pieces, total, resp.get("ETag")
 
         data, total, etag = await self._t.retry(f"reading {self._where} (bytes {start}-{end - 1})", once)
+        # Said as the catalog says it of a listing (`catalog.inspect`): a restore's survey lists
+        # no step directory, so a reader told the manifest's size is the first to find out.
         if total is None:
-            raise NotFound(f"{self._where} does not exist")
+            raise NotFound(f"{self._where}: missing (no such object)" if self._expected else f"{self._where} does not exist")
         if total != self.size:
-            raise InvalidCheckpoint(f"{self._where}: {total if total else 'fewer than ' + str(start + 1)} bytes, {self.size} expected")
+            said = "manifest says" if self._expected else "expected"
+            raise InvalidCheckpoint(f"{self._where}: {total if total else 'fewer than ' + str(start + 1)} bytes, {said} {self.size}")
         if self._etag is None:
             self._etag = etag  # the version the GETs sent from now on ask for
         elif etag is not None and etag != self._etag:

@@ -113,14 +113,14 @@ def test_a_reader_told_the_size_sends_no_head_and_an_object_of_another_size_is_i
     assert proxy.seen["head"] == 0 and proxy.seen["range"] == 4  # 2 MiB ranges
 
     for said in (len(data) + 1, len(data) - 1, 9 * MiB):  # longer, shorter, past its end
-        with pytest.raises(InvalidCheckpoint, match=rf"{len(data)} bytes, {said} expected"):
+        with pytest.raises(InvalidCheckpoint, match=rf"{len(data)} bytes, manifest says {said}"):
             with store.open_read("f", size=said) as f:
                 f.read()
-    with pytest.raises(InvalidCheckpoint, match=rf"fewer than {8 * MiB + 1} bytes, {9 * MiB} expected"):
+    with pytest.raises(InvalidCheckpoint, match=rf"fewer than {8 * MiB + 1} bytes, manifest says {9 * MiB}"):
         with store.open_read("f", [(8 * MiB, 9 * MiB)], size=9 * MiB) as f:  # a range it does not hold
             f.seek(8 * MiB)
             f.read()
-    with pytest.raises(NotFound, match="missing does not exist"):
+    with pytest.raises(NotFound, match="missing: missing"):
         with store.open_read("missing", size=10) as f:
             f.read()
 

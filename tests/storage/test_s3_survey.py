@@ -1,8 +1,10 @@
 """A restore's survey of an object store (issue 40): the root's top level and a look at each
 manifest, no step's directory listed (a recursive listing is about 2·W keys for each
-checkpoint kept). What it reserves is what the recursive listing reserved, for every kind of
-root a restore meets; a candidate whose files are missing or short is found so by the ranks'
-reads, and the restore falls back as it did when the listing had passed it over."""
+checkpoint kept), where that costs fewer round trips: always at thousands of ranks, never for
+the few small checkpoints here, unless a page is made to hold a key (`LIST_PAGE`). What it
+reserves is what the recursive listing reserved, for every kind of root a restore meets; a
+candidate whose files are missing or short is found so by the ranks' reads, and the restore
+falls back as it did when the listing had passed it over."""
 
 import boto3
 import pytest
@@ -10,6 +12,7 @@ import torch
 
 import ckpt
 from ckpt.restore.load import _restore_plan
+from ckpt.storage import fsspec_backend
 from ckpt.storage.store import Store
 
 
@@ -80,7 +83,8 @@ ROOTS = [
 
 
 @pytest.mark.parametrize("what,change,picked,restored,taken", ROOTS, ids=[r[0] for r in ROOTS])
-def test_the_survey_reserves_what_the_recursive_listing_did_and_a_bad_pick_falls_back(s3_root, s3_options, caplog, what, change, picked, restored, taken):
+def test_the_survey_reserves_what_the_recursive_listing_did_and_a_bad_pick_falls_back(s3_root, s3_options, caplog, monkeypatch, what, change, picked, restored, taken):
+    monkeypatch.setattr(fsspec_backend, "LIST_PAGE", 1)  # a listing of the root: a page a key, dearer than a look at each manifest
     saved = _saved(s3_root, s3_options, 3)
     change(*_objects(s3_root, s3_options))
     store = Store(s3_root, storage_options=s3_options)
@@ -98,3 +102,15 @@ def test_the_survey_reserves_what_the_recursive_listing_did_and_a_bad_pick_falls
     assert torch.equal(m2.weight, saved[restored])
     if picked != restored:  # the ranks' reads found it, and said why
         assert "could not restore step-0000000003" in caplog.text and "falling back" in caplog.text, caplog.text
+
+
+@pytest.mark.parametrize("page", [1, 1000])
+def test_the_survey_lists_the_root_whole_where_that_takes_fewer_round_trips(s3_root, s3_options, monkeypatch, page):
+    """Three checkpoints of one rank: a recursive listing is one page (1,000 keys), a look at
+    each manifest three HEADs; with pages of one key, the recursive listing is the dearer."""
+    monkeypatch.setattr(fsspec_backend, "LIST_PAGE", page)
+    _saved(s3_root, s3_options, 3)
+    surveyed, _ = Store(s3_root, storage_options=s3_options).survey(whole=False)
+    assert sorted(surveyed) == [1, 2, 3]
+    assert all(lst.whole for lst in surveyed.values()) == (page == 1000)
+    assert all(lst.has_manifest and (len(lst.files) > 1) == (page == 1000) for lst in surveyed.values())
