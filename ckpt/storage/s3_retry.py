@@ -167,5 +167,7 @@ async def tried(cfg: Transfer, what: str, request: Callable[[], Awaitable[T]]) -
 
 
 def is_throttled(e: BaseException) -> bool:
-    """Whether the store asked this process to slow down (SlowDown, 503, 429, a throttling code)."""
-    return is_code(e, *_THROTTLING, "503", "429")
+    """Whether the store asked this process to slow down (SlowDown, 429, another throttling
+    code). A bare 503 is not: a store that is down answers it too (an answer without a body, to
+    a HEAD, has no code to tell them apart)."""
+    return is_code(e, *_THROTTLING, "429")

@@ -14,11 +14,12 @@ from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlsplit
 
-# What a flaky store does to a request: answer 500 (InternalError) or 503 (SlowDown), drop
-# the connection without an answer ("reset"), answer after a delay ("delay"), send only part
-# of the body it announced and drop the connection ("truncate"), or say nothing for
-# `stall_s` ("stall": a store that hangs).
-FAULTS = ("500", "503", "reset", "delay", "truncate", "stall")
+# What a flaky store does to a request: answer 500 (InternalError) or 503 (SlowDown), answer
+# 503 with no body ("down": no throttling code, as a store that is down or a load balancer in
+# front of it answers, and as any 503 to a HEAD reads), drop the connection without an answer
+# ("reset"), answer after a delay ("delay"), send only part of the body it announced and drop
+# the connection ("truncate"), or say nothing for `stall_s` ("stall": a store that hangs).
+FAULTS = ("500", "503", "down", "reset", "delay", "truncate", "stall")
 # And, planned for a DeleteObjects request ("deletes"): "deny" answers 200 listing every key
 # of it as not deleted (AccessDenied, as a bucket policy or an object lock would), deleting none.
 
@@ -26,8 +27,8 @@ FAULTS = ("500", "503", "reset", "delay", "truncate", "stall")
 class FaultyProxy:
     """Counts requests by kind ("part" for UploadPart, "put" for PutObject, "range" for a
     ranged GET, "deletes" for DeleteObjects, else the method) and fails some of them: the next ones of a kind as `fail`
-    says ("503", "500", "reset", or "always": 500 to every one), or, after `flaky`, any
-    request at random at the given rates."""
+    says (a fault of FAULTS, or "always": 500 to every one), or, after `flaky`, any request at
+    random at the given rates, or past a rate (`limit`)."""
 
     def __init__(self, upstream: str) -> None:
         self.upstream = urlsplit(upstream).netloc
@@ -62,8 +63,8 @@ class FaultyProxy:
                 elif action == "stall":
                     time.sleep(proxy.stall_s)
                     self.close_connection = True
-                elif action in ("500", "503"):
-                    proxy._fail(self, int(action))
+                elif action in ("500", "503", "down"):
+                    proxy._fail(self, action)
                 elif action == "deny":
                     proxy._deny(self, body)
                 else:
@@ -144,10 +145,10 @@ class FaultyProxy:
         return None
 
     @staticmethod
-    def _fail(req: BaseHTTPRequestHandler, status: int) -> None:
-        code = "SlowDown" if status == 503 else "InternalError"
-        body = f"<Error><Code>{code}</Code><Message>injected</Message></Error>".encode()
-        req.send_response(status)
+    def _fail(req: BaseHTTPRequestHandler, action: str) -> None:
+        code = {"500": "InternalError", "503": "SlowDown", "down": None}[action]
+        body = f"<Error><Code>{code}</Code><Message>injected</Message></Error>".encode() if code else b""
+        req.send_response(503 if action == "down" else int(action))
         req.send_header("Content-Type", "application/xml")
         req.send_header("Content-Length", str(len(body)))
         req.end_headers()
