@@ -190,7 +190,7 @@ class Reader(Stream):
                 raise ShortRead(f"{got} of {end - start} bytes")
             return pieces, total, resp.get("ETag")
 
-        data, total, etag = await self._t.retry(f"reading {self._where} (bytes {start}-{end - 1})", once)
+        data, total, etag = await self._t.retry(f"reading {self._where} (bytes {start}-{end - 1})", self._t.part(self._bucket, self._key), once)
         if total is None:
             raise NotFound(f"{self._where} does not exist")
         if total != self.size:

@@ -42,6 +42,7 @@ class FaultyProxy:
         self._rates: dict[str, float] = {}
         self._rng = random.Random(0)
         self._limit: tuple[float, float, float] | None = None  # (rate, tokens, when): `limit`
+        self._limited = "/"  # the paths `limit` applies to: those that start so
         self.throttled = 0  # requests answered SlowDown by `limit`
         self.throttled_at: list[tuple[str, float]] = []  # and each one's (path, monotonic time)
         self.delay_s, self.stall_s = (0.05, 0.5), 30.0
@@ -82,12 +83,14 @@ class FaultyProxy:
     def fail(self, kind: str, *actions: str) -> None:
         self._plan[kind] = list(actions)
 
-    def limit(self, rate: float | None) -> None:
+    def limit(self, rate: float | None, under: str = "/") -> None:
         """Answer SlowDown (503) to requests beyond `rate` a second (a token bucket of one
         second's worth), as S3 does to a prefix past its request rate; 0: to every request;
-        None: no limit."""
+        None: no limit. Only requests whose path starts with `under` ("/bucket/key...") count
+        and are limited: one prefix of the store throttled, the rest answered."""
         with self._lock:
             self._limit = (rate, rate, time.monotonic()) if rate is not None else None
+            self._limited = under
 
     def flaky(self, seed: int, rates: dict[str, float] | None = None) -> None:
         """From now on, each request meets at most one fault, drawn at these rates (keys of
@@ -125,7 +128,7 @@ class FaultyProxy:
             if action:
                 self.failed[kind] += 1
                 return "500" if action == "always" else action
-            if self._limit is not None:
+            if self._limit is not None and urlsplit(req.path).path.startswith(self._limited):
                 rate, tokens, at = self._limit
                 now = time.monotonic()
                 tokens = min(rate, tokens + (now - at) * rate)
