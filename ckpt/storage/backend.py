@@ -43,6 +43,11 @@ def checksum_tagged(data: bytes, size: int) -> Tagged:
     return Tagged(data, checksum(data) + ("" if size == len(data) else f"-{size}"), size)
 
 
+def endpoint_of(options: dict[str, Any]) -> str:
+    """The endpoint that storage options name ("": the default, AWS or AWS_ENDPOINT_URL)."""
+    return options.get("endpoint_url") or (options.get("client_kwargs") or {}).get("endpoint_url") or ""
+
+
 class Backend(ABC):
     """The operations on a root's files that differ from store to store."""
 
@@ -60,7 +65,7 @@ class Backend(ABC):
 
     def identity(self, root: str, options: dict[str, Any]) -> str:
         """The root as one string, the same for every Store of it (with the endpoint)."""
-        endpoint = options.get("endpoint_url") or (options.get("client_kwargs") or {}).get("endpoint_url")
+        endpoint = endpoint_of(options)
         return self.url(root) if not endpoint else f"{self.url(root)} at {endpoint}"
 
     # -- listing ----------------------------------------------------------------------------

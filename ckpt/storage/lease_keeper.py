@@ -128,8 +128,17 @@ class LeaseKeeper:
         """Raise LeaseHeld unless this job still holds the root. Rank 0 calls it before it
         claims a step directory and before it commits; it reads the lease (one small GET), or
         renews it when its renewal is overdue, or takes it if it could not at the start
-        (`pending`: a DiskFull while the disk stays full)."""
-        with self._lock:
+        (`pending`: a DiskFull while the disk stays full). A renewal under way (a store that
+        throttles or stalls) is waited for up to the lease's ttl: past it the lease may have
+        expired whatever the renewal does, and the check fails (a StorageError: the next save
+        checks again)."""
+        # IMPORTANT: never waits for the lock without end: the save's commit waits for this.
+        if not self._lock.acquire(timeout=self.policy.ttl_s):
+            raise StorageError(
+                f"could not check the lease of {self.store.display}: its renewal has been under way for over "
+                f"{self.policy.ttl_s:g} s (the lease's ttl), and the lease may have expired meanwhile; not writing there"
+            )  # fmt: skip
+        try:
             if self.pending is not None and self.lost is None and not self._closed:
                 self._take_pending()
             elif self.lost is None and not self._closed and time.time() - self.mine.renewed > self.policy.ttl_s / 2:
@@ -143,8 +152,10 @@ class LeaseKeeper:
                     self._tag = got.tag  # a renewal that seemed to fail may have landed
                 else:
                     self._lose()
-            if self.lost is not None:
-                raise LeaseHeld(self.lost)
+        finally:
+            self._lock.release()
+        if self.lost is not None:
+            raise LeaseHeld(self.lost)
 
     def _take_pending(self) -> None:
         """Take the lease this job could not write when it started. Under the lock."""

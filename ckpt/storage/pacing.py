@@ -9,10 +9,10 @@ part of 1/rate, so that the processes of a large job do not all start at once). 
 second and down to `FLOOR`; each second without one it climbs back by half, to its bound.
 Without a rate nothing is paced: a throttling answer is only sent again after a backoff.
 `ckpt.storage.s3_retry.tried` waits for the pace before every request, and sends a throttled
-one again without counting it as a failed try for as long as the store still answers this
-process: a busy store slows a save down, it does not fail it. The pace keeps when a request
-last succeeded (`answered_at`); only a store that has answered nothing but throttles for
-`Transfer.throttled_s` has its throttling answers count against `Transfer.attempts`.
+one again without counting it as a failed try for as long as its part of the store still
+answers this process (which that module keeps, per endpoint, bucket and directory: S3
+throttles per prefix, a pace is the process's): a busy store slows a save down, it does not
+fail it.
 
 One per process and rate: a process's requests to its root share it, from any thread or event
 loop (the lock is a thread lock, held for arithmetic only).
@@ -39,7 +39,6 @@ class Pace:
         self.bound = rate if rate > 0 else math.inf
         self.current = self.bound
         self.throttled = 0  # throttling answers so far
-        self.answered_at = -math.inf  # monotonic time a request at this pace last succeeded
         # IMPORTANT: not a full bucket: 10,000 processes each sending its first request at
         # once is the burst pacing is for. The first waits up to 1/rate, at a random phase.
         self._tokens = random.random() if rate > 0 else 0.0
@@ -60,10 +59,6 @@ class Pace:
             self._at = now
             self._tokens -= 1.0  # taken now; below zero, owed: the wait pays it back
             return 0.0 if self._tokens >= 0 else -self._tokens / self.current
-
-    def answered(self) -> None:
-        """A request at this pace succeeded: the store is still serving this process."""
-        self.answered_at = time.monotonic()
 
     def slow_down(self) -> None:
         """The store answered SlowDown (or another throttling code)."""

@@ -23,8 +23,17 @@ from fsspec.asyn import sync
 from s3fs import S3FileSystem
 
 from ckpt.errors import NotFound, StorageError
+from ckpt.storage.backend import endpoint_of
 from ckpt.storage.layout import MiB
-from ckpt.storage.s3_retry import GaveUp, ShortRead, botocore_error, describe, is_code, tried
+from ckpt.storage.s3_retry import (
+    GaveUp,
+    ShortRead,
+    botocore_error,
+    describe,
+    is_code,
+    part_of,
+    tried,
+)
 from ckpt.storage.transfer import Transfer
 
 T = TypeVar("T")
@@ -63,12 +72,21 @@ class RetriedFS(S3FileSystem):
     transfer = Transfer()  # set per instance by `file_system`
 
     async def _call_s3(self, method: Any, *args: Any, **kwargs: Any) -> Any:
+        params = {k: v for d in (*args, kwargs) for k, v in d.items()}  # s3fs passes some as dicts
+        part = request_part(endpoint_of(self.storage_options), params)
         try:
-            return await tried(self.transfer, f"S3 {method}", lambda: super(RetriedFS, self)._call_s3(method, *args, **kwargs))
+            return await tried(self.transfer, f"S3 {method}", lambda: super(RetriedFS, self)._call_s3(method, *args, **kwargs), part)
         except GaveUp as e:
-            if e.unanswered_s is not None:  # a throttle, never a FileNotFoundError: say why
+            if e.told:  # a throttle counted, the deadline: never a FileNotFoundError; say why
                 raise OSError(f"{describe(e.error)}{e.why}") from e.error
             raise e.error from e.error.__cause__  # as s3fs raised it: FileNotFoundError stays one
+
+
+def request_part(endpoint: str, params: dict[str, Any]) -> str:
+    """The part of the store (`part_of`) a request with these parameters goes to: its key's
+    directory, its listing prefix's, or its first deleted key's."""
+    deleted = (params.get("Delete") or {}).get("Objects") or [{}]
+    return part_of(endpoint, params.get("Bucket", ""), params.get("Key") or params.get("Prefix") or deleted[0].get("Key", ""))
 
 
 class _OneTry(S3FileSystem):
@@ -93,18 +111,23 @@ class S3Client:
         }
         self.fs = file_system(_OneTry, options)
         self.config = config
+        self.endpoint = endpoint_of(options)
 
-    async def retry(self, what: str, request: Callable[[], Awaitable[T]]) -> T:
-        """`request()`, sent again after a transient failure, at most `attempts` times; a
-        StorageError that says `what` failed otherwise."""
+    def part(self, bucket: str, key: str = "") -> str:
+        """The part of the store a request to `key` goes to (`ckpt.storage.s3_retry.part_of`)."""
+        return part_of(self.endpoint, bucket, key)
+
+    async def retry(self, what: str, part: str, request: Callable[[], Awaitable[T]]) -> T:
+        """`request()` (to `part`), sent again after a transient failure, as `config` says;
+        a StorageError that says `what` failed otherwise."""
         try:
-            return await tried(self.config, what, request)
+            return await tried(self.config, what, request, part)
         except GaveUp as e:
             raise StorageError(f"{what}: {describe(e.error)}{e.why}") from e.error
 
     def call(self, what: str, method: str, **kwargs: Any) -> Any:
         """One S3 request with retries, from synchronous code."""
-        return self.run(self.retry, what, lambda: self.fs._call_s3(method, **kwargs))
+        return self.run(self.retry, what, request_part(self.endpoint, kwargs), lambda: self.fs._call_s3(method, **kwargs))
 
     def put_if(self, path: str, where: str, data: bytes, **condition: str) -> str | None:
         """One PUT of `data` to `path` under a condition (`IfNoneMatch="*"`: only if absent;
@@ -198,7 +221,7 @@ class S3Client:
                 raise ShortRead(f"{len(data)} of {total} bytes")
             return data, resp["ETag"]
 
-        return self.run(self.retry, f"reading {where}", once)
+        return self.run(self.retry, f"reading {where}", self.part(bucket, key), once)
 
     def run(self, coro: Callable[..., Awaitable[T]], *args: Any, **kwargs: Any) -> T:
         """Run a coroutine on fsspec's I/O loop and wait for it."""

@@ -190,7 +190,7 @@ class Reader(Stream):
                 raise ShortRead(f"{got} of {end - start} bytes")
             return pieces, total, resp.get("ETag")
 
-        data, total, etag = await self._t.retry(f"reading {self._where} (bytes {start}-{end - 1})", once)
+        data, total, etag = await self._t.retry(f"reading {self._where} (bytes {start}-{end - 1})", self._t.part(self._bucket, self._key), once)
         # Said as the catalog says it of a listing (`catalog.inspect`): a restore's survey lists
         # no step directory, so a reader told the manifest's size is the first to find out.
         if total is None:

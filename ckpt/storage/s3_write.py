@@ -159,7 +159,7 @@ class S3Upload(io.RawIOBase):
             )
 
         try:
-            return await self._t.retry(what, request)
+            return await self._t.retry(what, self._t.part(self._bucket, self._key), request)
         finally:
             # IMPORTANT: let go of the caller's buffers now, not when the last reference to
             # this request (a traceback, a pooled connection) goes: they may be unmapped.

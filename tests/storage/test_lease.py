@@ -14,6 +14,7 @@ import re
 import signal
 import socket
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -27,6 +28,7 @@ from ckpt.storage.store import Store, Tagged
 from tests.support.cli import ckpt_cli
 from tests.support.launch import REPO, WORKERS, spawn, start
 from tests.support.launch import wait as wait_ranks
+from tests.support.s3proxy import FaultyProxy
 
 WORKER = WORKERS / "lease_worker.py"
 TTL = 30.0  # long enough never to expire by itself during a test that does not wait for it
@@ -329,6 +331,43 @@ def test_the_check_before_a_commit_renews_a_lease_whose_renewals_failed_so_no_jo
             keeper.check()
     finally:
         keeper.close(release=False)
+
+
+def test_a_renewal_throttled_past_the_ttl_fails_the_check_before_a_commit_instead_of_blocking_it(s3_endpoint, s3_root, s3_options):
+    """The root's lease.json answered nothing but SlowDown: the renewal under way holds the
+    lease while it is sent again (up to `Transfer.deadline_s`, 30 s here). The check before a
+    commit waits for it up to the lease's ttl (1 s), past which the lease may have expired
+    whatever the renewal does, and fails the save with a StorageError that says so. Before,
+    it waited for the renewal without end (outside review of issue 40)."""
+    proxy = FaultyProxy(s3_endpoint)
+    store = Store(s3_root, {**s3_options, "endpoint_url": proxy.url}, ckpt.Transfer(attempts=2, backoff_s=0.05, max_backoff_s=0.1, throttled_s=30.0, deadline_s=30.0))
+    keeper = LeaseKeeper.take(store, Lease(ttl_s=1.0))
+    try:
+        proxy.limit(0.0, under=f"/{s3_root.removeprefix('s3://')}/{lease.LEASE_NAME}")
+        while not proxy.throttled_at:  # the next renewal (every ttl/3) is under way
+            time.sleep(0.01)
+        checked: list[Exception | None] = []
+        start = time.monotonic()
+        check = threading.Thread(target=lambda: checked.append(_raised(keeper.check)), daemon=True)
+        check.start()
+        check.join(5.0)
+
+        assert checked, "the check still waits for the renewal"
+        assert isinstance(checked[0], ckpt.StorageError) and not isinstance(checked[0], ckpt.LeaseHeld), checked
+        assert "its renewal has been under way for over 1 s (the lease's ttl)" in str(checked[0])
+        assert 1.0 <= time.monotonic() - start < 3.0
+    finally:
+        proxy.limit(None)
+        keeper.close(release=False)
+        proxy.close()
+
+
+def _raised(call) -> Exception | None:
+    try:
+        call()
+    except Exception as e:  # what a thread's call raised, for the test to look at
+        return e
+    return None
 
 
 @pytest.mark.parametrize("unready", [False, True], ids=["", "its-staging-failing-too"])

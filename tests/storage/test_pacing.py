@@ -6,16 +6,20 @@ past a request rate, as S3 does per prefix."""
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import re
+import threading
 import time
+import uuid
 
 import pytest
+from botocore.exceptions import ClientError
 
 from ckpt.errors import StorageError
 from ckpt.storage import pacing
 from ckpt.storage.pacing import FLOOR, Pace, pace_for
-from ckpt.storage.s3_retry import backoff_s
+from ckpt.storage.s3_retry import GaveUp, answered, backoff_s, part_of, tried
 from ckpt.storage.store import Store
 from ckpt.storage.transfer import Transfer
 from tests.support.s3proxy import FaultyProxy
@@ -116,17 +120,10 @@ def test_a_store_that_throttles_slows_writes_down_and_fails_none_and_a_paced_job
     assert len(paced.list_dir("many")) == 60
 
 
-@pytest.fixture
-def fresh_paces(monkeypatch):
-    """The process's paces as a new process has them: no request answered yet (another
-    test's thread, still at the store, would otherwise count as this process being served)."""
-    monkeypatch.setattr(pacing, "_paces", {})
-
-
-def test_a_request_throttled_for_longer_than_throttled_s_still_lands_while_others_get_through(proxy, s3_root, s3_options, fresh_paces):
-    """10 PUTs at once, one try each, against a store that takes 2.5 a second: the last to
-    land is throttled for longer than `throttled_s` (1 s) and lands, because the store answers
-    one of the others every 0.4 s. Before issue 40's fix, it failed at 1 s."""
+def test_a_request_throttled_for_longer_than_throttled_s_still_lands_while_others_get_through(proxy, s3_root, s3_options):
+    """10 PUTs at once, one try each, into one directory of a store that takes 2.5 a second:
+    the last to land is throttled for longer than `throttled_s` (1 s) and lands, because the
+    store answers one of the others every 0.4 s. Before issue 40's fix, it failed at 1 s."""
     store = Store(s3_root, {**s3_options, "endpoint_url": proxy.url}, Transfer(attempts=1, backoff_s=0.05, max_backoff_s=0.1, throttled_s=1.0))
     proxy.limit(2.5)
     with concurrent.futures.ThreadPoolExecutor(10) as pool:
@@ -140,7 +137,7 @@ def test_a_request_throttled_for_longer_than_throttled_s_still_lands_while_other
     assert max(max(ats) - min(ats) for ats in spans.values()) > 1.0  # throttled_s
 
 
-def test_a_store_that_answers_nothing_but_throttles_for_throttled_s_fails_the_write_and_says_why(proxy, s3_root, s3_options, fresh_paces):
+def test_a_store_that_answers_nothing_but_throttles_for_throttled_s_fails_the_write_and_says_why(proxy, s3_root, s3_options):
     """Then throttling answers count against `attempts`: the write fails soon after
     `throttled_s`, with a message that says the store answered nothing else; it does not hang."""
     store = Store(s3_root, {**s3_options, "endpoint_url": proxy.url}, Transfer(attempts=2, backoff_s=0.05, max_backoff_s=0.1, throttled_s=0.5))
@@ -152,9 +149,130 @@ def test_a_store_that_answers_nothing_but_throttles_for_throttled_s_fails_the_wr
     assert 0.5 <= time.monotonic() - start < 3.0
     message = str(err.value)
     assert f"{s3_root}/never" in message and "SlowDown" in message
-    assert re.search(r"gave up after 2 attempts; throttled for 0\.\d s with no request of this process answered, past Transfer.throttled_s", message), message
+    assert re.search(
+        r"gave up after 2 attempts; 2 of them throttles, counted because its directory of the store answered this process "
+        r"nothing else for 0\.\d s, past Transfer.throttled_s", message
+    ), message  # fmt: skip
     proxy.limit(None)
     assert not store.exists("never")
+
+
+def _write_while_read_elsewhere(dead: Store, other: Store, rel: str) -> tuple[str, float]:
+    """Write `rel` into `dead` while another thread reads from `other` every 0.1 s: how it
+    ended ("landed", or the StorageError's message) and after how long; "still retrying"
+    after 8 s."""
+    other.put_atomic("x", b"x")
+    stop, outcome = threading.Event(), ["still retrying", 0.0]
+
+    def read() -> None:
+        while not stop.wait(0.1):
+            other.read_bytes("x")
+
+    def write() -> None:
+        start = time.monotonic()
+        try:
+            dead.put_atomic(rel, b"{}")
+            outcome[0] = "landed"
+        except StorageError as e:
+            outcome[0] = str(e)
+        outcome[1] = time.monotonic() - start
+
+    reader, writer = threading.Thread(target=read, daemon=True), threading.Thread(target=write, daemon=True)
+    reader.start()
+    writer.start()
+    writer.join(8.0)
+    stop.set()
+    reader.join()
+    return outcome[0], outcome[1]  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize("elsewhere", ["another endpoint", "another directory of the bucket"])
+def test_a_directory_that_answers_only_slowdown_fails_a_write_though_the_process_is_answered_elsewhere(proxy, s3_root, s3_options, elsewhere):
+    """Two roots of one process (a node agent serves many jobs' roots from one process): one
+    answers nothing but SlowDown, the other a read every 0.1 s. The write to the first fails
+    soon after `throttled_s`, as it would alone: S3 throttles per prefix, and an answer from
+    elsewhere says nothing of this one. Before, any answer of the process kept it retrying
+    for good (outside review of issue 40: one job's dead store hung its uploads)."""
+    quick = Transfer(attempts=2, backoff_s=0.05, max_backoff_s=0.1, throttled_s=0.5)
+    dead = Store(f"{s3_root}/dead", {**s3_options, "endpoint_url": proxy.url}, quick)
+    other = Store(f"{s3_root}/other", s3_options if elsewhere == "another endpoint" else {**s3_options, "endpoint_url": proxy.url}, quick)
+    proxy.limit(0.0, under=f"/{s3_root.removeprefix('s3://')}/dead/")
+
+    outcome, took = _write_while_read_elsewhere(dead, other, "manifest.json")
+
+    proxy.limit(None)
+    assert "SlowDown" in outcome and "2 of them throttles, counted" in outcome, outcome
+    assert took < 4.0
+    assert not dead.exists("manifest.json")
+
+
+def test_a_throttled_request_gives_up_at_deadline_s_though_its_directory_still_answers(proxy, s3_root, s3_options):
+    """A PUT answered SlowDown for good, while reads of the same directory are answered every
+    0.1 s: its throttles never count, and at `deadline_s` (1 s) it fails all the same, saying
+    so. No request outlives the collective that waits for it (a rank 0's commit, which the
+    other ranks wait for for the Checkpointer's `timeout_s`)."""
+    store = Store(s3_root, {**s3_options, "endpoint_url": proxy.url}, Transfer(attempts=2, backoff_s=0.05, max_backoff_s=0.1, throttled_s=60.0, deadline_s=1.0))
+    proxy.limit(0.0, under=f"/{s3_root.removeprefix('s3://')}/dir/slow")
+
+    outcome, took = _write_while_read_elsewhere(store, store, "dir/slow")
+
+    proxy.limit(None)
+    assert re.search(r"SlowDown.*\(gave up 1\.\d s after its first try, past Transfer.deadline_s: \d+ tries, \d+ of them throttled\)$", outcome), outcome
+    assert 1.0 <= took < 2.0
+    assert not store.exists("dir/slow")
+
+
+def _slowdown() -> ClientError:
+    return ClientError({"Error": {"Code": "SlowDown", "Message": "Please reduce your request rate."}, "ResponseMetadata": {"HTTPStatusCode": 503}}, "PutObject")
+
+
+def _internal_error() -> ClientError:
+    return ClientError({"Error": {"Code": "InternalError", "Message": "We encountered an internal error."}, "ResponseMetadata": {"HTTPStatusCode": 500}}, "PutObject")
+
+
+@pytest.mark.parametrize(
+    "answers, outcome",
+    [
+        pytest.param(["503", "500", "500", "ok"], "landed", id="no silence: a throttle, two 500s, lands"),
+        pytest.param(["503", "silence", "503", "answered", "503", "500", "500", "ok"], "landed", id="answered again: the throttle counted in the silence no longer counts"),
+        pytest.param(["503", "silence", "503", "500", "500"], "gave up after 3 attempts; 1 of them throttles", id="still silent: it counts, and the message says so"),
+    ],
+)
+def test_throttles_counted_in_a_silence_stop_counting_once_the_directory_answers_again(answers, outcome):
+    """One PUT's answers, as botocore raises them, with three tries (`attempts`): a throttle
+    counted after `throttled_s` (0.2 s) without an answer from its directory ("silence") no
+    longer counts once another request to the directory succeeded ("answered"), and two 500s
+    then leave it its third try. Before, the throttle stayed counted and the 500s failed it
+    (outside review of issue 40)."""
+    cfg = Transfer(attempts=3, backoff_s=0.001, max_backoff_s=0.002, throttled_s=0.2)
+    part = part_of("http://store", f"bucket-{uuid.uuid4().hex}", "run/step-0000000001/manifest.json")
+    answers = list(answers)
+
+    async def put() -> str:
+        while answers[0] in ("silence", "answered"):
+            if answers.pop(0) == "silence":
+                await asyncio.sleep(0.25)
+            else:
+                answered(part)  # another request to the directory succeeded
+        answer = answers.pop(0)
+        if answer == "ok":
+            return "landed"
+        raise _slowdown() if answer == "503" else _internal_error()
+
+    try:
+        got = asyncio.run(tried(cfg, "writing manifest.json", put, part))
+    except GaveUp as e:
+        got = e.why
+    assert outcome in got and not answers
+
+
+@pytest.mark.parametrize("field", ["backoff_s", "max_backoff_s", "deadline_s"])
+def test_a_transfer_whose_retries_would_not_wait_or_whose_requests_would_never_retry_is_refused(field):
+    """A backoff bound of 0 made a throttled request spin: sent again at once, for as long as
+    the store answered others, to a store that asked for fewer requests."""
+    with pytest.raises(ValueError, match="times must be positive"):
+        Transfer(**{field: 0.0})
+    Transfer(throttled_s=0.0)  # every throttle counts at once: allowed
 
 
 def test_a_throttle_of_hours_waits_at_most_max_backoff_s_between_tries():

@@ -14,11 +14,12 @@ from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlsplit
 
-# What a flaky store does to a request: answer 500 (InternalError) or 503 (SlowDown), drop
-# the connection without an answer ("reset"), answer after a delay ("delay"), send only part
-# of the body it announced and drop the connection ("truncate"), or say nothing for
-# `stall_s` ("stall": a store that hangs).
-FAULTS = ("500", "503", "reset", "delay", "truncate", "stall")
+# What a flaky store does to a request: answer 500 (InternalError) or 503 (SlowDown), answer
+# 503 with no body ("down": no throttling code, as a store that is down or a load balancer in
+# front of it answers, and as any 503 to a HEAD reads), drop the connection without an answer
+# ("reset"), answer after a delay ("delay"), send only part of the body it announced and drop
+# the connection ("truncate"), or say nothing for `stall_s` ("stall": a store that hangs).
+FAULTS = ("500", "503", "down", "reset", "delay", "truncate", "stall")
 # And, planned for a DeleteObjects request ("deletes"): "deny" answers 200 listing every key
 # of it as not deleted (AccessDenied, as a bucket policy or an object lock would), deleting none.
 
@@ -26,8 +27,8 @@ FAULTS = ("500", "503", "reset", "delay", "truncate", "stall")
 class FaultyProxy:
     """Counts requests by kind ("part" for UploadPart, "put" for PutObject, "range" for a
     ranged GET, "deletes" for DeleteObjects, else the method) and fails some of them: the next ones of a kind as `fail`
-    says ("503", "500", "reset", or "always": 500 to every one), or, after `flaky`, any
-    request at random at the given rates."""
+    says (a fault of FAULTS, or "always": 500 to every one), or, after `flaky`, any request at
+    random at the given rates, or past a rate (`limit`)."""
 
     def __init__(self, upstream: str) -> None:
         self.upstream = urlsplit(upstream).netloc
@@ -41,6 +42,7 @@ class FaultyProxy:
         self._rates: dict[str, float] = {}
         self._rng = random.Random(0)
         self._limit: tuple[float, float, float] | None = None  # (rate, tokens, when): `limit`
+        self._limited = "/"  # the paths `limit` applies to: those that start so
         self.throttled = 0  # requests answered SlowDown by `limit`
         self.throttled_at: list[tuple[str, float]] = []  # and each one's (path, monotonic time)
         self.delay_s, self.stall_s = (0.05, 0.5), 30.0
@@ -65,8 +67,8 @@ class FaultyProxy:
                 elif action == "stall":
                     time.sleep(proxy.stall_s)
                     self.close_connection = True
-                elif action in ("500", "503"):
-                    proxy._fail(self, int(action))
+                elif action in ("500", "503", "down"):
+                    proxy._fail(self, action)
                 elif action == "deny":
                     proxy._deny(self, body)
                 else:
@@ -84,12 +86,14 @@ class FaultyProxy:
     def fail(self, kind: str, *actions: str) -> None:
         self._plan[kind] = list(actions)
 
-    def limit(self, rate: float | None) -> None:
+    def limit(self, rate: float | None, under: str = "/") -> None:
         """Answer SlowDown (503) to requests beyond `rate` a second (a token bucket of one
         second's worth), as S3 does to a prefix past its request rate; 0: to every request;
-        None: no limit."""
+        None: no limit. Only requests whose path starts with `under` ("/bucket/key...") count
+        and are limited: one prefix of the store throttled, the rest answered."""
         with self._lock:
             self._limit = (rate, rate, time.monotonic()) if rate is not None else None
+            self._limited = under
 
     def flaky(self, seed: int, rates: dict[str, float] | None = None) -> None:
         """From now on, each request meets at most one fault, drawn at these rates (keys of
@@ -127,7 +131,7 @@ class FaultyProxy:
             if action:
                 self.failed[kind] += 1
                 return "500" if action == "always" else action
-            if self._limit is not None:
+            if self._limit is not None and urlsplit(req.path).path.startswith(self._limited):
                 rate, tokens, at = self._limit
                 now = time.monotonic()
                 tokens = min(rate, tokens + (now - at) * rate)
@@ -147,10 +151,10 @@ class FaultyProxy:
         return None
 
     @staticmethod
-    def _fail(req: BaseHTTPRequestHandler, status: int) -> None:
-        code = "SlowDown" if status == 503 else "InternalError"
-        body = f"<Error><Code>{code}</Code><Message>injected</Message></Error>".encode()
-        req.send_response(status)
+    def _fail(req: BaseHTTPRequestHandler, action: str) -> None:
+        code = {"500": "InternalError", "503": "SlowDown", "down": None}[action]
+        body = f"<Error><Code>{code}</Code><Message>injected</Message></Error>".encode() if code else b""
+        req.send_response(503 if action == "down" else int(action))
         req.send_header("Content-Type", "application/xml")
         req.send_header("Content-Length", str(len(body)))
         req.end_headers()

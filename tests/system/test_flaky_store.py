@@ -10,16 +10,18 @@ import json
 import logging
 import os
 import subprocess
+import threading
 import time
 
 import pytest
 import torch
 
 import ckpt
+from ckpt.storage.store import Store
 from tests.support.cli import ckpt_cli
 from tests.support.compare import assert_bitwise_equal
 from tests.support.jobs import RANKS, WORKER, assert_same_training_state, dumps, rank_logs
-from tests.support.launch import run
+from tests.support.launch import WORKERS, run
 from tests.support.s3proxy import FaultyProxy
 from tests.support.toy_model import build, optimizer
 
@@ -159,6 +161,46 @@ def test_a_store_that_hangs_fails_the_save_within_the_timeout_and_never_the_job(
         train_step(cp, model, opt)
         cp.wait()
         assert cp.failures_in_row == 0 and cp.last_commit.step == 2
+
+
+def test_a_commit_throttled_for_longer_than_the_ranks_wait_fails_on_every_rank_and_never_lands_later(tmp_path, proxy, s3_root, s3_options):
+    """Rank 0's manifest PUT is answered SlowDown for 6 s, then taken, while its lease is
+    renewed every 0.5 s (ttl 1.5 s) into the root: the other rank waits 4 s (`timeout_s`) for
+    the commit. The PUT gives up well before (its step directory answers nothing else, and no
+    request is tried for longer than half of `timeout_s`): both ranks learn the save failed,
+    and no manifest lands after they gave up. Before, the lease's renewals (another key)
+    counted as the store answering, the PUT was sent again for as long as it was throttled,
+    the other rank timed out, and the manifest landed after both said the save failed: a
+    commit nobody knew of (outside review of issue 40)."""
+    window_s = 6.0
+    manifest = f"/{s3_root.removeprefix('s3://')}/step-0000000001/manifest.json"
+    proxy.limit(0.0, under=manifest)
+    lifted = threading.Event()
+
+    def lift() -> None:  # the store takes the manifest once it has throttled it for window_s
+        while not proxy.throttled_at and not lifted.wait(0.05):
+            pass
+        if proxy.throttled_at and not lifted.wait(proxy.throttled_at[0][1] + window_s - time.monotonic()):
+            proxy.limit(None)
+
+    threading.Thread(target=lift, daemon=True).start()
+    transfer = {"attempts": 2, "backoff_s": 0.05, "max_backoff_s": 0.2, "throttled_s": 1.0}
+    try:
+        codes = run(RANKS, WORKERS / "commit_worker.py", "--root", s3_root, "--out", str(tmp_path / "out"),
+                    "--storage-options", json.dumps({**s3_options, "endpoint_url": proxy.url}),
+                    "--transfer", json.dumps(transfer), "--timeout", "4", "--ttl", "1.5", log_dir=tmp_path, timeout=120)
+    finally:
+        lifted.set()
+    proxy.limit(None)
+
+    assert codes == [0] * RANKS, rank_logs(tmp_path)
+    learnt = [json.loads((tmp_path / f"out.rank{r}.json").read_text()) for r in range(RANKS)]
+    assert [(r["failures_in_row"], r["last_commit"]) for r in learnt] == [(1, None)] * RANKS, (learnt, rank_logs(tmp_path))
+    assert proxy.throttled_at
+    assert not Store(s3_root, s3_options).exists("step-0000000001/manifest.json"), "a commit nobody knows of"
+    for r in range(RANKS):  # rank 0's reason, on every rank: not a collective's timeout
+        log = (tmp_path / f"rank{r}.log").read_text()
+        assert "commit of step-0000000001 failed: StorageError" in log and "SlowDown" in log, rank_logs(tmp_path)
 
 
 def test_a_slow_store_that_keeps_taking_bytes_is_never_taken_for_a_hung_one(proxy, s3_root, s3_options):
