@@ -331,21 +331,34 @@ class Handoff:
             with contextlib.suppress(OSError):
                 if os.path.getsize(self.local.path(rel, name)) == entry.size:
                     local.add(name)
-        return Tiered(self.store, self.local, local) if local else None
+        # A rank's part of the manifest grows as it learns which files it reads
+        # (`ckpt.restore.view.fetch`): those are judged as they are first read.
+        return Tiered(self.store, self.local, local, manifest.files) if local else None
 
 
 class Tiered:
     """Reads from the node spool the files it holds, and the rest from the root (what the
     restore's reader needs of a Store). Counts the bytes read from each."""
 
-    def __init__(self, store: Store, local: Store, names: set[str]) -> None:
+    def __init__(self, store: Store, local: Store, names: set[str], files: dict[str, Any] | None = None) -> None:
         self.store, self.local, self.names = store, local, names
         self.display = store.display
         self.bytes = {"spool": 0, "store": 0}
         self._lock = threading.Lock()
+        # The manifest's entries, which may grow after `names` was judged: a file first read
+        # later is judged then (the spool's copy of the entry's size), once.
+        self._files, self._judged = files, set(files or ())
 
     def _from(self, rel: str) -> str:
-        return "spool" if rel.rsplit("/", 1)[-1] in self.names else "store"
+        name = rel.rsplit("/", 1)[-1]
+        if self._files is not None and name not in self._judged and (entry := self._files.get(name)) is not None:
+            with contextlib.suppress(OSError):
+                if os.path.getsize(self.local.path(rel)) == entry.size:
+                    with self._lock:
+                        self.names.add(name)
+            with self._lock:
+                self._judged.add(name)
+        return "spool" if name in self.names else "store"
 
     def local_path(self, rel: str) -> str | None:
         return self.local.path(rel) if self._from(rel) == "spool" else self.store.local_path(rel)

@@ -235,7 +235,7 @@ class _Reader(FileSystemReader):
             self._group({})
         error: Exception | None = None
         try:
-            exchange(self._ctrl, self.sharing, planner, ok, self._read_refs)
+            exchange(self._ctrl, self.sharing, planner, ok, self._read_refs, self.manifest)
         except Exception as e:  # the replicas' transfers still take place: the others wait for them
             error, ok = e, False
         replicate(self._ctrl, self.replicas, planner, ok, self._read_refs)

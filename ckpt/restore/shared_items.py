@@ -38,7 +38,7 @@ from ckpt.collectives import Group
 from ckpt.format.dcp_index import Ref, shared_refs
 from ckpt.format.manifest import Manifest
 from ckpt.restore.tensor_stream import load_blob
-from ckpt.restore.view import saved_by
+from ckpt.restore.view import fetch, saved_by
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +107,7 @@ class Sharing:
 
 
 def exchange(
-    ctrl: Group, sharing: Sharing | None, planner: LoadPlanner, ok: bool, read: Callable[[list[Ref]], dict[Ref, bytes]]
+    ctrl: Group, sharing: Sharing | None, planner: LoadPlanner, ok: bool, read: Callable[[list[Ref]], dict[Ref, bytes]], manifest: Manifest
 ) -> None:
     """Send and receive the shared items every rank waits for, then load them (a collective:
     every rank calls it once per restore, `ok` or not, so none is left alone in it). `read`
@@ -127,11 +127,17 @@ def exchange(
     mine = _serve(sharing, needed, read) if usable else {}
     every = ctrl.gather(mine)
     sent = ctrl.broadcast({i: b for part in every for i, b in part.items()} if every is not None else None)
+    unsent = [sharing.refs[i] for i in sharing.pending if i not in sent] if waits and sharing is not None else []
+    # What no rank sent (its server could not read it), those waiting read themselves: the
+    # entries of its files, which a rank's part of the manifest may lack (`ckpt.restore.view`).
+    # Every rank knows whether any item is unsent (all know what was wanted and what was
+    # sent), so all take this collective or none does.
+    if any(i not in sent for i in _numbers(needed)):
+        fetch(ctrl, manifest, {ref[0] for ref in unsent})
     if not waits:
         return
     assert sharing is not None
     sharing.received_bytes = sum(len(sent[i]) for i in sharing.pending if i in sent)
-    unsent = [sharing.refs[i] for i in sharing.pending if i not in sent]
     got = read(unsent) if unsent else {}  # raises as a read of this rank's own would
     for i, reqs in sharing.pending.items():
         blob = sent[i] if i in sent else got[sharing.refs[i]]
@@ -143,7 +149,7 @@ def _serve(sharing: Sharing | None, needed: list[int], read: Callable[[list[Ref]
     others read now. What it cannot read it leaves to the ranks that wait for it."""
     if sharing is None:
         return {}
-    wanted = [i for w, word in enumerate(needed) for b in range(_BITS) if word >> b & 1 for i in [w * _BITS + b]]
+    wanted = _numbers(needed)
     mine = [i for i in wanted if i < len(sharing.refs) and sharing.serves(sharing.refs[i][0])]
     out = {i: sharing.captured[i] for i in mine if i in sharing.captured}
     rest = [sharing.refs[i] for i in mine if i not in out]
@@ -155,6 +161,11 @@ def _serve(sharing: Sharing | None, needed: list[int], read: Callable[[list[Ref]
             got = {}
         out.update((i, got[sharing.refs[i]]) for i in mine if sharing.refs[i] in got)
     return out
+
+
+def _numbers(bitmap: list[int]) -> list[int]:
+    """The items a bitmap of `Group.union` names."""
+    return [w * _BITS + b for w, word in enumerate(bitmap) for b in range(_BITS) if word >> b & 1]
 
 
 def load_item(blob: bytes, reqs: list[ReadItem], planner: LoadPlanner) -> None:

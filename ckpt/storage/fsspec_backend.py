@@ -32,6 +32,7 @@ T = TypeVar("T")
 LIST_PAGE = 1000  # keys a LIST answers at most
 PARALLEL = 16  # small requests at once (`each`)
 MANIFEST_BYTES_PER_FILE = 100  # the fewest a manifest's entry of a file takes: its name, size, checksum, rank
+PROBES = 3  # newest step directories looked at for a manifest to judge the root by
 
 log = logging.getLogger(__name__)
 
@@ -106,13 +107,19 @@ class FsspecBackend(Backend):
                 listing.files[MANIFEST_NAME] = int(info.get("size") or 0)
                 listing.manifest_mtime = _mtime(info)
 
-        if steps:
-            newest = steps[max(steps)]
-            look(newest)
-            files = max(1, newest.files.get(MANIFEST_NAME, 0) // MANIFEST_BYTES_PER_FILE)  # at most: its entries
-            if len(steps) * files / LIST_PAGE <= math.ceil(len(steps) / PARALLEL):
-                return self.survey(root)
-        each(look, [lst for lst in steps.values() if lst is not newest])
+        # The newest manifests say how many files a checkpoint has (at most its size over an
+        # entry's least): the newest step may be a save under way, or one that crashed.
+        looked: list[int] = []
+        for step in sorted(steps, reverse=True)[:PROBES]:
+            listing = steps[step]
+            look(listing)
+            looked.append(step)
+            if listing.has_manifest:
+                files = max(1, listing.files[MANIFEST_NAME] // MANIFEST_BYTES_PER_FILE)
+                if len(steps) * files / LIST_PAGE <= math.ceil(len(steps) / PARALLEL):
+                    return self.survey(root)
+                break
+        each(look, [lst for step, lst in steps.items() if step not in looked])
         return steps, sorted(strays.values(), key=lambda s: s.name)
 
     def list_step(self, path: str, step: int, where: str) -> StepListing | None:

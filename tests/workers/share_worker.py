@@ -17,11 +17,14 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
 from ckpt.collectives import Group
+from ckpt.format.manifest import FileEntry, Manifest
 from ckpt.restore.shared_items import Sharing, exchange
 from tests.support.launch import exit_without_teardown
 
 REFS = [("__0_0.distcp", 0, 5), ("__1_0.distcp", 0, 5)]
 STORE = {REFS[0]: b"zero!", REFS[1]: b"one!!"}
+# Every rank holds the whole manifest here: `fetch` (what no rank sent) asks rank 0 for nothing.
+MANIFEST = Manifest(step=1, world_size=2, created=0.0, files={f"__{r}_0.distcp": FileEntry(5, "xxh3_64:0000000000000000", r) for r in range(2)})
 
 # case: rank -> (waits for item numbers, has read (captured), load ok, read fails, has metadata)
 CASES = {
@@ -83,7 +86,7 @@ def main() -> None:
         planner = Recorder()
         calls.clear()
         try:
-            exchange(g, sharing, planner, ok, read)
+            exchange(g, sharing, planner, ok, read, MANIFEST)
             error = None
         except Exception as e:
             error = f"{type(e).__name__}: {e}"
