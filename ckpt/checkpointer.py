@@ -88,8 +88,7 @@ class Checkpointer(Lifecycle, BackgroundSaves):
         storage_options: passed to fsspec (``{"endpoint_url": ...}`` for an S3-compatible store).
         transfer: how files move to and from an S3 root (``ckpt.Transfer``: part size, parts
             in flight, read size and readahead, retries and backoff, and the job's request
-            rate, `requests_per_s`, which each rank paces itself at its share of). Its
-            `deadline_s` is lowered to half of ``timeout_s`` where it is longer.
+            rate, `requests_per_s`, which each rank paces itself at its share of).
         restore: "latest" (default) restores the newest committed checkpoint; "none" starts
             fresh whatever the root holds; a step number restores exactly that step.
         save_on_exit: leaving the block normally takes a final save if the last step is unsaved.
@@ -111,10 +110,8 @@ class Checkpointer(Lifecycle, BackgroundSaves):
             elastic agents restart the survivors, a Kubernetes Job retries. 0 would end it.
         timeout_s: the longest a collective of a save may wait for another rank before the
             save fails: a dead rank turns into an error, never a hang. A writer process that
-            moves no bytes for this long (a hung store or mount) fails its save too. No
-            request to an S3 root is tried for longer than half of it (``Transfer.deadline_s``,
-            however the store answers): no request of rank 0's commit, which the other ranks
-            wait for, is tried for as long as they wait.
+            moves no bytes for this long (a hung store or mount) fails its save too. No S3
+            request is tried for longer than half of it (``Transfer.deadline_s``).
         if_busy: a save that comes due while the previous one is still writing waits for it
             ("wait", the loop stalls until the store catches up) or is skipped and counted in
             ``skipped_saves`` ("skip", the loop never waits on a slow store).
@@ -211,8 +208,7 @@ class Checkpointer(Lifecycle, BackgroundSaves):
             timeout_s=timeout_s, budget=host_memory_budget, agree_every_s=agree_every_s, frozen=frozen,
         )  # fmt: skip
         interval = checked_interval(interval)
-        # IMPORTANT: no request of a save outlives the collective that waits for it (the
-        # other ranks wait timeout_s for rank 0's commit): Transfer.deadline_s.
+        # IMPORTANT: no request of rank 0's commit outlives the other ranks' wait for it.
         transfer = (transfer or Transfer()).within(timeout_s)
         if transfer.requests_per_s > 0:  # each rank paces itself at its share
             transfer = dataclasses.replace(transfer, ranks=_world_size())
