@@ -64,9 +64,11 @@ MANIFEST_PER_BLOCK = 27.0
 MANIFEST_PARSE_RATE = 97e6
 TELL_PER_RANK_S = 5e-6
 # A save's and a restore's requests besides each rank's files (lease, manifest, listing,
-# events, `.metadata` and `.index`): bench/scale.py's fits, 20 + 2·N and 13 + 2·N.
+# events, `.metadata` and `.index`): bench/scale.py's fits, 20 + 2·N and 15 + 2·N (the survey
+# of a root of a few small checkpoints: its top level, the newest manifest's HEAD, then the
+# whole root, which costs fewer round trips there than a HEAD of each).
 SAVE_FIXED = 20
-RESTORE_FIXED = 13
+RESTORE_FIXED = 15
 # Store round trips rank 0 makes one after another (bench/scale.py's recording proxy, in
 # order). A save: the lease checked, the step directory claimed (three listings and a HEAD)
 # before the ranks write; after the gather `.metadata`, `.index`, the lease again and the
