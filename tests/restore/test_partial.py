@@ -140,19 +140,26 @@ def test_a_rank_that_cannot_read_its_index_sends_every_rank_to_metadata_and_none
     assert [s["rank 1's index unreadable"] for s in seen] == [None, None], seen
 
 
-UNEVEN = """
+def _two_fsdp2_layers(out_features: int) -> str:
+    """A worker's start: two linear layers, each and both fully sharded, and AdamW."""
+    return f"""
 import json, sys, torch, torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 import ckpt
+import ckpt.restore.shared_items as si
 dist.init_process_group("gloo")
 torch.manual_seed(0)
-# out_features 1 on 3 ranks: ranks 1 and 2 hold equal empty shards of the last weight and bias,
-# which DCP saves once (one copy of equal pieces): the other's index must still know those keys.
-model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 1))
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, {out_features}))
 for layer in model:
     fully_shard(layer)
 fully_shard(model)
 opt = torch.optim.AdamW(model.parameters())
+"""
+
+
+# out_features 1 on 3 ranks: ranks 1 and 2 hold equal empty shards of the last weight and bias,
+# which DCP saves once (one copy of equal pieces): the other's index must still know those keys.
+UNEVEN = _two_fsdp2_layers(1) + """
 with ckpt.Checkpointer(sys.argv[1], model=model, optimizer=opt, interval=None, save_on_exit=False) as cp:
     if cp.restored_step is None:
         model(torch.randn(4, 8)).sum().backward()
@@ -215,18 +222,7 @@ def test_a_files_shared_values_are_served_by_a_rank_that_loads_rows_of_that_file
                     assert min(mine.stop, theirs.stop) > max(mine.start, theirs.start), (saved, world, n, r)
 
 
-SERVER_FAILS = """
-import json, sys, torch, torch.distributed as dist
-from torch.distributed.fsdp import fully_shard
-import ckpt
-import ckpt.restore.shared_items as si
-dist.init_process_group("gloo")
-torch.manual_seed(0)
-model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
-for layer in model:
-    fully_shard(layer)
-fully_shard(model)
-opt = torch.optim.AdamW(model.parameters())
+SERVER_FAILS = _two_fsdp2_layers(4) + """
 if sys.argv[2] == "restore":
     # Each shared item's server sends none: what `_serve` sends of the items it had not read
     # already when it cannot read them (a store's error); here, of all of them.
