@@ -107,9 +107,6 @@ def inspect(
         if METADATA_NAME not in manifest.files:
             raise InvalidCheckpoint(f"{where}: manifest lists no {METADATA_NAME}")
         check_ranks(manifest, where)
-        if not listing.whole and deep:  # a survey's look at the manifest alone
-            listing = _listed(store, listing)
-            entry.bytes_on_store = sum(listing.files.values())
         for name, f in manifest.files.items():
             algorithm(f, f"{where}/{name}")  # one this ckpt cannot check is never trusted
             # A restore's survey: each rank finds a file missing or short as it reads it
@@ -141,13 +138,6 @@ def inspect(
         return entry
     entry.state = COMMITTED
     return entry
-
-
-def _listed(store: Store, looked: StepListing) -> StepListing:
-    """The whole listing of a step directory a survey looked at the manifest of (`looked`)."""
-    listing = store.list_step(looked.step) or StepListing(looked.step)
-    listing.manifest_mtime = looked.manifest_mtime
-    return listing
 
 
 def _odd(where: str, name: str, listing: StepListing) -> str:
