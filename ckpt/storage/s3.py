@@ -37,8 +37,12 @@ class S3Backend(FsspecBackend):
         options.setdefault("skip_instance_cache", True)
         # IMPORTANT: every request, listings too, gives up after Transfer.timeout_s and is
         # tried Transfer.attempts times, by ckpt alone (s3_client.RetriedFS).
+        # IMPORTANT: one botocore client for them and for the transfers (`S3Client`), its pool
+        # as large as the transfers' requests in flight, and a few more for the lease's.
         once = {"mode": "standard", "total_max_attempts": 1}
-        options["config_kwargs"] = {"connect_timeout": transfer.timeout_s, "read_timeout": transfer.timeout_s, **(options.get("config_kwargs") or {}), "retries": once}
+        pool = max(10, transfer.concurrency + transfer.readahead + 4)
+        timeouts = {"connect_timeout": transfer.timeout_s, "read_timeout": transfer.timeout_s}
+        options["config_kwargs"] = {**timeouts, "max_pool_connections": pool, **(options.get("config_kwargs") or {}), "retries": once}
         fs = file_system(RetriedFS, options, transfer)
         return cls(fs, S3Client(fs, transfer)), RetriedFS._strip_protocol(root)
 

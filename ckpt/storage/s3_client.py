@@ -89,29 +89,23 @@ def request_part(endpoint: str, params: dict[str, Any]) -> str:
     return part_of(endpoint, params.get("Bucket", ""), params.get("Key") or params.get("Prefix") or deleted[0].get("Key", ""))
 
 
-class _OneTry(S3FileSystem):
-    retries = 1  # s3fs's own loop around each call: one pass (a class attribute survives pickling)
-
-
 _DELETE_BATCH = 1000  # keys per DeleteObjects request: S3's limit
 
 
 class S3Client:
     """The requests of one S3 root, each retried as `config` says."""
 
-    def __init__(self, fs: S3FileSystem, config: Transfer) -> None:
-        options = dict(fs.storage_options)
-        options["config_kwargs"] = {
-            **(options.get("config_kwargs") or {}),
-            # IMPORTANT: `retry` below is the only retry policy (see the module docstring).
-            "retries": {"mode": "standard", "total_max_attempts": 1},
-            "max_pool_connections": max(10, config.concurrency + config.readahead),
-            "connect_timeout": config.timeout_s,
-            "read_timeout": config.timeout_s,
-        }
-        self.fs = file_system(_OneTry, options)
+    def __init__(self, fs: RetriedFS, config: Transfer) -> None:
+        # The root's own file system and its botocore client (`S3Backend.connect`): a second
+        # client would cost every process (a trainer, its writer, a `ckpt` command) 0.1-0.2
+        # CPU-s more to set up. Its requests bypass RetriedFS's retries (`once`): `retry` is theirs.
+        self.fs = fs
         self.config = config
-        self.endpoint = endpoint_of(options)
+        self.endpoint = endpoint_of(fs.storage_options)
+
+    def once(self, method: str, **kwargs: Any) -> Awaitable[Any]:
+        """One S3 request, not retried here (the caller retries it, through `retry`)."""
+        return S3FileSystem._call_s3(self.fs, method, **kwargs)
 
     def part(self, bucket: str, key: str = "") -> str:
         """The part of the store a request to `key` goes to (`ckpt.storage.s3_retry.part_of`)."""
@@ -127,7 +121,7 @@ class S3Client:
 
     def call(self, what: str, method: str, **kwargs: Any) -> Any:
         """One S3 request with retries, from synchronous code."""
-        return self.run(self.retry, what, request_part(self.endpoint, kwargs), lambda: self.fs._call_s3(method, **kwargs))
+        return self.run(self.retry, what, request_part(self.endpoint, kwargs), lambda: self.once(method, **kwargs))
 
     def put_if(self, path: str, where: str, data: bytes, **condition: str) -> str | None:
         """One PUT of `data` to `path` under a condition (`IfNoneMatch="*"`: only if absent;
@@ -201,7 +195,7 @@ class S3Client:
 
         async def once() -> tuple[bytes, str] | object | None:
             try:
-                resp = await self.fs._call_s3("get_object", Bucket=bucket, Key=key, **ranged)
+                resp = await self.once("get_object", Bucket=bucket, Key=key, **ranged)
             except FileNotFoundError as e:
                 if is_code(e, "NoSuchKey") or not isinstance(botocore_error(e), ClientError):
                     return _MISSING  # not an exception: fsspec's sync raises one that is returned

@@ -160,7 +160,7 @@ class Reader(Stream):
         async def once() -> tuple[list[bytes], int | None, str | None]:
             kw = {"IfMatch": self._etag} if self._etag else {}
             try:
-                resp = await self._t.fs._call_s3(
+                resp = await self._t.once(
                     "get_object",
                     Bucket=self._bucket,
                     Key=self._key,

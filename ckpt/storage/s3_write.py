@@ -154,7 +154,7 @@ class S3Upload(io.RawIOBase):
 
         def request() -> Awaitable[Any]:
             bodies.append(_Pieces(pieces))
-            return self._t.fs._call_s3(
+            return self._t.once(
                 method, Bucket=self._bucket, Key=self._key, Body=bodies[-1], **kwargs
             )
 
