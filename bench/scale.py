@@ -31,6 +31,7 @@ The machine's busy CPU-seconds in each window (every process) say whether someth
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import contextlib
 import json
 import os
@@ -104,14 +105,31 @@ def _worker(args: argparse.Namespace) -> None:
         model(torch.randn(4, args.width)).sum().backward()
         opt.step()
         with ckpt.Checkpointer(args.root, model=model, optimizer=opt, restore="none", **kw) as cp:
-            seen.clear()
-            began, cpu, machine = time.perf_counter(), _cpu_s(), _machine_cpu_s()
+            # A job's first save starts the rank's writer process (its Python, its S3 client):
+            # timed apart; the save measured is the next, as every save after it.
+            began, cpu = time.perf_counter(), _cpu_s()
             cp.save(blocking=True)
-            out["save_s"] = time.perf_counter() - began
-            out["save_cpu_s"] = _cpu_s() - cpu
-            out["machine_cpu_s"] = _machine_cpu_s() - machine
+            out["first_save_s"], out["first_save_cpu_s"] = time.perf_counter() - began, _cpu_s() - cpu
+            took, cpus, machines = [], [], []
+            for _ in range(_STEADY_SAVES):  # the median of a few: one save here is a few 10 ms ticks of CPU
+                model(torch.randn(4, args.width)).sum().backward()
+                opt.step()
+                cp.step_done()
+                if rank == 0:  # the store's requests before it are the earlier saves' (`_requests`)
+                    cp.store.exists(_SECOND_SAVE)
+                dist.barrier()
+                seen.clear()
+                began, cpu, machine = time.perf_counter(), _cpu_s(), _machine_cpu_s()
+                cp.save(blocking=True)
+                took.append(time.perf_counter() - began)
+                cpus.append(_cpu_s() - cpu)
+                machines.append(_machine_cpu_s() - machine)
+            out["save_s"] = sorted(took)[len(took) // 2]
+            out["save_cpu_s"] = sum(cpus) / len(cpus)
+            out["machine_cpu_s"] = sum(machines) / len(machines)
             out["collectives"] = dict(seen)
     else:
+        ckpt.Checkpointer  # noqa: B018  imported as a training script does at its top, before the clock
         seen.clear()
         began, cpu, machine = time.perf_counter(), _cpu_s(), _machine_cpu_s()
         with ckpt.Checkpointer(args.root, model=model, optimizer=opt, save_on_exit=False, **kw) as cp:
@@ -184,11 +202,22 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _compiled(work: Path) -> dict[str, str]:
+    """The environment of a rank: ckpt's bytecode compiled once, in `work` (by the first call),
+    as an installed ckpt's is (pip compiles it), even where this machine says not to write
+    it; else every rank would count compiling ckpt's modules as its own CPU at each start."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    env["PYTHONPYCACHEPREFIX"] = str(work / "pycache")
+    if not (work / "pycache").exists():
+        subprocess.run([sys.executable, "-m", "compileall", "-q", str(REPO / "ckpt")], env=env, check=True)
+    return env
+
+
 def _job(n: int, phase: str, root: str, out: Path, args: argparse.Namespace, options: str) -> list[dict]:
     port = _free_port()
     procs = []
     for rank in range(n):
-        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": str(n),
+        env = _compiled(out.parent) | {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": str(n),
                "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(n), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}  # fmt: skip
         argv = [sys.executable, __file__, "--worker", phase, "--root", root, "--out", str(out), "--layers", str(args.layers),
                 "--width", str(args.width), "--options", options]  # fmt: skip
@@ -212,12 +241,16 @@ def _kind_of(path: str) -> str:
 def _requests(seen: list[tuple[str, str]], phase: str) -> dict[str, int]:
     """Requests by kind and by file: "get.data", "part.data", "put.manifest", ... (less the
     bench's own reads after a restore)."""
+    marks = [i for i, (_, path) in enumerate(seen) if path.endswith(_SECOND_SAVE)]
+    seen = seen[marks[-1] + 1 :] if marks else seen
     got = Counter(f"{kind}.{_kind_of(path)}" for kind, path in seen)
     if phase == "restore":
         got.subtract(_BENCH_GETS)
     return {k: v for k, v in got.items() if v}
 
 
+_SECOND_SAVE = "bench-a-save-begins"  # a HEAD rank 0 sends before each save after the first
+_STEADY_SAVES = 3  # timed after the first: the median time of each rank, its mean CPU
 _BENCH_GETS = Counter({"range.manifest": 1, "range.metadata": 1, "range.index": 2})  # rank 0's, for the sizes and `_rates`
 
 
@@ -257,7 +290,7 @@ def main() -> None:
     p.add_argument("--ranks", default="2,4,8,16")
     p.add_argument("--store", choices=["s3", "local"], default="s3")
     p.add_argument("--layers", type=int, default=24)
-    p.add_argument("--width", type=int, default=256)
+    p.add_argument("--width", type=int, default=512)
     p.add_argument("--probe", type=int, default=4, help="the tensors' multiple of the model that calibrates a rank's CPU per piece (same bytes)")
     p.add_argument("--out", default=str(REPO / "bench" / "results" / "scale.json"))
     p.add_argument("--worker", choices=["save", "restore", "reshard"], help=argparse.SUPPRESS)
@@ -293,6 +326,9 @@ def main() -> None:
                     "requests": _requests(proxy.requests, phase) if proxy is not None else {},
                     "per_rank": ranks,
                 }
+                if phase == "save":  # the job's first save, which started each rank's writer process
+                    row[phase]["first_s_max"] = max(r["first_save_s"] for r in ranks)
+                    row[phase]["first_cpu_s_mean"] = sum(r["first_save_cpu_s"] for r in ranks) / n
             if n >= 4:  # and on half as many ranks (each loads the rows of about 2 saving ranks)
                 if proxy is not None:
                     proxy.requests.clear()
@@ -349,7 +385,7 @@ def main() -> None:
           f"load average before the runs {' '.join(loadavg[0])}, after {' '.join(loadavg[1])}")  # fmt: skip
     config = {k: v for k, v in vars(args).items() if k not in ("worker", "root", "options")}
     doc = {"config": config, "loadavg": loadavg, "rows": rows, "fits": fits["table"], "model": model["table"],
-           "calibration": calibration["table"], "model_times": times["table"]}  # fmt: skip
+           "calibration": calibration["table"], "probe": probe, "model_times": times["table"]}  # fmt: skip
     Path(args.out).write_text(json.dumps(doc, indent=1))
     print(f"[scale] results: {args.out}")
 
@@ -378,7 +414,7 @@ def _model_check(row: dict, args: argparse.Namespace) -> dict:
 
 def _time_store(root: str, options: str) -> dict[str, float]:
     """This store's round trip (the median of 20 small GETs, and of 20 HEADs, one after
-    another) and bandwidth (one 32 MiB file written, then read), timed before the runs."""
+    another) and bandwidth (32 MiB in 4 files at once written, then read), timed before the runs."""
     sys.path.insert(0, str(REPO))
     from ckpt.storage.store import Store
 
@@ -397,37 +433,59 @@ def _time_store(root: str, options: str) -> dict[str, float]:
         return sorted(took)[len(took) // 2]
 
     got = {"get_s": median_s(lambda: store.read_bytes("small.bin")), "head_s": median_s(lambda: store.exists("small.bin"))}
-    blob = os.urandom(32 << 20)
-    began = time.perf_counter()
-    with store.open_write("large.bin", size=len(blob)) as f:
-        f.write(blob)
-    got["write_bytes_per_s"] = len(blob) / (time.perf_counter() - began)
-    began = time.perf_counter()
-    store.read_bytes("large.bin")
-    got["read_bytes_per_s"] = len(blob) / (time.perf_counter() - began)
+    blob = os.urandom(_BANDWIDTH_BYTES // _BANDWIDTH_STREAMS)
+
+    def write(i: int) -> None:
+        with store.open_write(f"large{i}.bin", size=len(blob)) as f:
+            f.write(blob)
+
+    streams = range(_BANDWIDTH_STREAMS)
+    with concurrent.futures.ThreadPoolExecutor(_BANDWIDTH_STREAMS) as pool:
+        began = time.perf_counter()
+        list(pool.map(write, streams))
+        got["write_bytes_per_s"] = _BANDWIDTH_BYTES / (time.perf_counter() - began)
+        began = time.perf_counter()
+        list(pool.map(lambda i: store.read_bytes(f"large{i}.bin"), streams))
+        got["read_bytes_per_s"] = _BANDWIDTH_BYTES / (time.perf_counter() - began)
     return got
+
+
+# The node's bandwidth to the store: 32 MiB in 4 files at once, as a node's ranks write theirs
+# (one stream alone, on this machine's S3 server, gets about half of it).
+_BANDWIDTH_BYTES = 32 << 20
+_BANDWIDTH_STREAMS = 4
 
 
 def _probe(n: int, root: str, out: Path, args: argparse.Namespace, options: str) -> dict[str, float]:
-    """A save and a restore on `n` ranks of a model of `args.probe` times the tensors and the
-    same bytes (the layers times it, their width over its square root): each rank's mean
-    CPU-seconds, against the model's own at `n` for a rank's CPU per piece of state."""
+    """Saves and restores on `n` ranks of this model and of one of `args.probe` times the
+    tensors and the same bytes (the layers times it, their width over its square root), one
+    after the other, `_PROBE_RUNS` times: the median of each one's mean CPU-seconds per rank,
+    whose difference is a rank's CPU per piece of state (a restore's CPU is mostly a fresh
+    process's, and varies by more than the pieces add in one run)."""
     wide = argparse.Namespace(**{**vars(args), "layers": args.layers * args.probe, "width": round(args.width / args.probe**0.5)})
-    got = {"layers": wide.layers, "width": wide.width}
-    for phase in ("save", "restore"):
-        ranks = _job(n, phase, root, out, wide, options)
-        got[f"{phase}_cpu_s_mean"] = sum(r[f"{phase}_cpu_s"] for r in ranks) / n
+    got: dict[str, float] = {"layers": wide.layers, "width": wide.width}
+    seen: dict[str, list[float]] = {}
+    for run in range(_PROBE_RUNS):
+        for name, model in (("base", args), ("wide", wide)):
+            for phase in ("save", "restore"):
+                ranks = _job(n, phase, f"{root}-{name}{run}", out, model, options)
+                seen.setdefault(f"{name}_{phase}", []).append(sum(r[f"{phase}_cpu_s"] for r in ranks) / n)
+    for k, v in seen.items():
+        got[f"{k}_cpu_s_mean"] = sorted(v)[len(v) // 2]
     return got
+
+
+_PROBE_RUNS = 3
 
 
 def _calibrate(rows: list[dict], store: dict[str, float], probe: dict[str, float], args: argparse.Namespace) -> dict:
     """This machine's parameters of `ckpt plan`'s model, from the world sizes in `rows` (those
-    below the largest): a rank's CPU-seconds in a save and a restore (the mean over ranks, then
-    over sizes: what N ranks ask of cores they share; and the busiest rank's, which a job waits
-    for where each rank has a core), the store's round trip and bandwidth, and a rank's CPU per
-    piece of state (the probe's model against this one, at the smallest size)."""
+    below the largest): a rank's CPU-seconds in a save and a restore (the mean over ranks: what
+    N ranks ask of cores they share; a save's fitted as a + b·bytes over the sizes, its
+    checksums and copies growing with the bytes a rank writes; and the busiest rank's, which a
+    job waits for where each rank has a core), the store's round trip and bandwidth, and a
+    rank's CPU per piece of state (`_probe`)."""
     pieces = 2 * args.layers * 3  # a weight and a bias per layer, each with Adam's two moments
-    first = rows[0]
     table = {
         "sizes": [r["ranks"] for r in rows],
         "request_latency_s": store["get_s"],
@@ -438,18 +496,27 @@ def _calibrate(rows: list[dict], store: dict[str, float], probe: dict[str, float
     for phase in ("save", "restore"):
         table[f"{phase}_cpu_s"] = sum(r[phase]["cpu_s_mean"] for r in rows) / len(rows)
         table[f"{phase}_cpu_s_busiest"] = sum(r[phase]["cpu_s_max"] for r in rows) / len(rows)
-        extra = probe[f"{phase}_cpu_s_mean"] - first[phase]["cpu_s_mean"]
-        table[f"{phase}_cpu_per_piece_s"] = extra / ((args.probe - 1) * pieces)
+        extra = probe[f"wide_{phase}_cpu_s_mean"] - probe[f"base_{phase}_cpu_s_mean"]
+        table[f"{phase}_cpu_per_piece_s"] = max(0.0, extra / ((args.probe - 1) * pieces))
+    written = [_data_per_rank(r) for r in rows]
+    fixed, per_byte = _fit(written, [r["save"]["cpu_s_mean"] for r in rows]) if len(rows) > 1 else (table["save_cpu_s"], 0.0)
+    table["save_cpu_s_fixed"], table["save_cpu_per_byte_s"] = fixed, max(0.0, per_byte)
     lines = [
         "calibrated on " + ",".join(map(str, table["sizes"])) + " ranks and the store:",
-        f"  a rank's CPU, save {table['save_cpu_s']:.2f} s, restore {table['restore_cpu_s']:.2f} s (mean over ranks; "
+        f"  a rank's CPU, save {table['save_cpu_s_fixed']:.3f} s + {table['save_cpu_per_byte_s'] * 1e9:.2f} ns a byte it writes, "
+        f"restore {table['restore_cpu_s']:.2f} s (mean over ranks; "
         f"the busiest rank {table['save_cpu_s_busiest']:.2f} / {table['restore_cpu_s_busiest']:.2f} s); "
         f"per piece of state {table['save_cpu_per_piece_s'] * 1e3:.2f} / {table['restore_cpu_per_piece_s'] * 1e3:.2f} ms "
-        f"({args.probe}x the tensors on {first['ranks']} ranks)",
+        f"({args.probe}x the tensors on {rows[0]['ranks']} ranks, the median of {_PROBE_RUNS} runs)",
         f"  the store: a small GET {table['request_latency_s'] * 1e3:.1f} ms, a HEAD {table['head_s'] * 1e3:.1f} ms; "
         f"writes {table['write_bytes_per_s'] / 1e6:.0f} MB/s, reads {table['read_bytes_per_s'] / 1e6:.0f} MB/s",
     ]
     return {"table": table, "lines": lines}
+
+
+def _data_per_rank(row: dict) -> float:
+    """The mean bytes of a rank's data file at this size."""
+    return sum(r["own_file_bytes"] - r["own_index_bytes"] for r in row["restore"]["per_rank"]) / row["ranks"]
 
 
 def _model_times(rows: list[dict], calibration: dict, args: argparse.Namespace) -> dict:
@@ -464,7 +531,7 @@ def _model_times(rows: list[dict], calibration: dict, args: argparse.Namespace) 
         n = row["ranks"]
         data = sum(r["own_file_bytes"] - r["own_index_bytes"] for r in row["restore"]["per_rank"])
         scale = Scale(world=n, nodes=1, tensors=2 * args.layers, cores_per_node=os.cpu_count() or 1, kept=1,
-                      save_cpu_s=cal["save_cpu_s"], restore_cpu_s=cal["restore_cpu_s"], request_latency=cal["request_latency_s"],
+                      save_cpu_s=cal["save_cpu_s_fixed"], save_cpu_per_byte_s=cal["save_cpu_per_byte_s"], restore_cpu_s=cal["restore_cpu_s"], request_latency=cal["request_latency_s"],
                       write_bandwidth=cal["write_bytes_per_s"], read_bandwidth=cal["read_bytes_per_s"])  # fmt: skip
         got = at_scale(data, scale)
         entry = {"calibrated_on": n in cal["sizes"]}

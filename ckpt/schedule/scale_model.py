@@ -63,30 +63,39 @@ MANIFEST_PER_FILE = 145.0
 MANIFEST_PER_BLOCK = 27.0
 MANIFEST_PARSE_RATE = 97e6
 TELL_PER_RANK_S = 5e-6
-# A save's and a restore's requests besides each rank's files (lease, manifest, listing,
-# events, `.metadata` and `.index`): bench/scale.py's fits, 20 + 2·N and 15 + 2·N (the survey
-# of a root of a few small checkpoints: its top level, the newest manifest's HEAD, then the
-# whole root, which costs fewer round trips there than a HEAD of each).
-SAVE_FIXED = 20
+# A save's and a restore's requests besides each rank's files (lease, manifest, events,
+# `.metadata` and `.index`, retention's deletes): bench/scale.py's fits, 16 + 2·N (a save
+# after the first, the oldest checkpoint deleted; the first claims its step directory with
+# listings, 20 + 2·N) and 15 + 2·N (the survey of a root of a few small checkpoints: its top
+# level, the newest manifest's HEAD, then the whole root, which costs fewer round trips there
+# than a HEAD of each).
+SAVE_FIXED = 16
 RESTORE_FIXED = 15
 # Store round trips rank 0 makes one after another (bench/scale.py's recording proxy, in
-# order). A save: the lease checked, the step directory claimed (three listings and a HEAD)
+# order). A save: the lease checked, the step directory claimed (a HEAD; the first save lists)
 # before the ranks write; after the gather `.metadata`, `.index`, the lease again and the
 # manifest, which commits. A restore: the root checked to be no step directory, the bucket, the
 # lease read and taken; after the survey (`_survey`) `.index`, then each rank's index and its
 # first range.
 SAVE_ROUND_TRIPS = 9
 RESTORE_ROUND_TRIPS = 7
-# A rank's own CPU-seconds in a save and in a restore that its bytes do not decide (the store's
-# client, imported and set up in a fresh process; DCP's planning and the state dict; the
-# collectives, its index, the manifest; a save's writer process, started at the first): a
-# fixed part, and a part per piece of state it holds. bench/scale.py's `calibration`, on this
-# machine's cores: the busiest rank's at 2-8 ranks (0.87 and 0.88 CPU-s for 144 pieces: where
-# each rank has a core, the job waits for it) less its pieces, at 0.50 and 0.25 ms a piece (a
-# model of 4x the tensors and the same bytes, on 2 ranks).
-SAVE_CPU_S = 0.8
-SAVE_CPU_PER_PIECE_S = 0.5e-3
-RESTORE_CPU_S = 0.84
+# A rank's own CPU-seconds in a save and in a restore that its bytes do not decide: a fixed
+# part, and a part per piece of state it holds; a save's also per byte it writes (its
+# checksums and copies, done as its writer process streams the file to the store). A save is
+# one after the first, in a running job: its writer process started, its S3 client set up, its
+# layout planned (the first costs about 0.7 CPU-s more, once). A restore is a fresh process's:
+# the store's client imported and set up, DCP's planning and the state dict, the collectives,
+# its index. bench/scale.py's `calibration` (at 2db10f1, one S3 client a process; ckpt's
+# bytecode compiled, as installed), on 2-8 ranks: a save's mean over ranks fitted as a + b·bytes
+# written (0.010 s + 4.3 ns a byte: checksums, copies, the S3 client's signing), with the
+# busiest rank's 0.015 s more (rank 0's commit); a restore's busiest rank, 0.63 CPU-s (rank 0:
+# the lease, the survey, `.index`; the mean 0.50); each less its 144 pieces at the probe's
+# CPU per piece (a model of 4x the tensors and the same bytes, on 2 ranks, the median of 3
+# runs: 0.03 and 0.25 ms).
+SAVE_CPU_S = 0.02
+SAVE_CPU_PER_PIECE_S = 0.03e-3
+SAVE_CPU_PER_BYTE_S = 4.3e-9
+RESTORE_CPU_S = 0.59
 RESTORE_CPU_PER_PIECE_S = 0.25e-3
 # Rank 0's survey before a restore: a LIST answers at most LIST_PAGE keys; the HEADs, GETs and
 # pages of one step directory go PARALLEL at a time (`Store.each`). A listed key costs the
@@ -122,6 +131,7 @@ class Scale:
     # work takes its time once each, until they outnumber the cores and share them.
     cores_per_node: int = 112
     save_cpu_s: float | None = None  # a rank's CPU-seconds in a save besides its bytes (None: SAVE_CPU_S and per piece)
+    save_cpu_per_byte_s: float | None = None  # and per byte it writes (None: SAVE_CPU_PER_BYTE_S)
     restore_cpu_s: float | None = None  # the same in a restore (None: RESTORE_CPU_S and per piece)
     request_latency: float = 0.03  # s, one store round trip for a small object (S3: 10-50 ms)
     kept: int = 5  # checkpoints kept in the root: rank 0's survey looks at each before a restore
@@ -150,8 +160,9 @@ class AtScale:
     restore_requests: float
     save_bytes_s: float  # the bandwidth's bound
     save_requests_s: float  # the request rate's bound
-    save_metadata_s: float  # rank 0 pickles and writes `.metadata` and `.index`
-    save_s: float
+    save_metadata_s: float  # rank 0 writes `.metadata` and `.index` again (pickled at the first save)
+    save_s: float  # a save after the first: what the interval is priced at
+    first_save_s: float  # the first (or a layout changed): rank 0 pickles `.metadata` too
     save_binds: str  # the largest of the save's terms
     restore_bytes_s: float
     restore_requests_s: float
@@ -160,6 +171,7 @@ class AtScale:
     restore_s: float
     restore_binds: str  # the largest of the restore's terms
     save_cpu_s: float  # a rank's own CPU work, on the cores its node gives its ranks
+    save_stream_s: float  # and its CPU per byte it writes, done as the bytes go (with them, the larger binds)
     save_round_trips_s: float  # rank 0's requests one after another: the step's claim, the commit
     restore_cpu_s: float
     restore_round_trips_s: float  # besides the survey: the lease, `.index`, each rank's index
@@ -191,7 +203,11 @@ def at_scale(checkpoint_bytes: float, s: Scale) -> AtScale:
     read_bw = min(s.store_bandwidth, s.nodes * s.read_bandwidth)
     save_bytes_s = checkpoint_bytes / write_bw
     save_requests_s = save_requests / (PUT_PER_S * s.prefixes)
-    save_metadata_s = (metadata + shared) / PICKLE_RATE + (metadata + shared) / s.write_bandwidth
+    # Rank 0 pickles `.metadata` at a save DCP plans (the first; a layout changed; a pickled
+    # value that moved a tensor) and writes that image again at every save after it
+    # (`ckpt.save.resave.Layout.write_metadata`).
+    save_metadata_s = (metadata + shared) / s.write_bandwidth
+    pickle_s = (metadata + shared) / PICKLE_RATE
     restore_bytes_s = checkpoint_bytes / read_bw  # read once, over the nodes' (or the store's) bandwidth
     restore_requests_s = restore_requests / (GET_PER_S * s.prefixes)
     restore_exchange_s = (loaded - per_rank) * (w / s.nodes) / s.exchange_bandwidth  # what a node receives
@@ -208,11 +224,14 @@ def at_scale(checkpoint_bytes: float, s: Scale) -> AtScale:
     # A rank's own CPU work, once per rank; where the ranks outnumber their node's cores, they share them.
     shared_cores = max(1.0, w / s.nodes / s.cores_per_node)
     save_cpu_s = shared_cores * (SAVE_CPU_S + SAVE_CPU_PER_PIECE_S * entries if s.save_cpu_s is None else s.save_cpu_s)
+    # A rank's checksums and copies of what it writes, done as the writer streams it to the store.
+    per_byte = SAVE_CPU_PER_BYTE_S if s.save_cpu_per_byte_s is None else s.save_cpu_per_byte_s
+    save_stream_s = shared_cores * per_byte * per_rank
     restore_cpu_s = shared_cores * (RESTORE_CPU_S + RESTORE_CPU_PER_PIECE_S * entries if s.restore_cpu_s is None else s.restore_cpu_s)
     save_trips_s = SAVE_ROUND_TRIPS * s.request_latency
     restore_trips_s = RESTORE_ROUND_TRIPS * s.request_latency
     survey_s, survey_trips, survey_keys = _survey(s, manifest)
-    save_s = save_cpu_s + save_trips_s + max(save_bytes_s, save_requests_s) + save_metadata_s
+    save_s = save_cpu_s + save_trips_s + max(save_bytes_s, save_requests_s, save_stream_s) + save_metadata_s
     restore_s = restore_cpu_s + restore_trips_s + survey_s + max(restore_bytes_s, restore_requests_s) + restore_exchange_s + restore_metadata_s
     return AtScale(
         saved_per_rank=per_rank,
@@ -226,8 +245,10 @@ def at_scale(checkpoint_bytes: float, s: Scale) -> AtScale:
         save_requests_s=save_requests_s,
         save_metadata_s=save_metadata_s,
         save_s=save_s,
+        first_save_s=save_s + pickle_s,
         save_binds=_largest(
-            {"bandwidth": save_bytes_s, "requests": save_requests_s, "rank 0's .metadata": save_metadata_s, "each rank's CPU": save_cpu_s, "round trips": save_trips_s}
+            {"bandwidth": save_bytes_s, "requests": save_requests_s, "rank 0's .metadata": save_metadata_s, "each rank's CPU": save_cpu_s + save_stream_s,
+             "round trips": save_trips_s}  # fmt: skip
         ),
         restore_bytes_s=restore_bytes_s,
         restore_requests_s=restore_requests_s,
@@ -246,6 +267,7 @@ def at_scale(checkpoint_bytes: float, s: Scale) -> AtScale:
             }
         ),
         save_cpu_s=save_cpu_s,
+        save_stream_s=save_stream_s,
         save_round_trips_s=save_trips_s,
         restore_cpu_s=restore_cpu_s,
         restore_round_trips_s=restore_trips_s,
