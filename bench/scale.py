@@ -110,7 +110,7 @@ def _worker(args: argparse.Namespace) -> None:
             began, cpu = time.perf_counter(), _cpu_s()
             cp.save(blocking=True)
             out["first_save_s"], out["first_save_cpu_s"] = time.perf_counter() - began, _cpu_s() - cpu
-            took, cpus, machines = [], [], []
+            took, staged, cpus, machines = [], [], [], []
             for _ in range(_STEADY_SAVES):  # the median of a few: one save here is a few 10 ms ticks of CPU
                 model(torch.randn(4, args.width)).sum().backward()
                 opt.step()
@@ -120,20 +120,27 @@ def _worker(args: argparse.Namespace) -> None:
                 dist.barrier()
                 seen.clear()
                 began, cpu, machine = time.perf_counter(), _cpu_s(), _machine_cpu_s()
-                cp.save(blocking=True)
+                cp.save()  # returns once staged
+                staged.append(time.perf_counter() - began)
+                cp.wait()
                 took.append(time.perf_counter() - began)
                 cpus.append(_cpu_s() - cpu)
                 machines.append(_machine_cpu_s() - machine)
             out["save_s"] = sorted(took)[len(took) // 2]
+            out["phases_s"] = {"staging": sorted(staged)[len(staged) // 2]}  # the rest: written and committed behind the loop
             out["save_cpu_s"] = sum(cpus) / len(cpus)
             out["machine_cpu_s"] = sum(machines) / len(machines)
             out["collectives"] = dict(seen)
     else:
         ckpt.Checkpointer  # noqa: B018  imported as a training script does at its top, before the clock
+        phases = _time_restore_phases()
         seen.clear()
         began, cpu, machine = time.perf_counter(), _cpu_s(), _machine_cpu_s()
-        with ckpt.Checkpointer(args.root, model=model, optimizer=opt, save_on_exit=False, **kw) as cp:
+        cp = ckpt.Checkpointer(args.root, model=model, optimizer=opt, save_on_exit=False, **kw)
+        phases["connect"] = time.perf_counter() - began  # the store's client imported, the root checked
+        with cp:
             out["restore_s"] = time.perf_counter() - began
+            out["phases_s"] = {**phases, "other": out["restore_s"] - sum(phases.values())}
             out["restore_cpu_s"] = _cpu_s() - cpu
             out["machine_cpu_s"] = _machine_cpu_s() - machine
             out["collectives"] = dict(seen)
@@ -152,6 +159,40 @@ def _worker(args: argparse.Namespace) -> None:
     Path(f"{args.out}.rank{rank}.json").write_text(json.dumps(out))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _time_restore_phases() -> dict[str, float]:
+    """Seconds of a restore's phases on this rank, as they pass (wrapping the functions
+    `ckpt.restore.load` calls): the job's lease taken (rank 0's requests; every rank learns the
+    outcome), rank 0's survey and pick (`plan`: the others wait for it
+    there), the template of the rank's state, the manifest checked and each rank told its part
+    (`manifest`: rank 0 parses, the others wait), the metadata of what it loads (its index and
+    `.index`), DCP's planning and reading (`read`), and applying it."""
+    import torch.distributed.checkpoint as dcp
+
+    from ckpt import lifecycle
+    from ckpt.capture.state import TrainingState
+    from ckpt.restore import load
+
+    took: dict[str, float] = {}
+
+    def timed(owner: object, name: str, phase: str) -> None:
+        real = getattr(owner, name)
+
+        def call(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            began = time.perf_counter()
+            try:
+                return real(*args, **kwargs)
+            finally:
+                took[phase] = took.get(phase, 0.0) + time.perf_counter() - began
+
+        setattr(owner, name, call)
+
+    for owner, name, phase in ((lifecycle, "take_for_job", "lease"), (load, "_restore_plan", "plan"), (load, "_template", "template"), (load, "checked_manifest", "manifest"),
+                               (load, "tell", "manifest"), (load, "metadata_of", "metadata"), (dcp, "load", "read"),
+                               (TrainingState, "apply", "apply")):  # fmt: skip
+        timed(owner, name, phase)
+    return took
 
 
 def _cpu_s() -> float:
@@ -325,6 +366,8 @@ def main() -> None:
                     "collectives_max_calls": max(sum(v for k, v in r["collectives"].items() if k != "bytes") for r in ranks),
                     "requests": _requests(proxy.requests, phase) if proxy is not None else {},
                     "per_rank": ranks,
+                    "phases_rank0_s": ranks[0]["phases_s"],  # rank 0's own phases, and each phase's longest on any rank
+                    "phases_max_s": {k: max(r["phases_s"].get(k, 0.0) for r in ranks) for k in ranks[0]["phases_s"]},
                 }
                 if phase == "save":  # the job's first save, which started each rank's writer process
                     row[phase]["first_s_max"] = max(r["first_save_s"] for r in ranks)
@@ -363,6 +406,9 @@ def main() -> None:
                 + (f"; restore GETs {sum(v for k, v in req.items() if k.startswith(('get', 'range', 'head')))}" if req else ""),
                 flush=True,
             )
+            for ph in ("save", "restore"):
+                print(f"     {ph} phases, rank 0 (longest on any rank): "
+                      + ", ".join(f"{k} {v:.3f} ({row[ph]['phases_max_s'][k]:.3f})" for k, v in row[ph]["phases_rank0_s"].items()) + " s")  # fmt: skip
             if "reshard" in row:
                 rs = row["reshard"]
                 got = Counter({k.partition(".")[2]: v for k, v in rs["requests"].items() if k.startswith(("get.", "range."))})
