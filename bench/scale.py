@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import contextlib
+import dataclasses
 import json
 import os
 import socket
@@ -116,7 +117,7 @@ def _worker(args: argparse.Namespace) -> None:
                 opt.step()
                 cp.step_done()
                 if rank == 0:  # the store's requests before it are the earlier saves' (`_requests`)
-                    cp.store.exists(_SECOND_SAVE)
+                    _mark(cp.store)
                 dist.barrier()
                 seen.clear()
                 began, cpu, machine = time.perf_counter(), _cpu_s(), _machine_cpu_s()
@@ -290,6 +291,14 @@ def _requests(seen: list[tuple[str, str]], phase: str) -> dict[str, int]:
     return {k: v for k, v in got.items() if v}
 
 
+def _mark(store) -> None:  # noqa: ANN001
+    """The HEAD that marks where a timed save's requests begin (`_requests`), of an object
+    that exists: s3fs follows a HEAD that finds nothing with a listing, the save's then."""
+    if not store.exists(_SECOND_SAVE):
+        store.put_atomic(_SECOND_SAVE, b"")
+        store.exists(_SECOND_SAVE)
+
+
 _SECOND_SAVE = "bench-a-save-begins"  # a HEAD rank 0 sends before each save after the first
 _STEADY_SAVES = 3  # timed after the first: the median time of each rank, its mean CPU
 _BENCH_GETS = Counter({"range.manifest": 1, "range.metadata": 1, "range.index": 2})  # rank 0's, for the sizes and `_rates`
@@ -349,6 +358,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="ckpt-scale-") as d, _store(args.store, Path(d)) as (base, options, proxy):
         store = _time_store(f"{base}/probe", options)
         sizes = list(map(int, args.ranks.split(",")))
+        # Untimed: the first job compiles what the ranks import into the bytecode cache
+        # (`_compiled`: its own, in which torch's and the store client's are not yet).
+        for phase in ("save", "restore"):
+            _job(sizes[0], phase, f"{base}/warm-up", Path(d, "warm-up"), args, options)
         probe = _probe(sizes[0], f"{base}/probe-tensors", Path(d, "probe"), args, options)
         for n in sizes:
             root, out = f"{base}/root{n}", Path(d, f"out{n}")
@@ -545,8 +558,13 @@ def _calibrate(rows: list[dict], store: dict[str, float], probe: dict[str, float
         extra = probe[f"wide_{phase}_cpu_s_mean"] - probe[f"base_{phase}_cpu_s_mean"]
         table[f"{phase}_cpu_per_piece_s"] = max(0.0, extra / ((args.probe - 1) * pieces))
     written = [_data_per_rank(r) for r in rows]
-    fixed, per_byte = _fit(written, [r["save"]["cpu_s_mean"] for r in rows]) if len(rows) > 1 else (table["save_cpu_s"], 0.0)
-    table["save_cpu_s_fixed"], table["save_cpu_per_byte_s"] = fixed, max(0.0, per_byte)
+    cpu = [r["save"]["cpu_s_mean"] for r in rows]
+    fixed, per_byte = _fit(written, cpu) if len(rows) > 1 else (table["save_cpu_s"], 0.0)
+    if per_byte < 0:  # no cost per byte seen: the mean, fixed
+        fixed, per_byte = table["save_cpu_s"], 0.0
+    elif fixed < 0:  # no fixed cost seen: a line through 0
+        fixed, per_byte = 0.0, sum(x * y for x, y in zip(written, cpu, strict=True)) / sum(x * x for x in written)
+    table["save_cpu_s_fixed"], table["save_cpu_per_byte_s"] = fixed, per_byte
     lines = [
         "calibrated on " + ",".join(map(str, table["sizes"])) + " ranks and the store:",
         f"  a rank's CPU, save {table['save_cpu_s_fixed']:.3f} s + {table['save_cpu_per_byte_s'] * 1e9:.2f} ns a byte it writes, "
@@ -567,7 +585,8 @@ def _data_per_rank(row: dict) -> float:
 
 def _model_times(rows: list[dict], calibration: dict, args: argparse.Namespace) -> dict:
     """`ckpt plan`'s save and restore times at each size, with this machine's parameters
-    (one node of `os.cpu_count()` cores), against the measured ones (the slowest rank's)."""
+    (one node of `os.cpu_count()` cores), against the measured ones (the slowest rank's); and
+    with the CPU constants `ckpt plan` ships."""
     sys.path.insert(0, str(REPO))
     from ckpt.schedule.scale_model import Scale, at_scale
 
@@ -580,7 +599,12 @@ def _model_times(rows: list[dict], calibration: dict, args: argparse.Namespace) 
                       save_cpu_s=cal["save_cpu_s_fixed"], save_cpu_per_byte_s=cal["save_cpu_per_byte_s"], restore_cpu_s=cal["restore_cpu_s"], request_latency=cal["request_latency_s"],
                       write_bandwidth=cal["write_bytes_per_s"], read_bandwidth=cal["read_bytes_per_s"])  # fmt: skip
         got = at_scale(data, scale)
+        # And as `ckpt plan` ships it: its own CPU constants (the busiest rank's, from an earlier
+        # run), this machine's cores, round trip and bandwidths.
+        shipped = at_scale(data, dataclasses.replace(scale, save_cpu_s=None, save_cpu_per_byte_s=None, restore_cpu_s=None))
         entry = {"calibrated_on": n in cal["sizes"]}
+        for phase, predicted in (("save", shipped.save_s), ("restore", shipped.restore_s)):
+            entry[f"{phase}_shipped"] = {"predicted_s": predicted, "error": (predicted - row[phase]["s_max"]) / row[phase]["s_max"]}
         for phase, predicted in (("save", got.save_s), ("restore", got.restore_s)):
             measured = row[phase]["s_max"]
             cores_s = (os.cpu_count() or 1) * measured
@@ -595,7 +619,8 @@ def _model_times(rows: list[dict], calibration: dict, args: argparse.Namespace) 
         lines.append(
             f"  {n:3d} ranks{'' if entry['calibrated_on'] else ' (check)'}: "
             + "; ".join(f"{ph} predicted {entry[ph]['predicted_s']:.2f} s, measured {entry[ph]['measured_s']:.2f} s ({entry[ph]['error']:+.1%}; "
-                        f"cores busy: ranks {entry[ph]['cores_busy_ranks']:.0%}, others {entry[ph]['cores_busy_others']:.0%})"
+                        f"cores busy: ranks {entry[ph]['cores_busy_ranks']:.0%}, others {entry[ph]['cores_busy_others']:.0%}; "
+                        f"as shipped {entry[f'{ph}_shipped']['predicted_s']:.2f} s, {entry[f'{ph}_shipped']['error']:+.1%})"
                         for ph in ("save", "restore"))  # fmt: skip
         )
     return {"table": table, "lines": lines}

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 from typing import Any
 
 from ckpt.cli.terminal import EXIT_OK, duration, emit_json, human_bytes, say, table
@@ -44,6 +45,9 @@ def add_parsers(sub: Any) -> None:
     at.add_argument("--request-latency", default="30ms", help="one round trip to the store (default 30ms: S3)")
     at.add_argument("--cores-per-node", type=int, default=112, help="CPU cores for a node's ranks (default 112: they share them only when fewer than the ranks)")
     at.add_argument("--rank-cpu", help="a rank's CPU time in a save and in a restore besides its bytes: 1s/0.8s (default: the model's, from --tensors)")
+    at.add_argument("--cpu-per-byte", type=float,
+                    help="nanoseconds of a rank's CPU per byte it saves, its checksums, copies and S3 client's signing "
+                         "(default 3.4: this machine, HTTP with signed payloads; less over HTTPS, which signs none)")  # fmt: skip
     pl.add_argument("--json", action="store_true")
     pl.set_defaults(func=cmd_plan)
 
@@ -75,6 +79,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     ledger = Ledger(args.weights, args.weights if args.keep_grads else args.grads, args.adam / 2, args.adam / 2, args.master)
     if args.kept < 1 or args.cores_per_node < 1:
         raise ValueError("--kept and --cores-per-node must be >= 1")
+    if args.cpu_per_byte is not None and not 0 <= args.cpu_per_byte < math.inf:
+        raise ValueError(f"--cpu-per-byte {args.cpu_per_byte}: nanoseconds a byte, 0 or more")
     save_cpu, _, restore_cpu = (args.rank_cpu or "").partition("/")
     if args.rank_cpu and not restore_cpu:
         raise ValueError(f"--rank-cpu {args.rank_cpu!r}: a save's and a restore's, as 1s/0.8s")
@@ -92,6 +98,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             cores_per_node=args.cores_per_node,
             save_cpu_s=parse_duration(save_cpu) if save_cpu else None,
             restore_cpu_s=parse_duration(restore_cpu) if restore_cpu else None,
+            save_cpu_per_byte_s=args.cpu_per_byte * 1e-9 if args.cpu_per_byte is not None else None,
             request_latency=parse_duration(args.request_latency),
             kept=args.kept,
         ),

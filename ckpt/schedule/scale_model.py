@@ -64,15 +64,15 @@ MANIFEST_PER_BLOCK = 27.0
 MANIFEST_PARSE_RATE = 97e6
 TELL_PER_RANK_S = 5e-6
 # A save's and a restore's requests besides each rank's files (lease, manifest, events,
-# `.metadata` and `.index`, retention's deletes): bench/scale.py's fits, 16 + 2·N (a save
+# `.metadata` and `.index`, retention's deletes): bench/scale.py's fits, 15 + 2·N (a save
 # after the first, the oldest checkpoint deleted; the first claims its step directory with
 # listings, 20 + 2·N) and 15 + 2·N (the survey of a root of a few small checkpoints: its top
 # level, the newest manifest's HEAD, then the whole root, which costs fewer round trips there
 # than a HEAD of each).
-SAVE_FIXED = 16
+SAVE_FIXED = 15
 RESTORE_FIXED = 15
 # Store round trips rank 0 makes one after another (bench/scale.py's recording proxy, in
-# order). A save: the lease checked, the step directory claimed (a HEAD; the first save lists)
+# order). A save: the lease checked, the step directory claimed (three listings and a HEAD)
 # before the ranks write; after the gather `.metadata`, `.index`, the lease again and the
 # manifest, which commits. A restore: the root checked to be no step directory, the bucket, the
 # lease read and taken; after the survey (`_survey`) `.index`, then each rank's index and its
@@ -81,22 +81,24 @@ SAVE_ROUND_TRIPS = 9
 RESTORE_ROUND_TRIPS = 7
 # A rank's own CPU-seconds in a save and in a restore that its bytes do not decide: a fixed
 # part, and a part per piece of state it holds; a save's also per byte it writes (its
-# checksums and copies, done as its writer process streams the file to the store). A save is
-# one after the first, in a running job: its writer process started, its S3 client set up, its
-# layout planned (the first costs about 0.7 CPU-s more, once). A restore is a fresh process's:
-# the store's client imported and set up, DCP's planning and the state dict, the collectives,
-# its index. bench/scale.py's `calibration` (at 2db10f1, one S3 client a process; ckpt's
-# bytecode compiled, as installed), on 2-8 ranks: a save's mean over ranks fitted as a + b·bytes
-# written (0.010 s + 4.3 ns a byte: checksums, copies, the S3 client's signing), with the
-# busiest rank's 0.015 s more (rank 0's commit); a restore's busiest rank, 0.63 CPU-s (rank 0:
-# the lease, the survey, `.index`; the mean 0.50); each less its 144 pieces at the probe's
-# CPU per piece (a model of 4x the tensors and the same bytes, on 2 ranks, the median of 3
-# runs: 0.03 and 0.25 ms).
-SAVE_CPU_S = 0.02
+# checksums and copies, and its S3 client's: over plain HTTP botocore signs every body with
+# SHA-256, about a third of it; done as its writer process streams the file to the store). A
+# save is one after the first, in a running job: its writer process started, its S3 client
+# set up, its layout planned; the first costs FIRST_SAVE_CPU_S more, once (and rank 0 pickles
+# `.metadata`). A restore is a fresh process's: the store's client imported and set up, DCP's
+# planning and the state dict, the collectives, its index. bench/scale.py's `calibration` (at
+# 7ff1b09, width 512, moto over HTTP on this machine), on 2-8 ranks: a save's mean over ranks
+# fitted as a + b·bytes written (0.008 s + 3.1 ns a byte; 3.6 and 4.3 in the runs before),
+# rank 0 0.03-0.06 s more (its commit: the busiest rank, which the job waits for where each
+# rank has a core); a restore's busiest rank, 0.65 CPU-s (rank 0: the lease, the survey,
+# `.index`; the mean 0.51); each less its 144 pieces at the probe's CPU per piece (a model of
+# 4x the tensors and the same bytes, on 2 ranks, the median of 3 runs: 0-0.03 and 0.25-0.31 ms).
+SAVE_CPU_S = 0.06
 SAVE_CPU_PER_PIECE_S = 0.03e-3
-SAVE_CPU_PER_BYTE_S = 4.3e-9
-RESTORE_CPU_S = 0.59
-RESTORE_CPU_PER_PIECE_S = 0.25e-3
+SAVE_CPU_PER_BYTE_S = 3.4e-9
+FIRST_SAVE_CPU_S = 0.8  # bench/scale.py's first save, a rank's mean: 0.78-0.86 CPU-s at 2-8 ranks
+RESTORE_CPU_S = 0.6
+RESTORE_CPU_PER_PIECE_S = 0.3e-3
 # Rank 0's survey before a restore: a LIST answers at most LIST_PAGE keys; the HEADs, GETs and
 # pages of one step directory go PARALLEL at a time (`Store.each`). A listed key costs the
 # client about 70 µs of one core: a page of 1,000 took 74 ms of CPU through ckpt's S3 client
@@ -162,7 +164,7 @@ class AtScale:
     save_requests_s: float  # the request rate's bound
     save_metadata_s: float  # rank 0 writes `.metadata` and `.index` again (pickled at the first save)
     save_s: float  # a save after the first: what the interval is priced at
-    first_save_s: float  # the first (or a layout changed): rank 0 pickles `.metadata` too
+    first_save_s: float  # the first of a run: a rank's writer process starts, rank 0 pickles `.metadata`
     save_binds: str  # the largest of the save's terms
     restore_bytes_s: float
     restore_requests_s: float
@@ -245,9 +247,11 @@ def at_scale(checkpoint_bytes: float, s: Scale) -> AtScale:
         save_requests_s=save_requests_s,
         save_metadata_s=save_metadata_s,
         save_s=save_s,
-        first_save_s=save_s + pickle_s,
+        first_save_s=save_s + pickle_s + shared_cores * FIRST_SAVE_CPU_S,
+        # The CPU per byte binds only where it outlasts the bytes it streams with (max() above).
         save_binds=_largest(
-            {"bandwidth": save_bytes_s, "requests": save_requests_s, "rank 0's .metadata": save_metadata_s, "each rank's CPU": save_cpu_s + save_stream_s,
+            {"bandwidth": save_bytes_s, "requests": save_requests_s, "rank 0's .metadata": save_metadata_s,
+             "each rank's CPU": save_cpu_s + (save_stream_s if save_stream_s > max(save_bytes_s, save_requests_s) else 0.0),
              "round trips": save_trips_s}  # fmt: skip
         ),
         restore_bytes_s=restore_bytes_s,

@@ -13,7 +13,7 @@ from typing import Any, BinaryIO
 
 from ckpt.storage.backend import Tagged
 from ckpt.storage.fsspec_backend import FsspecBackend
-from ckpt.storage.s3_client import RetriedFS, S3Client, file_system
+from ckpt.storage.s3_client import RESERVED, RetriedFS, S3Client, file_system
 from ckpt.storage.s3_read import Reader
 from ckpt.storage.s3_write import S3Upload, upload
 from ckpt.storage.transfer import Transfer
@@ -40,9 +40,15 @@ class S3Backend(FsspecBackend):
         # IMPORTANT: one botocore client for them and for the transfers (`S3Client`), its pool
         # as large as the transfers' requests in flight, and a few more for the lease's.
         once = {"mode": "standard", "total_max_attempts": 1}
-        pool = max(10, transfer.concurrency + transfer.readahead + 4)
-        timeouts = {"connect_timeout": transfer.timeout_s, "read_timeout": transfer.timeout_s}
-        options["config_kwargs"] = {**timeouts, "max_pool_connections": pool, **(options.get("config_kwargs") or {}), "retries": once}
+        # A restore reads two files at once, each `readahead` + 1 GETs in flight; the
+        # transfers never take the last RESERVED connections (`S3Client.slot`).
+        pool = max(10, transfer.concurrency + 2 * (transfer.readahead + 1) + RESERVED)
+        # IMPORTANT: the user's config_kwargs may lower the timeouts and raise the pool, never
+        # the other way: Transfer.timeout_s bounds every request, Transfer.deadline_s assumes it.
+        user = dict(options.get("config_kwargs") or {})
+        timeouts = {k: min(float(user.get(k) or transfer.timeout_s), transfer.timeout_s) for k in ("connect_timeout", "read_timeout")}
+        pool = max(pool, int(user.get("max_pool_connections") or 0))
+        options["config_kwargs"] = {**user, **timeouts, "max_pool_connections": pool, "retries": once}
         fs = file_system(RetriedFS, options, transfer)
         return cls(fs, S3Client(fs, transfer)), RetriedFS._strip_protocol(root)
 

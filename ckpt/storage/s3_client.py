@@ -90,6 +90,7 @@ def request_part(endpoint: str, params: dict[str, Any]) -> str:
 
 
 _DELETE_BATCH = 1000  # keys per DeleteObjects request: S3's limit
+RESERVED = 4  # pooled connections the transfers never take: the lease's, listings', commits'
 
 
 class S3Client:
@@ -106,6 +107,17 @@ class S3Client:
     def once(self, method: str, **kwargs: Any) -> Awaitable[Any]:
         """One S3 request, not retried here (the caller retries it, through `retry`)."""
         return S3FileSystem._call_s3(self.fs, method, **kwargs)
+
+    def slot(self) -> asyncio.Semaphore:
+        """What a transfer's request (a part, a ranged GET) holds while it uses a connection:
+        at most the pool less RESERVED of them, so that a small request never queues behind
+        them for a connection (aiohttp's wait for one has no timeout). On the I/O loop only;
+        one per file system, which the Stores of one set of options share."""
+        sem = getattr(self.fs, "_ckpt_slots", None)
+        if sem is None:
+            pool = int(self.fs.config_kwargs.get("max_pool_connections") or 10)
+            sem = self.fs._ckpt_slots = asyncio.Semaphore(max(1, pool - RESERVED))  # type: ignore[attr-defined]
+        return sem
 
     def part(self, bucket: str, key: str = "") -> str:
         """The part of the store a request to `key` goes to (`ckpt.storage.s3_retry.part_of`)."""

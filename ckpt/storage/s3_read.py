@@ -158,6 +158,10 @@ class Reader(Stream):
 
     async def _get(self, start: int, end: int) -> list[bytes]:
         async def once() -> tuple[list[bytes], int | None, str | None]:
+            async with self._t.slot():  # the connection is held until the body is read
+                return await get()
+
+        async def get() -> tuple[list[bytes], int | None, str | None]:
             kw = {"IfMatch": self._etag} if self._etag else {}
             try:
                 resp = await self._t.once(

@@ -152,11 +152,12 @@ class S3Upload(io.RawIOBase):
         botocore sends from the position it finds)."""
         bodies: list[_Pieces] = []
 
-        def request() -> Awaitable[Any]:
-            bodies.append(_Pieces(pieces))
-            return self._t.once(
-                method, Bucket=self._bucket, Key=self._key, Body=bodies[-1], **kwargs
-            )
+        async def request() -> Any:
+            async with self._t.slot():
+                bodies.append(_Pieces(pieces))
+                return await self._t.once(
+                    method, Bucket=self._bucket, Key=self._key, Body=bodies[-1], **kwargs
+                )
 
         try:
             return await self._t.retry(what, self._t.part(self._bucket, self._key), request)

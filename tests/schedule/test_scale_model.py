@@ -64,10 +64,30 @@ def test_a_restore_on_many_ranks_is_bound_by_the_stores_request_rate_until_it_sp
     assert spread.restore_resharded_metadata_s < 4 * spread.restore_metadata_s  # a few indexes on half the ranks
     few = at_scale(SEVENTY_B, Scale(world=64, nodes=8, tensors=723, write_bandwidth=1 * GB))
     assert few.save_binds == "bandwidth" and few.save_requests > 64  # several parts per file
-    # At 2 GB/s a node's 8 ranks checksum and send their 15 GB each slower than the node's
+    # At 2.5 GB/s a node's 8 ranks checksum and send their 15 GB each slower than the node's
     # link takes them, at this machine's CPU per byte written.
-    fast = at_scale(SEVENTY_B, Scale(world=64, nodes=8, tensors=723, write_bandwidth=2 * GB))
+    fast = at_scale(SEVENTY_B, Scale(world=64, nodes=8, tensors=723, write_bandwidth=2.5 * GB))
     assert fast.save_binds == "each rank's CPU" and fast.save_stream_s > fast.save_bytes_s
+
+
+def test_what_binds_a_save_is_a_term_that_moves_its_time():
+    """The CPU per byte runs under the bytes (max()): where the bandwidth takes longer, the save
+    is the bandwidth's, whatever the fixed CPU adds beside it (outside review of 4195ea5)."""
+    base = dict(world=64, nodes=8, tensors=723, write_bandwidth=1.8 * GB, save_cpu_s=10.0)
+    a = at_scale(SEVENTY_B, Scale(**base))
+    assert a.save_bytes_s > a.save_stream_s > 0
+    assert at_scale(SEVENTY_B, Scale(**base, save_cpu_per_byte_s=0.0)).save_s == a.save_s
+    assert a.save_binds == "bandwidth", a.save_binds
+
+
+def test_ckpt_plan_takes_the_cpu_per_byte_and_refuses_a_negative_one():
+    args = ("plan", "--params", "7B", "--nodes", "1", "--gpus-per-node", "1", "--write-bandwidth", "2GB/s", "--mtbf", "3h", "--json")
+    measured = json.loads(ckpt_cli(*args).stdout)["at_scale"]
+    none = json.loads(ckpt_cli(*args, "--cpu-per-byte", "0").stdout)["at_scale"]
+    assert measured["save_binds"] == "each rank's CPU" and none["save_binds"] == "bandwidth"
+    assert none["save_stream_s"] == 0 and none["save_s"] < measured["save_s"]
+    bad = ckpt_cli(*args, "--cpu-per-byte", "-1", check=False)
+    assert bad.returncode != 0 and "--cpu-per-byte" in bad.stderr
 
 
 def test_a_bad_layout_is_refused_saying_what_is_allowed():
