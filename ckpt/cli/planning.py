@@ -137,8 +137,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     say("")
     table(scale_rows(big), [f"at {nodes * args.gpus_per_node} ranks ({args.layout})", "estimate"])
     if big.loaded_per_rank > parse_bytes(args.gpu_memory):
+        say()
         say(
-            f"\nnote: each rank of this layout holds {human_bytes(big.loaded_per_rank)} of state, more than a GPU's "
+            f"note: each rank of this layout holds {human_bytes(big.loaded_per_rank)} of state, more than a GPU's "
             f"{args.gpu_memory} (--gpu-memory): the job cannot run so; shard it (fsdp, or hsdp:R with fewer replicas)"
         )
     return EXIT_OK

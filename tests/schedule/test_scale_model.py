@@ -127,7 +127,7 @@ def test_what_binds_is_the_largest_term_and_ddp_at_scale_says_it_reads_metadata_
 
 def test_ckpt_plan_says_when_what_a_rank_loads_cannot_fit_in_a_gpu():
     ddp = ckpt_cli("plan", "--params", "70B", "--nodes", "1250", "--write-bandwidth", "12.5GB/s", "--mtbf", "3h", "--layout", "ddp", check=True).stdout
-    assert "note: each rank of this layout holds 980.0 GB" in ddp, ddp
+    assert "\nnote: each rank of this layout holds 980.0 GB" in ddp and "\\n" not in ddp, ddp  # a line of its own, not an escaped newline
     fsdp = ckpt_cli("plan", "--params", "70B", "--nodes", "1250", "--write-bandwidth", "12.5GB/s", "--mtbf", "3h", check=True).stdout
     assert "note:" not in fsdp, fsdp
 
