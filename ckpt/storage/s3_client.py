@@ -45,6 +45,15 @@ _FILE_SYSTEMS: dict[tuple[Any, ...], S3FileSystem] = {}
 _FILE_SYSTEMS_LOCK = threading.Lock()
 
 
+def _unlock_file_systems() -> None:
+    """In a forked child: a lock held at the fork (by another thread) is never released."""
+    global _FILE_SYSTEMS_LOCK
+    _FILE_SYSTEMS_LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_unlock_file_systems)
+
+
 def file_system(cls: type[S3FileSystem], options: dict[str, Any], transfer: Transfer | None = None) -> S3FileSystem:
     """The process's `cls(**options)` (with `transfer`, a RetriedFS's), made on first use.
     Keyed by the process too: a forked child makes its own, on its own event loop."""

@@ -5,6 +5,9 @@ without anything being taken for committed."""
 from __future__ import annotations
 
 import logging
+import os
+import signal
+import time
 
 import pytest
 
@@ -25,6 +28,30 @@ def test_the_stores_of_a_process_share_their_s3_clients_per_options(s3_root, s3_
     assert Store(s3_root + "-other", s3_options).read_bytes("x") == b"each its own root"
     with pytest.raises(NotFound):
         a.read_bytes("x")
+
+
+def test_a_child_forked_while_the_s3_clients_lock_is_held_makes_its_own_client(s3_root, s3_options):
+    """A lock another thread holds at a fork stays held in the child: its first Store would
+    wait for it forever (outside review)."""
+    from ckpt.storage import s3_client
+
+    Store(s3_root, s3_options).put_atomic("x", b"before the fork")
+    with s3_client._FILE_SYSTEMS_LOCK:  # as another thread making a Store at the fork
+        pid = os.fork()
+        if pid == 0:  # the child: exits 0 once it has read the object through a client of its own
+            code = 1
+            try:
+                code = 0 if Store(s3_root, s3_options).read_bytes("x") == b"before the fork" else 2
+            finally:
+                os._exit(code)
+    deadline = time.monotonic() + 20
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if done[0] == 0:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child waited for a lock its parent held at the fork")
+    assert os.waitstatus_to_exitcode(done[1]) == 0
 
 
 def test_objects_a_store_refuses_to_delete_fail_retention_loudly_and_nothing_is_taken_for_committed(proxy, s3_root, s3_options, caplog):
