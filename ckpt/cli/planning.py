@@ -44,7 +44,7 @@ def add_parsers(sub: Any) -> None:
     at.add_argument("--kept", type=int, default=5, help="checkpoints kept in the root, which a restore surveys first (default 5)")
     at.add_argument("--request-latency", default="30ms", help="one round trip to the store (default 30ms: S3)")
     at.add_argument("--cores-per-node", type=int, default=112, help="CPU cores for a node's ranks (default 112: they share them only when fewer than the ranks)")
-    at.add_argument("--rank-cpu", help="a rank's CPU time in a save and in a restore besides its bytes: 1s/0.8s (default: the model's, from --tensors)")
+    at.add_argument("--rank-cpu", help="a rank's CPU time in a save and in a restore besides its bytes: 1s/0.8s (default: the model's, from --tensors; rank 0 does 25/140 ms more)")
     at.add_argument("--cpu-per-byte", type=float,
                     help="nanoseconds of a rank's CPU per byte it saves, its checksums, copies and S3 client's signing "
                          "(default 3.4: this machine, HTTP with signed payloads; less over HTTPS, which signs none)")  # fmt: skip

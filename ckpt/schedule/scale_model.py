@@ -82,23 +82,25 @@ RESTORE_ROUND_TRIPS = 7
 # A rank's own CPU-seconds in a save and in a restore that its bytes do not decide: a fixed
 # part, and a part per piece of state it holds; a save's also per byte it writes (its
 # checksums and copies, and its S3 client's: over plain HTTP botocore signs every body with
-# SHA-256, about a third of it; done as its writer process streams the file to the store). A
-# save is one after the first, in a running job: its writer process started, its S3 client
-# set up, its layout planned; the first costs FIRST_SAVE_CPU_S more, once (and rank 0 pickles
-# `.metadata`). A restore is a fresh process's: the store's client imported and set up, DCP's
-# planning and the state dict, the collectives, its index. bench/scale.py's `calibration` (at
-# 7ff1b09, width 512, moto over HTTP on this machine), on 2-8 ranks: a save's mean over ranks
-# fitted as a + b·bytes written (0.008 s + 3.1 ns a byte; 3.6 and 4.3 in the runs before),
-# rank 0 0.03-0.06 s more (its commit: the busiest rank, which the job waits for where each
-# rank has a core); a restore's busiest rank, 0.65 CPU-s (rank 0: the lease, the survey,
-# `.index`; the mean 0.51); each less its 144 pieces at the probe's CPU per piece (a model of
-# 4x the tensors and the same bytes, on 2 ranks, the median of 3 runs: 0-0.03 and 0.25-0.31 ms).
-SAVE_CPU_S = 0.06
+# SHA-256, about a third of it; done as its writer process streams the file to the store); and
+# rank 0's more (a save's commit; a restore's lease, survey and `.index`), which the job waits
+# for. A save is one after the first, in a running job: its writer process started, its S3
+# client set up, its layout planned; the first costs FIRST_SAVE_CPU_S more, once (and rank 0
+# pickles `.metadata`). A restore is a fresh process's: the store's client imported and set
+# up, DCP's planning and the state dict, the collectives, its index. bench/scale.py's
+# `calibration` (width 512, moto over HTTP on this machine), on 2-8 ranks: a save's mean over
+# ranks fitted as a + b·bytes written (0.008 s + 3.1 ns a byte; 3.6 and 4.3 in other runs);
+# a restore's mean 0.51 CPU-s; rank 0's more, the busiest rank less the mean (0.02-0.03 and
+# 0.13-0.15 CPU-s); each less its 144 pieces at the probe's CPU per piece (a model of 4x the
+# tensors and the same bytes, on 2 ranks, the median of 3 runs: 0-0.03 and 0.25-0.31 ms).
+SAVE_CPU_S = 0.01
 SAVE_CPU_PER_PIECE_S = 0.03e-3
 SAVE_CPU_PER_BYTE_S = 3.4e-9
+SAVE_CPU_RANK0_S = 0.025
 FIRST_SAVE_CPU_S = 0.8  # bench/scale.py's first save, a rank's mean: 0.78-0.86 CPU-s at 2-8 ranks
-RESTORE_CPU_S = 0.6
+RESTORE_CPU_S = 0.47
 RESTORE_CPU_PER_PIECE_S = 0.3e-3
+RESTORE_CPU_RANK0_S = 0.14
 # Rank 0's survey before a restore: a LIST answers at most LIST_PAGE keys; the HEADs, GETs and
 # pages of one step directory go PARALLEL at a time (`Store.each`). A listed key costs the
 # client about 70 µs of one core: a page of 1,000 took 74 ms of CPU through ckpt's S3 client
@@ -135,6 +137,7 @@ class Scale:
     save_cpu_s: float | None = None  # a rank's CPU-seconds in a save besides its bytes (None: SAVE_CPU_S and per piece)
     save_cpu_per_byte_s: float | None = None  # and per byte it writes (None: SAVE_CPU_PER_BYTE_S)
     restore_cpu_s: float | None = None  # the same in a restore (None: RESTORE_CPU_S and per piece)
+    rank0_cpu_s: tuple[float, float] | None = None  # rank 0's more in a save and a restore (None: SAVE_CPU_RANK0_S, RESTORE_CPU_RANK0_S)
     request_latency: float = 0.03  # s, one store round trip for a small object (S3: 10-50 ms)
     kept: int = 5  # checkpoints kept in the root: rank 0's survey looks at each before a restore
 
@@ -225,11 +228,13 @@ def at_scale(checkpoint_bytes: float, s: Scale) -> AtScale:
     manifest = w * (2 * MANIFEST_PER_FILE + (MANIFEST_PER_BLOCK * math.ceil(per_rank / block) if block else 0))
     # A rank's own CPU work, once per rank; where the ranks outnumber their node's cores, they share them.
     shared_cores = max(1.0, w / s.nodes / s.cores_per_node)
-    save_cpu_s = shared_cores * (SAVE_CPU_S + SAVE_CPU_PER_PIECE_S * entries if s.save_cpu_s is None else s.save_cpu_s)
+    # On cores its node's ranks share, rank 0's more comes after the others' shares: once.
+    rank0_save, rank0_restore = (SAVE_CPU_RANK0_S, RESTORE_CPU_RANK0_S) if s.rank0_cpu_s is None else s.rank0_cpu_s
+    save_cpu_s = shared_cores * (SAVE_CPU_S + SAVE_CPU_PER_PIECE_S * entries if s.save_cpu_s is None else s.save_cpu_s) + rank0_save
     # A rank's checksums and copies of what it writes, done as the writer streams it to the store.
     per_byte = SAVE_CPU_PER_BYTE_S if s.save_cpu_per_byte_s is None else s.save_cpu_per_byte_s
     save_stream_s = shared_cores * per_byte * per_rank
-    restore_cpu_s = shared_cores * (RESTORE_CPU_S + RESTORE_CPU_PER_PIECE_S * entries if s.restore_cpu_s is None else s.restore_cpu_s)
+    restore_cpu_s = shared_cores * (RESTORE_CPU_S + RESTORE_CPU_PER_PIECE_S * entries if s.restore_cpu_s is None else s.restore_cpu_s) + rank0_restore
     save_trips_s = SAVE_ROUND_TRIPS * s.request_latency
     restore_trips_s = RESTORE_ROUND_TRIPS * s.request_latency
     survey_s, survey_trips, survey_keys = _survey(s, manifest)
