@@ -9,6 +9,7 @@ bucket" is told from "cannot reach the store".
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Any, BinaryIO
 
 from ckpt.storage.backend import Tagged
@@ -17,6 +18,22 @@ from ckpt.storage.s3_client import RESERVED, RetriedFS, S3Client, file_system
 from ckpt.storage.s3_read import Reader
 from ckpt.storage.s3_write import S3Upload, upload
 from ckpt.storage.transfer import Transfer
+
+
+def _positive(config: dict[str, Any], key: str, unset: float) -> float:
+    """`config[key]`, a number above 0 (`unset` where it is not set, None or 0)."""
+    value = config.get(key)
+    if value is None or (value == 0 and type(value) is not bool):
+        return unset
+    try:
+        if type(value) is bool:
+            raise ValueError
+        number = float(value)
+    except (TypeError, ValueError):
+        number = math.nan
+    if not 0 < number < math.inf:
+        raise ValueError(f"storage_options config_kwargs {key}={value!r}: a number above 0 (or leave it out)")
+    return number
 
 
 class S3Backend(FsspecBackend):
@@ -46,8 +63,8 @@ class S3Backend(FsspecBackend):
         # IMPORTANT: the user's config_kwargs may lower the timeouts and raise the pool, never
         # the other way: Transfer.timeout_s bounds every request, Transfer.deadline_s assumes it.
         user = dict(options.get("config_kwargs") or {})
-        timeouts = {k: min(float(user.get(k) or transfer.timeout_s), transfer.timeout_s) for k in ("connect_timeout", "read_timeout")}
-        pool = max(pool, int(user.get("max_pool_connections") or 0))
+        timeouts = {k: min(_positive(user, k, transfer.timeout_s), transfer.timeout_s) for k in ("connect_timeout", "read_timeout")}
+        pool = max(pool, int(_positive(user, "max_pool_connections", 1)))
         options["config_kwargs"] = {**user, **timeouts, "max_pool_connections": pool, "retries": once}
         fs = file_system(RetriedFS, options, transfer)
         return cls(fs, S3Client(fs, transfer)), RetriedFS._strip_protocol(root)

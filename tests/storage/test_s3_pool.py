@@ -98,3 +98,29 @@ def test_transfer_timeout_bounds_a_commit_put_whatever_config_kwargs_say(proxy, 
     store.put_atomic("manifest.json", b"{}")  # the commit's one PUT; its first try stalls
     took = time.monotonic() - t0
     assert took < 4.0, f"a stalled PUT held {took:.1f} s, Transfer.timeout_s is 1 s"
+
+
+@pytest.mark.parametrize(
+    ("config", "read_timeout"),
+    [
+        ({"read_timeout": 30}, 5.0),  # larger than Transfer.timeout_s: lowered to it
+        ({"read_timeout": "2"}, 2.0),  # smaller: the user's
+        ({"read_timeout": None}, 5.0),
+        ({"read_timeout": "soon"}, None),
+        ({"read_timeout": float("nan")}, None),
+        ({"read_timeout": -1}, None),
+        ({"read_timeout": True}, None),
+        ({"max_pool_connections": "many"}, None),
+    ],
+)
+def test_a_users_config_kwargs_are_numbers_above_zero_and_timeouts_at_most_the_transfers(s3_root, s3_options, config, read_timeout):
+    from ckpt.errors import StorageError
+    from ckpt.storage.store import Store, Transfer
+
+    options = {**s3_options, "config_kwargs": config}
+    if read_timeout is None:
+        with pytest.raises(StorageError, match=f"opening root .*config_kwargs {next(iter(config))}=.*a number above 0"):
+            Store(s3_root, options, Transfer(timeout_s=5))
+        return
+    store = Store(s3_root, options, Transfer(timeout_s=5))
+    assert store.backend.client.fs.config_kwargs["read_timeout"] == read_timeout
