@@ -17,11 +17,12 @@ from tests.support.s3 import payload, through
 DELAY_S = 3.0
 
 
-def _small_request_while_two_files_are_read(proxy, store, pool: int) -> float:
-    size = (store.transfer.readahead + 2) * store.transfer.read_size  # a reader's readahead + 1 GETs all in flight
+def _while_two_files_are_read(proxy, store, pool: int, request) -> float:
+    """The seconds `request()` takes while a restore reads two files, each with its reader's
+    readahead + 1 ranged GETs in flight (every one delayed), once `pool` of them are sent."""
+    size = (store.transfer.readahead + 2) * store.transfer.read_size
     for name in ("a", "b"):
         store.put_atomic(name, payload(size))
-    tag = store.put_if_absent("lease.json", b"{}")
     proxy.delay_s = (DELAY_S, DELAY_S)
     proxy.fail("range", *["delay"] * 100)
     started = time.monotonic()
@@ -37,11 +38,17 @@ def _small_request_while_two_files_are_read(proxy, store, pool: int) -> float:
         time.sleep(0.01)
     time.sleep(0.2)
     t0 = time.monotonic()
-    assert store.put_if_unchanged("lease.json", b'{"renewed": 1}', tag) is not None  # a lease renewal
+    assert request()
     took = time.monotonic() - t0
     for t in threads:
         t.join()
     return took
+
+
+def _renewal(store):
+    """A lease renewal (a conditional PUT), to send later."""
+    tag = store.put_if_absent("lease.json", b"{}")
+    return lambda: store.put_if_unchanged("lease.json", b'{"renewed": 1}', tag) is not None
 
 
 @pytest.mark.parametrize("transfer", [{"concurrency": 1, "readahead": 8}, {"concurrency": 4, "readahead": 16}])
@@ -49,7 +56,7 @@ def test_a_lease_renewal_is_not_queued_behind_a_restores_reads(proxy, s3_root, s
     store = through(proxy, s3_root, s3_options, **transfer)
     pool = store.backend.client.fs.config_kwargs.get("max_pool_connections", 10)
     in_flight = 2 * (transfer["readahead"] + 1)
-    took = _small_request_while_two_files_are_read(proxy, store, min(pool, in_flight))
+    took = _while_two_files_are_read(proxy, store, min(pool, in_flight), _renewal(store))
     assert took < 1.0, f"pool {pool}, {in_flight} GETs in flight: the renewal waited {took:.1f} s for a connection"
 
 
@@ -57,32 +64,14 @@ def test_a_users_max_pool_connections_does_not_starve_the_lease(proxy, s3_root, 
     """A user's smaller pool is raised to what the transfers and the reserve need."""
     opts = {**s3_options, "config_kwargs": {"max_pool_connections": 10}}
     store = through(proxy, s3_root, opts, concurrency=8, readahead=8)  # Transfer's defaults for both
-    took = _small_request_while_two_files_are_read(proxy, store, 10)
+    took = _while_two_files_are_read(proxy, store, 10, _renewal(store))
     assert took < 1.0, f"pool 10 (the user's), 18 GETs in flight: the renewal waited {took:.1f} s"
 
 
 def test_a_listing_is_not_queued_behind_a_restores_reads(proxy, s3_root, s3_options):
     """Listings share the pool with the transfers, and are never queued behind them."""
     store = through(proxy, s3_root, s3_options, concurrency=1, readahead=8)
-    size = 10 * store.transfer.read_size
-    for name in ("a", "b"):
-        store.put_atomic(name, payload(size))
-    proxy.delay_s = (DELAY_S, DELAY_S)
-    proxy.fail("range", *["delay"] * 100)
-
-    def read(name: str) -> None:
-        with store.open_read(name, size=size) as f:
-            f.read(1)
-
-    threads = [threading.Thread(target=read, args=(n,)) for n in ("a", "b")]
-    for t in threads:
-        t.start()
-    time.sleep(0.5)
-    t0 = time.monotonic()
-    assert "a" in store.list_dir("")
-    took = time.monotonic() - t0
-    for t in threads:
-        t.join()
+    took = _while_two_files_are_read(proxy, store, 13, lambda: "a" in store.list_dir(""))
     assert took < 1.0, f"the listing waited {took:.1f} s for a connection"
 
 
