@@ -66,6 +66,16 @@ def s3_endpoint(tmp_path_factory):
         yield url
 
 
+@pytest.fixture
+def proxy(s3_endpoint):
+    """The fault-injecting, request-recording proxy in front of the moto server."""
+    from tests.support.s3proxy import FaultyProxy
+
+    p = FaultyProxy(s3_endpoint)
+    yield p
+    p.close()
+
+
 @pytest.fixture(scope="session")
 def s3_strict_endpoint(tmp_path_factory):
     """URL of a moto S3 server that checks credentials: it issued none, so every request is

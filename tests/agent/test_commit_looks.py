@@ -16,13 +16,6 @@ from tests.support.launch import run
 from tests.support.s3proxy import FaultyProxy
 
 
-@pytest.fixture
-def proxy(s3_endpoint):
-    p = FaultyProxy(s3_endpoint)
-    yield p
-    p.close()
-
-
 def _job(tmp_path, s3_root: str, options: dict, one_node: bool = False) -> list[int]:
     env = {"CKPT_SPOOL": str(tmp_path / "node0")} if one_node else {"TEST_SPOOL_OF_RANK": str(tmp_path / "node{rank}")}
     args = ("--mode", "plain", "--root", s3_root, "--steps", 5, "--every", 5, "--no-save-on-exit", "--storage-options", json.dumps(options))

@@ -15,13 +15,6 @@ from tests.support.launch import run
 from tests.support.s3proxy import FaultyProxy
 
 
-@pytest.fixture
-def proxy(s3_endpoint):
-    p = FaultyProxy(s3_endpoint)
-    yield p
-    p.close()
-
-
 def test_metadata_is_read_in_part_and_once_per_job_not_once_per_rank(tmp_path, proxy, s3_root, s3_options):
     """On the world size that saved, no rank reads `.metadata` (every rank's part of it grows
     with tensors x ranks): each rank reads its own index, and rank 0 the shared `.index`, once,

@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 
 from tests.support.s3 import through
-from tests.support.s3proxy import FaultyProxy
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -48,13 +47,6 @@ def test_the_calibration_never_prices_a_negative_cpu_time(cpus, fixed, per_byte)
         assert cal["save_cpu_per_byte_s"] == pytest.approx(per_byte)
     if fixed is None:  # the plain fit
         assert cal["save_cpu_s_fixed"] > 0 and cal["save_cpu_per_byte_s"] > 0
-
-
-@pytest.fixture
-def proxy(s3_endpoint):
-    p = FaultyProxy(s3_endpoint)
-    yield p
-    p.close()
 
 
 def test_the_mark_before_a_timed_save_sends_no_request_counted_as_the_saves(proxy, s3_root, s3_options):

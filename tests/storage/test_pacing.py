@@ -22,7 +22,6 @@ from ckpt.storage.pacing import FLOOR, Pace, pace_for
 from ckpt.storage.s3_retry import GaveUp, answered, backoff_s, part_of, tried
 from ckpt.storage.store import Store
 from ckpt.storage.transfer import Transfer
-from tests.support.s3proxy import FaultyProxy
 
 
 class Clock:
@@ -91,13 +90,6 @@ def test_without_a_rate_nothing_waits_and_the_job_rate_is_shared_by_its_ranks(cl
 def _write_many(store: Store, n: int) -> None:
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         list(pool.map(lambda i: store.put_atomic(f"many/{i:03d}", b"x" * 100), range(n)))
-
-
-@pytest.fixture
-def proxy(s3_endpoint):
-    p = FaultyProxy(s3_endpoint)
-    yield p
-    p.close()
 
 
 def test_a_store_that_throttles_slows_writes_down_and_fails_none_and_a_paced_job_is_not_throttled(proxy, s3_root, s3_options):

@@ -22,18 +22,10 @@ from tests.support.cli import ckpt_cli
 from tests.support.compare import assert_bitwise_equal
 from tests.support.jobs import RANKS, WORKER, assert_same_training_state, dumps, rank_logs
 from tests.support.launch import WORKERS, run
-from tests.support.s3proxy import FaultyProxy
 from tests.support.toy_model import build, optimizer
 
 FLAKY = {"500": 0.04, "503": 0.06, "reset": 0.03, "delay": 0.08, "truncate": 0.03}
 QUICK = {"attempts": 6, "backoff_s": 0.01, "max_backoff_s": 0.2, "timeout_s": 5.0}
-
-
-@pytest.fixture
-def proxy(s3_endpoint):
-    p = FaultyProxy(s3_endpoint)
-    yield p
-    p.close()
 
 
 def verify_deep(root: str, options: dict) -> subprocess.CompletedProcess:
