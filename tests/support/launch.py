@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -28,9 +29,34 @@ def exit_without_teardown() -> None:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
+    """A port that nothing listens on, for a process to listen on soon: below the kernel's
+    ephemeral range. Every outgoing connection on the machine takes its local port from that
+    range, and one can take a port from it between this check and the listen (a job's
+    rendezvous then fails with EADDRINUSE: seen in the suite, with 3 test workers connecting
+    to moto all the while); below it, only another listener can."""
+    low = _ephemeral_low()
+    for _ in range(100):
+        port = _PORTS.randrange(max(1024, low - 16384), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue  # in use
+            return port
+    with socket.socket() as s:  # nothing free down there: the kernel's pick
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+_PORTS = random.Random()  # not the global generator, which a test may have seeded
+
+
+def _ephemeral_low() -> int:
+    """The lowest port of the kernel's ephemeral range (Linux's default, elsewhere)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def spawn(script: str | Path, *args: str, env: dict[str, str], log: Path | None = None) -> subprocess.Popen:
