@@ -54,11 +54,11 @@ class S3Backend(FsspecBackend):
         options.setdefault("skip_instance_cache", True)
         # IMPORTANT: every request, listings too, gives up after Transfer.timeout_s and is
         # tried Transfer.attempts times, by ckpt alone (s3_client.RetriedFS).
-        # IMPORTANT: one botocore client for them and for the transfers (`S3Client`), its pool
-        # as large as the transfers' requests in flight, and a few more for the lease's.
+        # IMPORTANT: one botocore client for them and for the transfers (`S3Client`). Its pool
+        # holds a restore's two files read at once, each `readahead` + 1 GETs in flight, and
+        # RESERVED connections more, which the transfers never take (`S3Client.slot`): the
+        # lease's, the listings'.
         once = {"mode": "standard", "total_max_attempts": 1}
-        # A restore reads two files at once, each `readahead` + 1 GETs in flight; the
-        # transfers never take the last RESERVED connections (`S3Client.slot`).
         pool = max(10, transfer.concurrency + 2 * (transfer.readahead + 1) + RESERVED)
         # IMPORTANT: the user's config_kwargs may lower the timeouts and raise the pool, never
         # the other way: Transfer.timeout_s bounds every request, Transfer.deadline_s assumes it.
