@@ -159,7 +159,7 @@ def scale_rows(a: AtScale) -> list[list[str]]:
         ["save: rank 0's .metadata, written again", duration(a.save_metadata_s)],
         ["save: a rank's CPU, fixed + its bytes' / rank 0's round trips", f"{duration(a.save_cpu_s)} + {duration(a.save_stream_s)} / {duration(a.save_round_trips_s)}"],
         ["save, predicted", f"{duration(a.save_s)} (bound by {a.save_binds})"],
-        ["the first save (rank 0 pickles .metadata)", duration(a.first_save_s)],
+        ["the first save (writer processes start, rank 0 pickles .metadata)", duration(a.first_save_s)],
         ["restore: bytes / requests (GET) bound", f"{duration(a.restore_bytes_s)} / {duration(a.restore_requests_s)} ({a.restore_requests:,.0f} requests)"],
         *([["restore: replicas send each other what they read", duration(a.restore_exchange_s)]] if a.restore_exchange_s else []),
         ["restore: a rank's CPU / rank 0's round trips", f"{duration(a.restore_cpu_s)} / {duration(a.restore_round_trips_s)}"],
