@@ -45,6 +45,7 @@ from ckpt.capture.live import (
     optim_template_is_live,
     template_is_live,
 )
+from ckpt.capture.optim_init import init_state
 
 log = logging.getLogger(__name__)
 
@@ -199,6 +200,9 @@ class TrainingState:
         it asks for the frozen parameters: a checkpoint that holds them (saved with "save",
         or while they were trained) restores them, one that does not leaves them as they are
         (`optional`). Never a trained value left behind because the job froze it since."""
+        if not deepspeed_state.is_engine(self.model):
+            for opt in self.optimizers:  # else DCP's state-dict API makes it by a step
+                init_state(opt)
         sd = self.capture({}, rank, reuse=False, frozen=True)  # DCP loads into it: never the cached dicts
         # Whether the template's tensors are the objects' own, worked out now (while the
         # restore's files are still being read) rather than after the read: `apply` then only

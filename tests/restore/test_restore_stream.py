@@ -294,6 +294,27 @@ def test_other_slices_and_targets_go_through_the_scratch_buffer(saved_w, count_t
     assert count_torch_load == []
 
 
+def test_equal_small_blobs_are_decoded_once_into_targets_of_their_own(count_torch_load):
+    """Every parameter's optimizer `step` is one value saved as a blob of the same bytes."""
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    from ckpt.restore import tensor_stream
+
+    tensor_stream._small.cache_clear()
+    blob = io.BytesIO()
+    torch.save(torch.tensor(7.0), blob)
+    targets = {f"p{i}": torch.zeros(()) for i in range(5)}
+    planner = DefaultLoadPlanner()
+    planner.set_up_planner(targets, None, False)
+    for name in targets:
+        index = MetadataIndex(name)
+        req = ReadItem(LoadItemType.TENSOR, index, torch.Size([]), index, torch.Size([]), torch.Size([]))
+        tensor_stream.load_blob(blob.getvalue(), [req], planner)
+    assert len(count_torch_load) == 1
+    targets["p0"].add_(1)  # each target its own tensor, none the decoded one
+    assert [t.item() for t in targets.values()] == [8.0, 7.0, 7.0, 7.0, 7.0]
+
+
 def test_overlapping_requests_on_one_item_are_loaded_after_the_check(saved_w, count_torch_load):
     step, w = saved_w
     targets = {"a": torch.zeros(8, 2, 5), "b": torch.zeros(8, 3, 5)}

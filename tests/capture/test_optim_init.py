@@ -1,0 +1,139 @@
+"""A restore's optimizer state is made as the first step would make it, without the step.
+
+Each case builds the same model and optimizer twice: one gets its state from DCP's own way
+(`_init_optim_state`: a step with zero gradients and learning rate), the other from
+`init_state`. The two must hold the same entries, with the same shapes, dtypes, devices and
+layouts (FSDP2's DTensors on 2 ranks included), and the parameters must be left as they were.
+"""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+import torch
+from torch.distributed.checkpoint.state_dict import _init_optim_state
+
+import ckpt
+from ckpt.capture.optim_init import init_state
+from tests.support import launch
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.LayerNorm(5), torch.nn.Linear(5, 3))
+    model[1].bias.requires_grad_(False)  # a frozen parameter gets no state either way
+    return model
+
+
+def _layout(value: object) -> object:
+    if isinstance(value, torch.Tensor):
+        placements = tuple(map(str, getattr(value, "placements", ())))
+        local = tuple(value.to_local().shape) if placements else ()
+        return ("tensor", tuple(value.shape), value.dtype, value.device.type, placements, local)
+    return type(value).__name__
+
+
+def _states(opt: torch.optim.Optimizer) -> list[dict[str, object]]:
+    return [{k: _layout(v) for k, v in opt.state[p].items()} if p in opt.state else {} for g in opt.param_groups for p in g["params"]]
+
+
+OPTIMIZERS = [
+    pytest.param(lambda ps: torch.optim.Adam(ps, lr=0.1), id="Adam"),
+    pytest.param(lambda ps: torch.optim.Adam(ps, lr=0.1, amsgrad=True, foreach=True), id="Adam-amsgrad-foreach"),
+    pytest.param(lambda ps: torch.optim.AdamW(ps, lr=0.1, weight_decay=0.1), id="AdamW"),
+    pytest.param(lambda ps: torch.optim.AdamW(ps, lr=torch.tensor(0.1), foreach=False), id="AdamW-tensor-lr"),
+    pytest.param(lambda ps: torch.optim.Adamax(ps), id="Adamax"),
+    pytest.param(lambda ps: torch.optim.NAdam(ps, decoupled_weight_decay=True), id="NAdam"),
+    pytest.param(lambda ps: torch.optim.RAdam(ps), id="RAdam"),
+    pytest.param(lambda ps: torch.optim.RMSprop(ps, momentum=0.9, centered=True), id="RMSprop-centered"),
+    pytest.param(lambda ps: torch.optim.Adadelta(ps), id="Adadelta"),
+    pytest.param(lambda ps: torch.optim.ASGD(ps), id="ASGD"),
+    pytest.param(lambda ps: torch.optim.Rprop(ps), id="Rprop"),
+]
+
+
+@pytest.mark.parametrize("make", OPTIMIZERS)
+def test_the_state_made_without_a_step_is_laid_out_as_the_steps(make):
+    by_step, model = make(_model().parameters()), _model()
+    ours = make(model.parameters())
+    _init_optim_state(by_step)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    assert init_state(ours)
+    assert _states(ours) == _states(by_step)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # no update
+    assert all(p.grad is None for p in model.parameters())
+    assert ours.param_groups[0]["lr"] == by_step.param_groups[0]["lr"]
+
+
+class _MyAdamW(torch.optim.AdamW):
+    """A subclass may make more state in its own step: left to DCP's."""
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["SGD with momentum", "Adagrad", "a subclass", "state already made", "gradients already there"],
+)
+def test_other_optimizers_are_left_to_dcps_step(case):
+    model = _model()
+    opt = {
+        "SGD with momentum": lambda: torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+        "Adagrad": lambda: torch.optim.Adagrad(model.parameters()),
+        "a subclass": lambda: _MyAdamW(model.parameters()),
+    }.get(case, lambda: torch.optim.AdamW(model.parameters()))()
+    if case == "state already made":
+        _init_optim_state(opt)
+    if case == "gradients already there":
+        model(torch.randn(2, 6)).sum().backward()
+    was = _states(opt)
+    assert not init_state(opt)
+    assert _states(opt) == was
+
+
+def test_a_restore_takes_no_optimizer_step(tmp_path):
+    steps = []
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters())
+    with ckpt.Checkpointer(tmp_path, model=model, optimizer=opt, interval=None, handle_sigterm=False) as cp:
+        model(torch.randn(2, 6)).sum().backward()
+        opt.step()
+        cp.save(blocking=True)
+    want = {k: v.clone() for k, v in opt.state_dict()["state"][0].items()}
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters())
+    opt.register_step_pre_hook(lambda *_: steps.append(1))
+    with ckpt.Checkpointer(tmp_path, model=model, optimizer=opt, interval=None, handle_sigterm=False, save_on_exit=False) as cp:
+        assert cp.restored_step == 0
+    assert steps == []
+    got = opt.state_dict()["state"][0]
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
+FSDP2 = textwrap.dedent("""
+    import sys, torch, torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.checkpoint.state_dict import _init_optim_state
+    from ckpt.capture.optim_init import init_state
+    from tests.capture.test_optim_init import _model, _states
+    dist.init_process_group("gloo")
+    for name, kw in [("AdamW", {"foreach": True}), ("AdamW", {"foreach": False}), ("NAdam", {}), ("RMSprop", {"momentum": 0.9})]:
+        got = []
+        for make in (_init_optim_state, init_state):
+            model = _model()
+            for layer in model:
+                fully_shard(layer)
+            fully_shard(model)
+            opt = getattr(torch.optim, name)(model.parameters(), **kw)
+            make(opt)
+            got.append(_states(opt))
+        assert got[0] == got[1], (name, kw, got)
+        assert "S(0)" in str(got[1]), got[1]  # DTensors, laid out as the parameters
+    dist.destroy_process_group()
+""")
+
+
+def test_fsdp2_dtensor_state_is_laid_out_as_the_steps(tmp_path):
+    script = tmp_path / "fsdp2.py"
+    script.write_text(FSDP2)
+    codes = launch.run(2, script, log_dir=tmp_path)
+    assert codes == [0, 0], "\n".join((tmp_path / f"rank{r}.log").read_text()[-3000:] for r in range(2))
