@@ -26,7 +26,6 @@ from torch.distributed.checkpoint.metadata import (
     MetadataIndex,
     TensorStorageMetadata,
 )
-from torch.distributed.checkpoint.planner_helpers import _create_chunk_list
 from torch.distributed.tensor import DTensor
 
 from ckpt.collectives import Group
@@ -36,6 +35,7 @@ from ckpt.format.dcp_layout import LAYOUT, Budget, checked_layout, files_for
 from ckpt.format.index_file import decode_index
 from ckpt.format.manifest import MAX_INDEXES, METADATA_NAME, SHARED_INDEX, Manifest
 from ckpt.restore.dcp_read import Parts
+from ckpt.restore.planner import chunks_once
 from ckpt.restore.shared_items import server
 from ckpt.restore.view import fetch, saved_by
 from ckpt.storage.store import Store
@@ -155,11 +155,11 @@ def indexes_to_read(shared: Metadata, state_dict: dict[str, Any], manifest: Mani
     flat, _ = flatten_state_dict(state_dict)
     need: set[str] = set(own)
     empty: list[str] = []  # tensors of which this rank holds no element
-    budget = Budget()
+    budget, layouts = Budget(), {}
     for fqn, obj in flat.items():
         if fqn in shared.state_dict_metadata or (isinstance(obj, DTensor) and obj.device_mesh.get_coordinate() is None):
             continue  # held in `.index`; a tensor this rank holds no piece of
-        pieces = [(tuple(c.offsets), tuple(c.sizes)) for c in _create_chunk_list(obj)] if isinstance(obj, torch.Tensor) else []
+        pieces = [(tuple(c.offsets), tuple(c.sizes)) for c in chunks_once(obj, layouts)] if isinstance(obj, torch.Tensor) else []
         if isinstance(obj, torch.Tensor) and not any(math.prod(p[1]) for p in pieces):
             empty.append(fqn)
             continue
@@ -191,7 +191,7 @@ def uncovered(md: Metadata, state_dict: dict[str, Any]) -> str:
     """Why `md` does not hold every piece this rank loads into `state_dict` ("" if it does):
     a key it lacks, another kind or size, or a piece of a tensor no chunk of it covers."""
     flat, _ = flatten_state_dict(state_dict)
-    entries = md.state_dict_metadata
+    entries, layouts = md.state_dict_metadata, {}
     for fqn, obj in flat.items():
         entry = entries.get(fqn)
         if entry is None:
@@ -208,7 +208,7 @@ def uncovered(md: Metadata, state_dict: dict[str, Any]) -> str:
             continue
         if type(obj) not in (torch.Tensor, torch.nn.Parameter, DTensor):
             return f"{fqn}: a {type(obj).__name__}"
-        for chunk in _create_chunk_list(obj):
+        for chunk in chunks_once(obj, layouts):
             # Only the saved pieces this one overlaps are checked against each other, and no
             # more than a save's indexes ever hold of one key: that check is quadratic, and an
             # index rewritten to list a tensor's every element as a piece (some MB) would keep

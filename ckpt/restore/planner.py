@@ -77,7 +77,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
                 raise ValueError(f"Size mismatch between saved {md.size} and current: {obj.size()} for {fqn}")
             if isinstance(obj, DTensor) and obj.device_mesh.get_coordinate() is None:
                 continue  # this rank holds none of it
-            mine = _chunks_once(obj, chunks)
+            mine = chunks_once(obj, chunks)
             key = (tuple((c.offsets, c.sizes) for c in md.chunks), tuple((c.offsets, c.sizes) for c in mine))
             done = reads.get(key)
             if done is None:
@@ -119,7 +119,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             self.state_dict[fqn] = obj
 
 
-def _chunks_once(t: torch.Tensor, memo: dict[tuple[Any, ...], list[ChunkStorageMetadata]]) -> list[ChunkStorageMetadata]:
+def chunks_once(t: torch.Tensor, memo: dict[tuple[Any, ...], list[ChunkStorageMetadata]]) -> list[ChunkStorageMetadata]:
     """DCP's local chunks of `t` (`_create_chunk_list`), worked out once per layout in `memo`:
     a DTensor's depend on its global shape, mesh and placements, a plain tensor's on its
     shape. Other kinds (a ShardedTensor, a DTensor over a tensor subclass) are asked each time."""
