@@ -14,7 +14,10 @@ which every step runs before its update) have it made here by that very method a
 update: the same entries, shapes, dtypes, devices and layouts as the step makes, with the
 counters not yet advanced. Their values do not matter: the restore overwrites every one it
 finds in the checkpoint, and drops the state of the parameters the checkpoint has none for.
-Only the exact classes listed: a subclass may make more state in its own `step`. Any other
+Only the exact classes listed: a subclass may make more state in its own `step`; and only
+while their step is theirs alone: a step hook (the optimizer's or torch's global ones) or a
+`step` replaced on the object may keep state of its own in `optimizer.state` (an EMA of the
+weights), which the template must ask for or the restore leaves it out. Any other
 optimizer, and any that already has state or gradients, is left to DCP's step as before.
 """
 
@@ -24,6 +27,7 @@ import inspect
 import logging
 
 import torch
+from torch.optim import optimizer as torch_optimizer
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +42,7 @@ _MADE_BY_INIT_GROUP = (
 def init_state(optimizer: torch.optim.Optimizer) -> bool:
     """Make `optimizer`'s state as its first step would, without the step; False (and the
     optimizer as it was) where this cannot be done: DCP then takes its step, as before."""
-    if type(optimizer) not in _MADE_BY_INIT_GROUP or optimizer.state:
+    if type(optimizer) not in _MADE_BY_INIT_GROUP or optimizer.state or _step_does_more(optimizer):
         return False
     params = [p for group in optimizer.param_groups for p in group["params"]]
     if any(p.grad is not None for p in params):  # DCP makes no state then either
@@ -66,3 +70,14 @@ def init_state(optimizer: torch.optim.Optimizer) -> bool:
     if not made:
         optimizer.state.clear()
     return made
+
+
+def _step_does_more(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether a step of `optimizer` runs more than its class's code: hooks, or a `step` set on
+    the object other than an LR scheduler's wrapper (which only marks that the step ran)."""
+    if getattr(optimizer, "_optimizer_step_pre_hooks", None) or getattr(optimizer, "_optimizer_step_post_hooks", None):
+        return True
+    if getattr(torch_optimizer, "_global_optimizer_pre_hooks", None) or getattr(torch_optimizer, "_global_optimizer_post_hooks", None):
+        return True
+    step = vars(optimizer).get("step")
+    return step is not None and getattr(step, "__wrapped__", None) is not type(optimizer).step

@@ -72,7 +72,7 @@ class _MyAdamW(torch.optim.AdamW):
 
 @pytest.mark.parametrize(
     "case",
-    ["SGD with momentum", "Adagrad", "a subclass", "state already made", "gradients already there"],
+    ["SGD with momentum", "Adagrad", "a subclass", "state already made", "gradients already there", "a step pre-hook", "step replaced"],
 )
 def test_other_optimizers_are_left_to_dcps_step(case):
     model = _model()
@@ -85,28 +85,94 @@ def test_other_optimizers_are_left_to_dcps_step(case):
         _init_optim_state(opt)
     if case == "gradients already there":
         model(torch.randn(2, 6)).sum().backward()
+    if case == "a step pre-hook":
+        opt.register_step_pre_hook(lambda *_: None)
+    if case == "step replaced":
+        _wrapped(opt)
     was = _states(opt)
     assert not init_state(opt)
     assert _states(opt) == was
 
 
-def test_a_restore_takes_no_optimizer_step(tmp_path):
-    steps = []
+def _save_and_restore(root, make=lambda ps: torch.optim.AdamW(ps), extend=lambda opt: None):
+    """A save after a step, then a restore into fresh objects; the optimizer's state saved
+    and restored, a dict per parameter."""
     model = _model()
-    opt = torch.optim.AdamW(model.parameters())
-    with ckpt.Checkpointer(tmp_path, model=model, optimizer=opt, interval=None, handle_sigterm=False) as cp:
+    opt = make(model.parameters())
+    extend(opt)
+    with ckpt.Checkpointer(root, model=model, optimizer=opt, interval=None, handle_sigterm=False) as cp:
         model(torch.randn(2, 6)).sum().backward()
         opt.step()
         cp.save(blocking=True)
-    want = {k: v.clone() for k, v in opt.state_dict()["state"][0].items()}
+    want = [dict(opt.state[p]) for p in model.parameters() if p in opt.state]
     model = _model()
-    opt = torch.optim.AdamW(model.parameters())
-    opt.register_step_pre_hook(lambda *_: steps.append(1))
-    with ckpt.Checkpointer(tmp_path, model=model, optimizer=opt, interval=None, handle_sigterm=False, save_on_exit=False) as cp:
+    opt = make(model.parameters())
+    extend(opt)
+    with ckpt.Checkpointer(root, model=model, optimizer=opt, interval=None, handle_sigterm=False, save_on_exit=False) as cp:
         assert cp.restored_step == 0
-    assert steps == []
-    got = opt.state_dict()["state"][0]
-    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    return want, [dict(opt.state[p]) for p in model.parameters() if p in opt.state]
+
+
+def _same(want, got) -> None:
+    assert [sorted(w) for w in want] == [sorted(g) for g in got]
+    assert all(torch.equal(w[k], g[k]) for w, g in zip(want, got, strict=True) for k in w)
+
+
+def test_a_restore_takes_no_optimizer_step(tmp_path, monkeypatch):
+    steps = []
+    real = torch.optim.AdamW.step
+
+    def counted(self, *args, **kwargs):  # the class's own step, counted (a hook would be one more)
+        steps.append(1)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", counted)
+    want, got = _save_and_restore(tmp_path)
+    assert steps == [1]  # the save's training step, and none at the restore
+    _same(want, got)
+
+
+def _ema(opt, *_):
+    """State a step hook keeps in the optimizer's state: an EMA of the weights."""
+    for p in (p for g in opt.param_groups for p in g["params"] if p.requires_grad):
+        st = opt.state[p]
+        st["ema"] = p.detach().clone() if "ema" not in st else st["ema"].lerp_(p.detach(), 0.1)
+
+
+def _wrapped(opt) -> None:
+    step = opt.step
+
+    def step_and_ema(*args, **kwargs):
+        out = step(*args, **kwargs)
+        _ema(opt)
+        return out
+
+    opt.step = step_and_ema
+
+
+@pytest.mark.parametrize(
+    "extend",
+    [
+        pytest.param(lambda opt: opt.register_step_post_hook(_ema), id="its-post-hook"),
+        pytest.param(_wrapped, id="step-replaced"),
+        pytest.param(lambda opt: torch.optim.lr_scheduler.StepLR(opt, 1), id="an-lr-scheduler"),
+    ],
+)
+def test_state_a_step_hook_or_wrapper_keeps_is_restored(tmp_path, extend):
+    want, got = _save_and_restore(tmp_path, extend=extend)
+    _same(want, got)
+
+
+def test_state_a_global_step_hook_keeps_is_restored(tmp_path):
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    handle = register_optimizer_step_post_hook(_ema)
+    try:
+        want, got = _save_and_restore(tmp_path)
+    finally:
+        handle.remove()
+    assert all("ema" in w for w in want)
+    _same(want, got)
 
 
 FSDP2 = textwrap.dedent("""
