@@ -36,7 +36,7 @@ from ckpt.errors import (
 )
 from ckpt.format.manifest import MANIFEST_NAME, Manifest
 from ckpt.restore.dcp_read import make_reader
-from ckpt.restore.partial import first_reads, metadata_of
+from ckpt.restore.partial import metadata_of
 from ckpt.restore.planner import SafeLoadPlanner
 from ckpt.restore.prefetch import Prefetch
 from ckpt.restore.view import checked_manifest, tell
@@ -298,7 +298,7 @@ def _try_restore(
             tiered = handoff.reader_store(rel, manifest) if handoff is not None else None
             # Stopped as the reader starts (nothing read ahead is trusted before the reader
             # verified it, as always).
-            warm = stack.enter_context(Prefetch(_files_to_warm(tiered or store, rel, manifest, rank, ctrl.world)))
+            warm = stack.enter_context(Prefetch.for_restore(store, tiered, rel, manifest, rank, ctrl.world))
             base = _template(state, rank) if base is None else base
             if isinstance(base, Exception):
                 raise base
@@ -382,10 +382,6 @@ def _load(
 def _few(keys: list[str]) -> str:
     """The first five model keys, without "model.", for a log line."""
     return catalog.first_few([k.removeprefix("model.") for k in keys], ", ", 5)
-
-
-def _files_to_warm(store: Store | Tiered, rel: str, manifest: Manifest, rank: int, world: int) -> list[str]:
-    return [p for n in first_reads(manifest, rank, world) if (p := store.local_path(f"{rel}/{n}")) is not None]
 
 
 def _say_old_cuda_rng(planner: SafeLoadPlanner, rank: int) -> None:

@@ -13,8 +13,13 @@ only between calls. A chunk whose pages are in memory already (a restart on the 
 saved the checkpoint) is passed over: pulling it through costs CPU the planning needs.
 Measured on a 2-core VM with 2 ranks of 95 MB each: a thread of read() calls waited on the
 planning thread's GIL between calls and gained little; POSIX_FADV_WILLNEED, one call per
-window, made the later read slower than a cold one. Linux only; elsewhere, and on object
-stores, a Prefetch does nothing."""
+window, made the later read slower than a cold one. Linux only.
+
+From an object store a rank's own data files (on the world size that saved them) are opened
+as soon as the manifest names them (`Store.read_early`): their first `Transfer.readahead`
+ranged GETs go out while the rank still plans, and the reader goes on with those streams,
+checking every byte as always. Streams the restore did not take up are closed with the
+Prefetch. Through the node spool's tiers, nothing is read early."""
 
 from __future__ import annotations
 
@@ -24,6 +29,13 @@ import os
 import sys
 import threading
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from ckpt.format.manifest import Manifest
+from ckpt.restore.partial import first_reads
+
+if TYPE_CHECKING:
+    from ckpt.storage.store import Store
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +44,7 @@ _CHUNK = 32 << 20  # bytes per sendfile(): few GIL hand-overs; stop() takes effe
 # rank must not fill the node's page cache (its ranks restore at once) ahead of its reader.
 _MAX_BYTES = 4 << 30
 _JOIN_S = 5.0  # one chunk from a slow disk
+_EARLY_FILES = 2  # a rank's files read early from an object store: as many as it reads at once
 
 
 class Prefetch:
@@ -40,7 +53,12 @@ class Prefetch:
     opened or read is passed over, and a thread that cannot start is none. Use as a context
     manager: leaving it stops the thread and waits for it (the chunk it is reading)."""
 
-    def __init__(self, paths: Sequence[str] = (), chunk: int = _CHUNK, limit: int = _MAX_BYTES) -> None:
+    def __init__(
+        self, paths: Sequence[str] = (), chunk: int = _CHUNK, limit: int = _MAX_BYTES, early: tuple[Store, list[tuple[str, int]]] | None = None
+    ) -> None:  # fmt: skip
+        self._early = early[0] if early else None  # the store whose streams `__exit__` closes
+        for rel, size in early[1] if early else ():
+            early[0].read_early(rel, size)  # type: ignore[index]
         self.covered = 0  # bytes of the files gone through: pulled in, or found in the page cache
         self.pulled = 0  # of which pulled in (the kernel's readahead may pull more)
         self._stopped = threading.Event()
@@ -74,6 +92,15 @@ class Prefetch:
         # Not left running behind the restore: a fallback's own prefetch, or a DataLoader
         # forking its workers next, would find it mid-chunk.
         self.join(_JOIN_S)
+        if self._early is not None:
+            self._early.drop_early()
+
+    @classmethod
+    def for_restore(cls, store: Store, tiered: Any, rel: str, manifest: Manifest, rank: int, world: int) -> Prefetch:
+        """A rank's restore of `rel` (see `to_warm`)."""
+        paths, early = to_warm(store, tiered, rel, manifest, rank, world)
+        return cls(paths, early=(store, early) if early else None)
+
 
     def _run(self, paths: list[str]) -> None:
         try:
@@ -126,3 +153,15 @@ def _cached(fd: int, start: int, end: int) -> bool:
     except OSError:  # EAGAIN: not in the page cache; EOPNOTSUPP: no such reads here
         return False
     return True
+
+
+def to_warm(store: Store, tiered: Any, rel: str, manifest: Manifest, rank: int, world: int) -> tuple[list[str], list[tuple[str, int]]]:
+    """What a rank's restore of `rel` warms: from a local disk (the root or the node spool,
+    `tiered`) the paths of the files it reads first (`first_reads`); from an object store its
+    own data files and their sizes, to open early (at most as many as it reads at once)."""
+    source = tiered or store
+    paths = [p for n in first_reads(manifest, rank, world) if (p := source.local_path(f"{rel}/{n}")) is not None]
+    if tiered is not None or store.is_local or manifest.world_size != world:
+        return paths, []
+    own = [(f"{rel}/{n}", e.size) for n, e in sorted(manifest.files.items()) if e.rank == rank and n.endswith(".distcp")]
+    return paths, own[:_EARLY_FILES]

@@ -120,8 +120,16 @@ class Backend(ABC):
         more than `at_most` bytes read (either says it is larger)."""
 
     @abstractmethod
-    def open_read(self, path: str, where: str, ranges: list[tuple[int, int]] | None, size: int | None) -> BinaryIO:
-        """A stream over the file, to read front to back (see `Store.open_read`)."""
+    def open_read(
+        self, path: str, where: str, ranges: list[tuple[int, int]] | None, size: int | None, early: BinaryIO | None = None
+    ) -> BinaryIO:  # fmt: skip
+        """A stream over the file, to read front to back (see `Store.open_read`); `early`:
+        the one `open_read_early` began for it, to go on with."""
+
+    def open_read_early(self, path: str, where: str, size: int) -> BinaryIO | None:
+        """A stream over the file whose first reads go out now (`Store.read_early`); None
+        where that gains nothing (a local disk: `ckpt.restore.prefetch` warms its pages)."""
+        return None
 
     # -- writing ----------------------------------------------------------------------------
     @abstractmethod

@@ -153,7 +153,9 @@ class FsspecBackend(Backend):
     def read_small(self, path: str, where: str, at_most: int) -> bytes | None:
         return self.fs.cat_file(path, start=0, end=at_most + 1)
 
-    def open_read(self, path: str, where: str, ranges: list[tuple[int, int]] | None, size: int | None) -> BinaryIO:
+    def open_read(
+        self, path: str, where: str, ranges: list[tuple[int, int]] | None, size: int | None, early: BinaryIO | None = None
+    ) -> BinaryIO:  # fmt: skip
         return self.fs.open(path, "rb")
 
     # -- writing ----------------------------------------------------------------------------

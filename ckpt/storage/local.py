@@ -81,7 +81,9 @@ class LocalBackend(Backend):
                 return None
             return f.read(size + 1)  # read(n) allocates n bytes up front
 
-    def open_read(self, path: str, where: str, ranges: list[tuple[int, int]] | None, size: int | None) -> BinaryIO:
+    def open_read(
+        self, path: str, where: str, ranges: list[tuple[int, int]] | None, size: int | None, early: BinaryIO | None = None
+    ) -> BinaryIO:  # fmt: skip
         f = _open_local(path, where)
         if hasattr(os, "posix_fadvise"):
             # Read front to back in pieces: the kernel may read further ahead (reading 1 GB

@@ -92,8 +92,15 @@ class S3Backend(FsspecBackend):
     def read_small(self, path: str, where: str, at_most: int) -> bytes | None:
         return self.client.get_small(path, where, limit=max(at_most, 1))
 
-    def open_read(self, path: str, where: str, ranges: list[tuple[int, int]] | None, size: int | None) -> BinaryIO:
+    def open_read(
+        self, path: str, where: str, ranges: list[tuple[int, int]] | None, size: int | None, early: BinaryIO | None = None
+    ) -> BinaryIO:  # fmt: skip
+        if isinstance(early, Reader):
+            return early.within(ranges)  # type: ignore[return-value]
         return Reader(self.client, path, where, ranges, size)  # type: ignore[return-value]
+
+    def open_read_early(self, path: str, where: str, size: int) -> BinaryIO | None:
+        return Reader(self.client, path, where, None, size).start()  # type: ignore[return-value]
 
     # -- writing ----------------------------------------------------------------------------
     def open_write(self, path: str, where: str, size: int | None) -> contextlib.AbstractContextManager[S3Upload]:  # type: ignore[override]

@@ -79,6 +79,17 @@ class Reader(Stream):
         self._data, self._start = b"", 0  # the piece being read, and where it starts
         self._rest: collections.deque[bytes] = collections.deque()  # the range's pieces after it
 
+    def start(self) -> Reader:
+        """The first `readahead` GETs sent now, before the first read."""
+        self._fetch_ahead()
+        return self
+
+    def within(self, ranges: list[tuple[int, int]] | None) -> Reader:
+        """From now on fetches ahead only within `ranges`, as if given at the start (what was
+        fetched already outside them is dropped as the reads pass it)."""
+        self._ranges = ranges
+        return self
+
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
         self._pos = self._where_to(offset, whence)
         return self._pos

@@ -13,6 +13,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import errno
+import logging
 import math
 import os
 import time
@@ -33,6 +34,8 @@ from ckpt.storage.fsspec_backend import FsspecBackend
 from ckpt.storage.layout import MiB, StepListing, Stray, json_cap, step_dir_name
 from ckpt.storage.local import LocalBackend
 from ckpt.storage.transfer import Transfer
+
+log = logging.getLogger(__name__)
 
 # How long check_reachable trusts its last look (a bucket deleted then is a listing found
 # empty: "no checkpoint", a fresh start).
@@ -113,6 +116,7 @@ class Store:
         #: The checksum of the files written here (`ckpt.format.checksum`): BLAKE3 for a signing job.
         self.checksum_algo = CHECKSUM_ALGO
         self._bucket_seen = -math.inf  # when check_reachable last found the bucket
+        self._early: dict[str, tuple[int, BinaryIO]] = {}  # `read_early`'s streams: rel -> (size, stream)
 
     def __repr__(self) -> str:
         return f"Store({self.display!r})"
@@ -230,11 +234,38 @@ class Store:
         GETs then go out without a HEAD first, and an object of another size is an
         InvalidCheckpoint as it is read (elsewhere the caller's checks find it)."""
         where = f"{self.display}/{rel}"
+        early = self._early.pop(rel, None)
+        if early is not None and early[0] != size:
+            early[1].close()
+            early = None
         with storage_errors(f"reading {where}"):
             with _missing_is_not_found(where):
-                f = self.backend.open_read(self.path(rel), where, ranges, size)
+                f = self.backend.open_read(self.path(rel), where, ranges, size, early[1] if early else None)
             with f:
                 yield f
+
+    def read_early(self, rel: str, size: int) -> None:
+        """Begin reading the file `rel` of `size` bytes (as a manifest says) for an `open_read`
+        of it soon: on an object store its first ranged GETs go out now, while the caller
+        still plans, and `open_read(rel, ..., size)` goes on with that stream. A hint: what
+        fails here fails there (nothing is trusted before the reader checked it). Streams not
+        taken up are closed by `drop_early`."""
+        where = f"{self.display}/{rel}"
+        try:
+            f = self.backend.open_read_early(self.path(rel), where, size)
+        except Exception as e:  # the reader meets it again, and says so
+            log.debug("no early read of %s: %s", where, type(e).__name__)
+            return
+        if f is not None:
+            old = self._early.pop(rel, None)
+            self._early[rel] = (size, f)
+            if old is not None:
+                old[1].close()
+
+    def drop_early(self) -> None:
+        """Close the streams `read_early` began that no `open_read` took up (their GETs cancelled)."""
+        while self._early:
+            self._early.popitem()[1][1].close()
 
     # -- writing ----------------------------------------------------------------------------
     @contextlib.contextmanager

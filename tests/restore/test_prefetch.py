@@ -21,7 +21,7 @@ from ckpt.format.manifest import METADATA_NAME, FileEntry, Manifest
 from ckpt.node.handoff import Tiered
 from ckpt.restore import dcp_read, prefetch
 from ckpt.restore import load as restore
-from ckpt.restore.prefetch import Prefetch
+from ckpt.restore.prefetch import Prefetch, to_warm
 from ckpt.storage.store import Store, step_dir_name
 
 linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the prefetch uses Linux's sendfile to /dev/null")
@@ -149,15 +149,17 @@ def manifest(world: int) -> Manifest:
 def test_a_rank_warms_metadata_and_its_own_files_and_on_another_world_size_only_metadata(tmp_path):
     store, rel = Store(str(tmp_path / "root")), step_dir_name(3)
     base = f"{tmp_path}/root/{rel}"
-    assert restore._files_to_warm(store, rel, manifest(2), 1, 2) == [f"{base}/{METADATA_NAME}", f"{base}/__1_0.distcp"]
-    assert restore._files_to_warm(store, rel, manifest(2), 0, 1) == [f"{base}/{METADATA_NAME}"]
+    assert to_warm(store, None, rel, manifest(2), 1, 2) == ([f"{base}/{METADATA_NAME}", f"{base}/__1_0.distcp"], [])
+    assert to_warm(store, None, rel, manifest(2), 0, 1) == ([f"{base}/{METADATA_NAME}"], [])
     spool = Store(str(tmp_path / "spool"))
     tiered = Tiered(store, spool, {"__1_0.distcp"})
-    assert restore._files_to_warm(tiered, rel, manifest(2), 1, 2) == [f"{base}/{METADATA_NAME}", f"{tmp_path}/spool/{rel}/__1_0.distcp"]
+    assert to_warm(store, tiered, rel, manifest(2), 1, 2) == ([f"{base}/{METADATA_NAME}", f"{tmp_path}/spool/{rel}/__1_0.distcp"], [])
 
 
-def test_a_restore_from_an_object_store_warms_nothing(s3_root):
-    assert restore._files_to_warm(Store(s3_root), step_dir_name(3), manifest(2), 1, 2) == []
+def test_from_an_object_store_a_rank_opens_its_own_data_files_early_on_the_world_size_that_saved(s3_root):
+    store, rel = Store(s3_root), step_dir_name(3)
+    assert to_warm(store, None, rel, manifest(2), 1, 2) == ([], [(f"{rel}/__1_0.distcp", 10)])
+    assert to_warm(store, None, rel, manifest(2), 1, 4) == ([], [])  # another world size: its plan picks
 
 
 @linux
@@ -205,3 +207,65 @@ def test_a_restore_stops_its_prefetch_as_its_reader_starts_and_loads_bit_for_bit
     assert all(os.path.exists(p) for p in warmed[0][1])
     assert events.index(warmed[0]) < events.index(("plan", None)) < events.index(("stop", True)) < events.index(("read", None))
     assert not made[-1]._thread.is_alive()  # leaving the restore waited for it
+
+
+def _s3_restore(s3_root, options, transfer, model, w):
+    kw = dict(interval=None, save_on_exit=False, handle_sigterm=False, storage_options=options, transfer=transfer)
+    with torch.no_grad():
+        model.weight.zero_()
+    with ckpt.Checkpointer(s3_root, model=model, restore="latest", **kw) as cp:
+        assert cp.restored_step == 0
+        assert cp.store._early == {}  # taken up by the reader, or closed
+    assert torch.equal(model.weight, w)
+
+
+def test_from_s3_a_restore_gets_its_data_file_while_it_plans_and_each_range_once(s3_root, s3_options, proxy, monkeypatch):
+    w = torch.randn(256, 1024)  # 1 MiB: 5 ranges of 256 KiB with DCP's headers
+    model = torch.nn.Linear(1024, 256, bias=False)
+    with torch.no_grad():
+        model.weight.copy_(w)
+    options, transfer = {**s3_options, "endpoint_url": proxy.url}, ckpt.Transfer(read_size=256 << 10, readahead=2)
+    with ckpt.Checkpointer(s3_root, model=model, interval=None, save_on_exit=False, handle_sigterm=False, storage_options=options, transfer=transfer) as cp:
+        cp.save(blocking=True)
+    proxy.requests.clear()
+    real_metadata, at_plan = dcp_read._Reader.read_metadata, []
+
+    def read_metadata(self, *a, **k):  # DCP's planning starts with it; the reader reads after
+        deadline = time.monotonic() + 10
+        while not _data_gets(proxy) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        at_plan.append(len(_data_gets(proxy)))
+        return real_metadata(self, *a, **k)
+
+    monkeypatch.setattr(dcp_read._Reader, "read_metadata", read_metadata)
+    _s3_restore(s3_root, options, transfer, model, w)
+    assert at_plan[0] >= 1  # the data file's GETs went out before the rank planned
+    assert len(_data_gets(proxy)) == 5  # and each range once: the reader went on with them
+
+
+def _data_gets(proxy) -> list[str]:
+    return [kind for kind, path in list(proxy.requests) if path.endswith("/__0_0.distcp")]
+
+
+def test_from_s3_a_restore_that_fails_after_its_early_reads_closes_them_and_falls_back(s3_root, s3_options, proxy):
+    """The newest step's data file is cut short: the early stream's bytes are checked as any,
+    the restore falls back to the step before, and no early stream is left open."""
+    w = torch.randn(64, 1024)
+    model = torch.nn.Linear(1024, 64, bias=False)
+    with torch.no_grad():
+        model.weight.copy_(w)
+    kw = dict(interval=None, save_on_exit=False, handle_sigterm=False, storage_options={**s3_options, "endpoint_url": proxy.url})
+    with ckpt.Checkpointer(s3_root, model=model, **kw) as cp:
+        cp.save(blocking=True)
+        with torch.no_grad():
+            model.weight.add_(1)
+        cp.step_done()
+        cp.save(blocking=True)
+        fs, newest = cp.store.fs, cp.store.path(step_dir_name(1), "__0_0.distcp")
+    fs.pipe_file(newest, fs.cat_file(newest)[:-100])
+    with torch.no_grad():
+        model.weight.zero_()
+    with ckpt.Checkpointer(s3_root, model=model, restore="latest", **kw) as cp:
+        assert cp.restored_step == 0
+        assert cp.store._early == {}
+    assert torch.equal(model.weight, w)
