@@ -189,7 +189,7 @@ def _time_restore_phases() -> dict[str, float]:
 
         setattr(owner, name, call)
 
-    for owner, name, phase in ((lifecycle, "take_for_job", "lease"), (load, "_restore_plan", "plan"), (load, "_template", "template"), (load, "checked_manifest", "manifest"),
+    for owner, name, phase in ((lifecycle, "take_for_job", "lease"), (load, "_restore_plan", "plan"), (TrainingState, "template", "template"), (load, "checked_manifest", "manifest"),
                                (load, "tell", "manifest"), (load, "metadata_of", "metadata"), (dcp, "load", "read"),
                                (TrainingState, "apply", "apply")):  # fmt: skip
         timed(owner, name, phase)

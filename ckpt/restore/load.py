@@ -278,13 +278,8 @@ def _try_restore(
     ranks knowing its outcome, so no rank enters a collective alone."""
     rel = step_dir_name(step)
     rank = ctrl.rank
-    # From a local disk (the root, the node spool) the rank's files come into the page cache
-    # while it builds its template, so the manifest that names them is needed first. From an
-    # object store, where nothing is warmed, every rank builds its template first (while rank
-    # 0 reads the manifest, when the catalog did not keep it: else they would wait for that
-    # read, and rank 0 then for their templates).
-    local = store.is_local or (handoff is not None and handoff.local is not None)
-    base = None if local else _template(state, rank)
+    # The rank's files are warmed (a local disk's into the page cache, an object store's first
+    # GETs sent) while it builds its template, so the manifest that names them comes first.
     # Rank 0 reads and checks the manifest (as the catalog read it, or now) and tells each rank
     # its part of it (`ckpt.restore.view`), or why it cannot be restored from.
     whole = checked_manifest(store, step, doc if doc is not None else _read_manifest(store, step), key) if rank == 0 else None
@@ -299,10 +294,7 @@ def _try_restore(
             # Stopped as the reader starts (nothing read ahead is trusted before the reader
             # verified it, as always).
             warm = stack.enter_context(Prefetch.for_restore(store, tiered, rel, manifest, rank, ctrl.world))
-            base = _template(state, rank) if base is None else base
-            if isinstance(base, Exception):
-                raise base
-            sd = state.fit_template(base, rank, ctrl.world, manifest.world_size)
+            sd = state.fit_template(state.template(rank), rank, ctrl.world, manifest.world_size)
         except Exception as e:  # IMPORTANT: on one rank only, still told to all (below): that step is passed over
             prep = (1, f"{type(e).__name__}: {e}")
         if failed := _agreed(ctrl, *prep, "another rank could not prepare the restore"):
@@ -320,14 +312,6 @@ def _agreed(ctrl: Group, code: int, why: str, otherwise: str) -> tuple[int, str]
     whys = ctrl.gather((code, why)) or [(code, why)]  # rank 0 gets all; the others their own
     text = "; ".join(f"rank {r}: {w}" if len(whys) > 1 else w for r, (c, w) in enumerate(whys) if c)
     return max(max(c for c, _ in whys), 1), text or otherwise
-
-
-def _template(state: TrainingState, rank: int) -> dict[str, Any] | Exception:
-    """The rank's template, or why it could not be built (said once the manifest was checked)."""
-    try:
-        return state.template(rank)
-    except Exception as e:  # a state_dict() that raises, on this rank alone
-        return e
 
 
 def _load(
