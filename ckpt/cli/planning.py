@@ -163,6 +163,7 @@ def scale_rows(a: AtScale) -> list[list[str]]:
         ["restore: bytes / requests (GET) bound", f"{duration(a.restore_bytes_s)} / {duration(a.restore_requests_s)} ({a.restore_requests:,.0f} requests)"],
         *([["restore: replicas send each other what they read", duration(a.restore_exchange_s)]] if a.restore_exchange_s else []),
         ["restore: a rank's CPU / rank 0's round trips", f"{duration(a.restore_cpu_s)} / {duration(a.restore_round_trips_s)}"],
+        *([["restore: of the bytes' time, read while the ranks plan", f"-{duration(a.restore_overlap_s)}"]] if a.restore_overlap_s else []),
         ["restore: rank 0's survey of the root", f"{duration(a.restore_survey_s)} ({a.survey_round_trips} round trips, {a.survey_keys:,} keys listed)"],
         ["restore, predicted", f"{duration(a.restore_s)} (bound by {a.restore_binds})"],
         ["restore on half the ranks: a rank's metadata", duration(a.restore_resharded_metadata_s)],

@@ -90,17 +90,20 @@ RESTORE_ROUND_TRIPS = 7
 # up, DCP's planning and the state dict, the collectives, its index. bench/scale.py's
 # `calibration` (width 512, moto over HTTP on this machine), on 2-8 ranks: a save's mean over
 # ranks fitted as a + b·bytes written (0.008 s + 3.1 ns a byte; 3.6 and 4.3 in other runs);
-# a restore's mean 0.51 CPU-s; rank 0's more, the busiest rank less the mean (0.02-0.03 and
+# a restore's mean 0.44 CPU-s; rank 0's more, the busiest rank less the mean (0.02-0.03 and
 # 0.13-0.15 CPU-s); each less its 144 pieces at the probe's CPU per piece (a model of 4x the
-# tensors and the same bytes, on 2 ranks, the median of 3 runs: 0-0.03 and 0.25-0.31 ms).
+# tensors and the same bytes, on 2 ranks, the median of 3 runs: 0-0.03 and 0.15 ms; a
+# restore's was 0.25-0.31 ms while DCP's step of zeros made the optimizer's state and each
+# `step` value was a torch.load of its own).
 SAVE_CPU_S = 0.01
 SAVE_CPU_PER_PIECE_S = 0.03e-3
 SAVE_CPU_PER_BYTE_S = 3.4e-9
 SAVE_CPU_RANK0_S = 0.025
 FIRST_SAVE_CPU_S = 0.8  # bench/scale.py's first save, a rank's mean: 0.78-0.86 CPU-s at 2-8 ranks
-RESTORE_CPU_S = 0.47
-RESTORE_CPU_PER_PIECE_S = 0.3e-3
-RESTORE_CPU_RANK0_S = 0.14
+RESTORE_CPU_S = 0.42
+RESTORE_CPU_PER_PIECE_S = 0.15e-3
+RESTORE_CPU_RANK0_S = 0.13
+EARLY_RANGES = 8  # ranged GETs of a rank's own file sent as the manifest names it (Transfer.readahead)
 # Rank 0's survey before a restore: a LIST answers at most LIST_PAGE keys; the HEADs, GETs and
 # pages of one step directory go PARALLEL at a time (`Store.each`). A listed key costs the
 # client about 70 µs of one core: a page of 1,000 took 74 ms of CPU through ckpt's S3 client
@@ -173,6 +176,7 @@ class AtScale:
     restore_requests_s: float
     restore_exchange_s: float  # the replicas' parts, sent to each other once read
     restore_metadata_s: float  # reading and decoding this rank's metadata (its index and `.index`)
+    restore_overlap_s: float  # of the bytes' time, passed while the ranks plan (their first ranges, read early)
     restore_s: float
     restore_binds: str  # the largest of the restore's terms
     save_cpu_s: float  # a rank's own CPU work, on the cores its node gives its ranks
@@ -239,7 +243,16 @@ def at_scale(checkpoint_bytes: float, s: Scale) -> AtScale:
     restore_trips_s = RESTORE_ROUND_TRIPS * s.request_latency
     survey_s, survey_trips, survey_keys = _survey(s, manifest)
     save_s = save_cpu_s + save_trips_s + max(save_bytes_s, save_requests_s, save_stream_s) + save_metadata_s
-    restore_s = restore_cpu_s + restore_trips_s + survey_s + max(restore_bytes_s, restore_requests_s) + restore_exchange_s + restore_metadata_s
+    # A rank's first EARLY_RANGES ranges of its own file are on their way from the moment the
+    # manifest names it (`Store.read_early`), while it builds its template, reads its metadata
+    # and plans (its CPU per piece): their transfer takes no time of its own up to that work's.
+    # Not where its node's ranks outnumber the cores (the transfer's CPU competes with it), nor
+    # for a CPU given whole (`restore_cpu_s`, which does not say what comes after the manifest).
+    read_s = max(restore_bytes_s, restore_requests_s)
+    planning_s = (RESTORE_CPU_PER_PIECE_S * entries if s.restore_cpu_s is None else 0.0) + restore_metadata_s
+    early = min(1.0, EARLY_RANGES * s.read_size / per_rank) if shared_cores == 1 and per_rank else 0.0
+    overlap_s = min(planning_s, early * read_s)
+    restore_s = restore_cpu_s + restore_trips_s + survey_s + read_s - overlap_s + restore_exchange_s + restore_metadata_s
     return AtScale(
         saved_per_rank=per_rank,
         loaded_per_rank=loaded,
@@ -263,6 +276,7 @@ def at_scale(checkpoint_bytes: float, s: Scale) -> AtScale:
         restore_requests_s=restore_requests_s,
         restore_exchange_s=restore_exchange_s,
         restore_metadata_s=restore_metadata_s,
+        restore_overlap_s=overlap_s,
         restore_s=restore_s,
         restore_binds=_largest(
             {

@@ -3,6 +3,7 @@ and what does not, by layout, and which limit binds. Its constants come from ben
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -10,10 +11,12 @@ import pytest
 
 from ckpt.format.manifest import MAX_INDEXES
 from ckpt.schedule.scale_model import (
+    EARLY_RANGES,
     LIST_KEY_PARSE_S,
     METADATA_ENTRY,
     METADATA_PER_TENSOR,
     PICKLE_RATE,
+    RESTORE_CPU_PER_PIECE_S,
     RESTORE_CPU_RANK0_S,
     RESTORE_FIXED,
     RESTORE_ROUND_TRIPS,
@@ -61,7 +64,7 @@ def test_a_restore_on_many_ranks_is_bound_by_the_stores_request_rate_until_it_sp
     assert one.restore_binds == "requests" and one.restore_requests_s > 5 * one.restore_bytes_s
     spread = at_scale(SEVENTY_B, Scale(**base, prefixes=100))
     assert spread.restore_requests_s == pytest.approx(one.restore_requests_s / 100) and spread.restore_requests_s < spread.restore_bytes_s
-    assert spread.restore_binds == "each rank's CPU"  # this machine's, below
+    assert spread.restore_binds == "bandwidth"  # then each rank's CPU, this machine's (below)
     assert spread.restore_metadata_s < 0.25 * spread.restore_bytes_s  # the index keeps a rank's metadata small
     assert spread.restore_resharded_metadata_s < 4 * spread.restore_metadata_s  # a few indexes on half the ranks
     few = at_scale(SEVENTY_B, Scale(world=64, nodes=8, tensors=723, write_bandwidth=1 * GB))
@@ -164,11 +167,33 @@ def test_a_ranks_cpu_takes_its_own_time_until_the_ranks_outnumber_their_nodes_co
     a_rank = own.save_cpu_s - SAVE_CPU_RANK0_S, own.restore_cpu_s - RESTORE_CPU_RANK0_S
     assert got.save_cpu_s == pytest.approx(shared * a_rank[0] + SAVE_CPU_RANK0_S)
     assert got.restore_cpu_s == pytest.approx(shared * a_rank[1] + RESTORE_CPU_RANK0_S)
-    assert got.restore_s - own.restore_s == pytest.approx((shared - 1) * a_rank[1])
+    # On shared cores the first ranges' transfer competes with the planning: no overlap then.
+    assert got.restore_s - own.restore_s == pytest.approx((shared - 1) * a_rank[1] + (own.restore_overlap_s if shared > 1 else 0.0))
+    assert own.restore_overlap_s > 0 and (got.restore_overlap_s == 0) == (shared > 1)
     if shared == 1:
         assert got == own  # the default's cores change nothing on a cluster's node of 8 GPUs
     given = at_scale(SEVENTY_B, Scale(world=world, nodes=nodes, **CLUSTER, cores_per_node=cores, save_cpu_s=2.0, restore_cpu_s=0.5, rank0_cpu_s=(0.0, 0.3)))
     assert (given.save_cpu_s, given.restore_cpu_s) == pytest.approx((2.0 * shared, 0.5 * shared + 0.3))
+
+
+@pytest.mark.parametrize(
+    ("params", "world", "store_bandwidth", "covered"),
+    [("70B", 10_000, 1e12, "planning"), ("70B", 10_000, 20e9, "planning"), ("405B", 1_000, 1e12, "first ranges"), ("8B", 1_000, 1e12, "bytes")],
+)
+def test_a_ranks_first_ranges_arrive_while_it_plans_up_to_the_shorter_of_the_two(params, world, store_bandwidth, covered):
+    """A rank's own file's first EARLY_RANGES ranges are read from the moment the manifest names
+    it: the restore is shorter by its planning (CPU per piece and its metadata), by the time of
+    those ranges where they are a part of its file, or by the bytes' time if all come sooner."""
+    size = {"8B": 8e9 * 14, "70B": SEVENTY_B, "405B": 405e9 * 14}[params]
+    scale = Scale(world=world, nodes=world // 8, **{**CLUSTER, "store_bandwidth": store_bandwidth, "tensors": llama_tensors(float(params[:-1]) * 1e9)})
+    got = at_scale(size, scale)
+    planning = RESTORE_CPU_PER_PIECE_S * scale.tensors * scale.state_per_param + got.restore_metadata_s
+    read = max(got.restore_bytes_s, got.restore_requests_s)
+    first = min(1.0, EARLY_RANGES * scale.read_size / got.saved_per_rank) * read
+    assert got.restore_overlap_s == pytest.approx(min(planning, first))
+    assert {"planning": planning, "first ranges": first, "bytes": read}[covered] == pytest.approx(got.restore_overlap_s)
+    whole = at_scale(size, dataclasses.replace(scale, restore_cpu_s=0.5))  # a CPU given whole says no planning apart
+    assert whole.restore_overlap_s == pytest.approx(min(got.restore_metadata_s, first))
 
 
 def test_rank_0s_round_trips_are_priced_one_after_another_at_the_stores_latency():
@@ -206,19 +231,20 @@ def test_rank_0s_survey_grows_with_the_steps_kept_not_with_the_ranks(world, kept
 
 def test_the_survey_of_a_70b_job_on_10000_gpus_is_its_round_trips_and_the_manifest():
     """3 round trips at 30 ms, two manifests of 15.6 MB at a node's 12.5 GB/s, rank 0's parse of
-    one (0.16 s) and the parts it tells (0.05 s): 0.3 s. What binds the restore is each rank's
-    own CPU at this machine's rate."""
+    one (0.16 s) and the parts it tells (0.05 s): 0.3 s. The store's bandwidth binds the
+    restore, with each rank's own CPU at this machine's rate close behind."""
     got = at_scale(SEVENTY_B, Scale(world=10_000, nodes=1250, **CLUSTER))
     assert got.survey_round_trips == 3 and got.survey_keys == 5
     assert got.restore_survey_s == pytest.approx(3 * 0.03 + 2 * 15.6e6 / 12.5e9 + 15.6e6 / 97e6 + 0.05, abs=0.02)
-    assert got.restore_binds == "each rank's CPU" and got.restore_s > 1.2 * got.restore_bytes_s
+    assert got.restore_binds == "bandwidth" and got.restore_s > 1.2 * got.restore_bytes_s
 
 
 def test_ckpt_plan_prints_the_survey_and_each_ranks_cpu_and_takes_their_inputs():
     args = ("plan", "--params", "70B", "--nodes", "1250", "--write-bandwidth", "12.5GB/s", "--store-bandwidth", "1TB/s", "--mtbf", "3h", "--prefixes", "100")
     out = ckpt_cli(*args).stdout
     assert "restore: rank 0's survey of the root" in out and "3 round trips, 5 keys listed" in out, out
-    assert "restore: a rank's CPU / rank 0's round trips" in out and "(bound by each rank's CPU)" in out
+    assert "restore: a rank's CPU / rank 0's round trips" in out and "restore, predicted" in out and "(bound by bandwidth)" in out
+    assert "restore: of the bytes' time, read while the ranks plan" in out
     doc = json.loads(ckpt_cli(*args, "--kept", "2000", "--request-latency", "50ms", "--cores-per-node", "4", "--rank-cpu", "1s/0.5s", "--json").stdout)["at_scale"]
     assert doc["survey_round_trips"] == 2 + 125 + 1 and doc["survey_keys"] == 2000
     assert doc["restore_cpu_s"] == pytest.approx(2 * 0.5 + RESTORE_CPU_RANK0_S) and doc["save_cpu_s"] == pytest.approx(2 * 1.0 + SAVE_CPU_RANK0_S)
