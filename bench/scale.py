@@ -89,6 +89,10 @@ def _worker(args: argparse.Namespace) -> None:
     sys.path.insert(0, str(REPO))
     import ckpt
 
+    if os.environ.get("CKPT_BENCH_EARLY_READS") == "0":  # bench/early_reads.py: the restore as before them
+        import ckpt.restore.prefetch
+
+        ckpt.restore.prefetch._EARLY_FILES = 0
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
@@ -255,11 +259,12 @@ def _compiled(work: Path) -> dict[str, str]:
     return env
 
 
-def _job(n: int, phase: str, root: str, out: Path, args: argparse.Namespace, options: str) -> list[dict]:
+def _job(n: int, phase: str, root: str, out: Path, args: argparse.Namespace, options: str, env: dict[str, str] | None = None) -> list[dict]:
     port = _free_port()
     procs = []
+    extra = env or {}
     for rank in range(n):
-        env = _compiled(out.parent) | {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": str(n),
+        env = _compiled(out.parent) | extra | {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": str(n),
                "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(n), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}  # fmt: skip
         argv = [sys.executable, __file__, "--worker", phase, "--root", root, "--out", str(out), "--layers", str(args.layers),
                 "--width", str(args.width), "--options", options]  # fmt: skip

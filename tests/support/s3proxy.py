@@ -46,6 +46,7 @@ class FaultyProxy:
         self.throttled = 0  # requests answered SlowDown by `limit`
         self.throttled_at: list[tuple[str, float]] = []  # and each one's (path, monotonic time)
         self.delay_s, self.stall_s = (0.05, 0.5), 30.0
+        self.range_latency_s = 0.0  # every ranged GET answered this much later: a store farther away
         self._lock = threading.Lock()
         proxy = self
 
@@ -74,6 +75,8 @@ class FaultyProxy:
                 else:
                     if action == "delay":
                         time.sleep(proxy._rng.uniform(*proxy.delay_s))
+                    if proxy.range_latency_s and self.command == "GET" and "Range" in self.headers:
+                        time.sleep(proxy.range_latency_s)
                     proxy._forward(self, body, truncate=action == "truncate")
 
             do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = do_ANY

@@ -1,0 +1,63 @@
+"""What reading a rank's own files early gains a restore from an object store farther away.
+
+A restoring rank learns which files are its own when the manifest is told, then builds its
+template, reads its metadata and plans before it reads a byte of data. From an object store
+its first ranged GETs now go out at that moment (`Store.read_early`), so that the store's
+latency and the first ranges' transfer pass while the rank plans. On loopback the store
+answers at once and this machine's two cores are the bound, which hides it: here the
+recording proxy answers every ranged GET `--latency` later (a store farther away, or a busy
+one), and the same checkpoint is restored `--runs` times with early reads and as before them
+(the worker's `CKPT_BENCH_EARLY_READS=0`), alternately, each restore a new job.
+
+    .venv/bin/python bench/early_reads.py        # bench/results/early-reads.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from scale import REPO, _job, _store
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--layers", type=int, default=24)
+    p.add_argument("--width", type=int, default=512)
+    p.add_argument("--latency", type=float, default=0.2, help="seconds the proxy holds each ranged GET")
+    p.add_argument("--runs", type=int, default=5)
+    p.add_argument("--out", default=str(REPO / "bench" / "results" / "early-reads.json"))
+    args = p.parse_args()
+    times: dict[str, list[dict]] = {"early": [], "before": []}
+    with tempfile.TemporaryDirectory(prefix="ckpt-early-") as d, _store("s3", Path(d)) as (base, options, proxy):
+        root = f"{base}/root"
+        _job(args.ranks, "save", root, Path(d, "save"), args, options)
+        _job(args.ranks, "restore", root, Path(d, "warm-up"), args, options)  # untimed: compiles the bytecode
+        proxy.range_latency_s = args.latency
+        for run in range(args.runs):
+            for mode in ("early", "before") if run % 2 == 0 else ("before", "early"):
+                env = {"CKPT_BENCH_EARLY_READS": "1" if mode == "early" else "0"}
+                ranks = _job(args.ranks, "restore", root, Path(d, f"{mode}{run}"), args, options, env)
+                times[mode].append({"s_max": max(r["restore_s"] for r in ranks), "phases_max_s": {
+                    k: max(r["phases_s"].get(k, 0.0) for r in ranks) for k in ranks[0]["phases_s"]}})  # fmt: skip
+    doc: dict = {"config": {k: v for k, v in vars(args).items() if k != "out"}, "when": time.strftime("%Y-%m-%d %H:%M"), "runs": times}
+    for mode, got in times.items():
+        doc[mode] = {"median_s": statistics.median(t["s_max"] for t in got),
+                     "median_phases_s": {k: statistics.median(t["phases_max_s"][k] for t in got) for k in got[0]["phases_max_s"]}}  # fmt: skip
+    doc["gain_s"] = doc["before"]["median_s"] - doc["early"]["median_s"]
+    for mode in ("before", "early"):
+        ph = doc[mode]["median_phases_s"]
+        print(f"{mode:6s}: restore {doc[mode]['median_s']:.3f} s (median of {args.runs}); "
+              + ", ".join(f"{k} {ph[k]:.3f}" for k in ("template", "metadata", "read", "other") if k in ph))  # fmt: skip
+    print(f"early reads gain {doc['gain_s']:.3f} s with {args.latency:.2f} s a ranged GET, {args.ranks} ranks")
+    Path(args.out).write_text(json.dumps(doc, indent=1))
+    print(f"[early_reads] results: {args.out}")
+
+
+if __name__ == "__main__":
+    main()
