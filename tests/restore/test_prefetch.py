@@ -156,10 +156,14 @@ def test_a_rank_warms_metadata_and_its_own_files_and_on_another_world_size_only_
     assert to_warm(store, tiered, rel, manifest(2), 1, 2) == ([f"{base}/{METADATA_NAME}", f"{tmp_path}/spool/{rel}/__1_0.distcp"], [])
 
 
-def test_from_an_object_store_a_rank_opens_its_own_data_files_early_on_the_world_size_that_saved(s3_root):
+def test_from_an_object_store_a_rank_opens_its_own_data_files_early_on_the_world_size_that_saved(s3_root, monkeypatch):
     store, rel = Store(s3_root), step_dir_name(3)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     assert to_warm(store, None, rel, manifest(2), 1, 2) == ([], [(f"{rel}/__1_0.distcp", 10)])
     assert to_warm(store, None, rel, manifest(2), 1, 4) == ([], [])  # another world size: its plan picks
+    # More ranks on the node than cores: receiving early would take CPU the planning needs.
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(len(os.sched_getaffinity(0)) + 1))
+    assert to_warm(store, None, rel, manifest(2), 1, 2) == ([], [])
 
 
 @linux
