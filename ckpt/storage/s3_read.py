@@ -85,9 +85,23 @@ class Reader(Stream):
         return self
 
     def within(self, ranges: list[tuple[int, int]] | None) -> Reader:
-        """From now on fetches ahead only within `ranges`, as if given at the start (what was
-        fetched already outside them is dropped as the reads pass it)."""
+        """From now on fetches ahead only within `ranges`, as if given at the start. Of the
+        GETs sent before, those outside them are cancelled, and one that failed (a store down
+        while the caller planned, and up again now) is sent again as the reads reach it, with
+        all after it: a stream opened early fails only as one opened now would."""
         self._ranges = ranges
+        kept: collections.deque[tuple[int, int, concurrent.futures.Future[list[bytes]]]] = collections.deque()
+        broken = False
+        for start, end, fut in self._ahead:
+            broken = broken or (fut.done() and (fut.cancelled() or fut.exception() is not None))
+            wanted = ranges is None or any(a < end and start < b for a, b in ranges)
+            if broken or not wanted or (kept and kept[-1][1] != start):
+                fut.cancel()
+                continue
+            kept.append((start, end, fut))
+        if len(kept) != len(self._ahead):
+            self._next = kept[-1][1] if kept else self._ahead[0][0]
+        self._ahead = kept
         return self
 
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:

@@ -3,6 +3,7 @@ as its reader starts: real files and the kernel's page cache, no stand-ins."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
 import ctypes.util
 import errno
@@ -273,3 +274,41 @@ def test_from_s3_a_restore_that_fails_after_its_early_reads_closes_them_and_fall
         assert cp.restored_step == 0
         assert cp.store._early == {}
     assert torch.equal(model.weight, w)
+
+
+def test_from_s3_early_gets_that_failed_while_the_rank_planned_are_sent_again_as_it_reads(s3_root, s3_options, proxy, monkeypatch):
+    """The store answers 500 to every data GET from the moment the manifest is told until the
+    rank has planned: the early GETs give up, and the reader sends them again rather than take
+    their failure (without early reads no GET went out in that time: step 1 restored)."""
+    w = torch.randn(256, 1024)
+    model = torch.nn.Linear(1024, 256, bias=False)
+    with torch.no_grad():
+        model.weight.copy_(w)
+    options = {**s3_options, "endpoint_url": proxy.url}
+    transfer = ckpt.Transfer(read_size=256 << 10, readahead=2, attempts=2, backoff_s=0.01, max_backoff_s=0.02)
+    with ckpt.Checkpointer(s3_root, model=model, interval=None, save_on_exit=False, handle_sigterm=False, storage_options=options, transfer=transfer) as cp:
+        cp.save(blocking=True)
+    down, gave_up = threading.Event(), []
+    real_decide, real_init, real_metadata = proxy._decide, Prefetch.__init__, dcp_read._Reader.read_metadata
+
+    def decide(req):
+        action = real_decide(req)
+        data = req.command == "GET" and req.path.split("?")[0].endswith(".distcp")
+        return "500" if action is None and data and down.is_set() else action
+
+    def init(self, *a, **k):  # the outage begins as the manifest is told ...
+        down.set()
+        real_init(self, *a, **k)
+
+    def read_metadata(self, *a, **k):  # ... and is over once the early GETs gave up
+        futures = [f for _, stream in list(self.store._early.values()) for _, _, f in list(stream._ahead)]
+        concurrent.futures.wait(futures, timeout=30)
+        gave_up.append(sum(f.exception() is not None for f in futures))
+        down.clear()
+        return real_metadata(self, *a, **k)
+
+    monkeypatch.setattr(proxy, "_decide", decide)
+    monkeypatch.setattr(Prefetch, "__init__", init)
+    monkeypatch.setattr(dcp_read._Reader, "read_metadata", read_metadata)
+    _s3_restore(s3_root, options, transfer, model, w)
+    assert gave_up == [2]
