@@ -1,6 +1,7 @@
 """ckpt's collectives: a `Group` of ranks over a gloo group of ckpt's own, and the few
 operations a save and a restore take on it (a broadcast and a gather of pickled objects in one
-collective when they are short, a scatter, element-wise max and bitwise OR of a few ints).
+collective when they are short, a scatter, element-wise max and bitwise OR of a few ints);
+and how many of the job's ranks share this one's node (`ranks_per_node`).
 
 The objects are this job's own ranks' (never read from storage): unpickling them is as safe as
 torch's `broadcast_object_list` and `gather_object`, which these replace.
@@ -9,6 +10,7 @@ torch's `broadcast_object_list` and `gather_object`, which these replace.
 from __future__ import annotations
 
 import dataclasses
+import os
 import pickle
 import uuid
 from dataclasses import dataclass
@@ -16,6 +18,17 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+# Ranks per node as launchers say it: torchrun, Slurm, Open MPI, MPICH/Intel MPI.
+_LOCAL_SIZE_VARS = ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS")
+
+
+def ranks_per_node() -> int:
+    for name in _LOCAL_SIZE_VARS:
+        value = os.environ.get(name, "").split("(")[0]  # Slurm may say "8(x4)"
+        if value.isdigit() and int(value) > 0:
+            return int(value)
+    return 1
 
 
 @dataclass

@@ -35,9 +35,9 @@ import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from ckpt.collectives import ranks_per_node
 from ckpt.format.manifest import Manifest
 from ckpt.restore.partial import first_reads
-from ckpt.schedule.coordinator import ranks_per_node
 
 if TYPE_CHECKING:
     from ckpt.storage.store import Store

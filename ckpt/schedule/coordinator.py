@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import time
 from typing import Any
 
+from ckpt.collectives import ranks_per_node
 from ckpt.errors import CheckpointError
 from ckpt.events import read_runs
 from ckpt.schedule.policy import Auto, exposure
@@ -23,18 +23,8 @@ from ckpt.storage.store import Store
 log = logging.getLogger(__name__)
 
 
-# Ranks per node as launchers say it: torchrun, Slurm, Open MPI, MPICH/Intel MPI.
-_LOCAL_SIZE_VARS = ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS")
 # How a run ends without a failure of the machine: the user stopped it.
 _USER_EXITS = ("error: KeyboardInterrupt", "error: SystemExit")
-
-
-def ranks_per_node() -> int:
-    for name in _LOCAL_SIZE_VARS:
-        value = os.environ.get(name, "").split("(")[0]  # Slurm may say "8(x4)"
-        if value.isdigit() and int(value) > 0:
-            return int(value)
-    return 1
 
 
 def failed(ended: str | None) -> bool:
