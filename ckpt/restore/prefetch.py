@@ -106,7 +106,6 @@ class Prefetch:
         paths, early = to_warm(store, tiered, rel, manifest, rank, world)
         return cls(paths, early=(store, early) if early else None)
 
-
     def _run(self, paths: list[str]) -> None:
         try:
             null = os.open(os.devnull, os.O_WRONLY)
