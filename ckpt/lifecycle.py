@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckpt import console
 from ckpt.capture.deepspeed_state import MidAccumulation
+from ckpt.capture.optim_init import keeps_no_state
 from ckpt.collectives import Group
 from ckpt.errors import CheckpointError
 from ckpt.events import History, error_gist
@@ -116,7 +117,7 @@ class Lifecycle:
         if self._ctrl.rank == 0:
             log.info("%s", self._cadence.describe())
         self._preempt.start(sigterm=self.handle_sigterm, rank=self._ctrl.rank)
-        self._hooks = [_first_step_pre_hook(o, lambda *_: self.wait_for_staging()) for o in self.state.optimizers]
+        self._hooks = [_first_step_pre_hook(o, keeps_no_state(lambda *_: self.wait_for_staging())) for o in self.state.optimizers]
         if self._metrics_port is not None:
             try:
                 self.metrics.serve(self._metrics_port, os.environ.get("CKPT_METRICS_ADDR", "127.0.0.1"))

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+from collections.abc import Callable
 
 import torch
 from torch.optim import optimizer as torch_optimizer
@@ -72,10 +73,19 @@ def init_state(optimizer: torch.optim.Optimizer) -> bool:
     return made
 
 
+def keeps_no_state(hook: Callable[..., None]) -> Callable[..., None]:
+    """Marks a step hook as one that keeps no optimizer state (the Checkpointer's own, which
+    waits for the staging copies): with it an optimizer's state is still made here."""
+    hook._ckpt_keeps_no_state = True  # type: ignore[attr-defined]
+    return hook
+
+
 def _step_does_more(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether a step of `optimizer` runs more than its class's code: hooks, or a `step` set on
-    the object other than an LR scheduler's wrapper (which only marks that the step ran)."""
-    if getattr(optimizer, "_optimizer_step_pre_hooks", None) or getattr(optimizer, "_optimizer_step_post_hooks", None):
+    """Whether a step of `optimizer` runs more than its class's code: hooks (but those marked
+    `keeps_no_state`), or a `step` set on the object other than an LR scheduler's wrapper
+    (which only marks that the step ran)."""
+    hooks = [*getattr(optimizer, "_optimizer_step_pre_hooks", {}).values(), *getattr(optimizer, "_optimizer_step_post_hooks", {}).values()]
+    if any(not getattr(hook, "_ckpt_keeps_no_state", False) for hook in hooks):
         return True
     if getattr(torch_optimizer, "_global_optimizer_pre_hooks", None) or getattr(torch_optimizer, "_global_optimizer_post_hooks", None):
         return True

@@ -148,6 +148,11 @@ class TrainingState:
         if deepspeed_state.is_engine(self.model):
             sd.update(deepspeed_state.capture(self.model, frozen=not skip))
         elif self.model is not None:
+            # An optimizer that has taken no step (a restore's template; a save before the
+            # first step) gets its state as its first step will make it: else DCP's state-dict
+            # API takes a step of zeros, whose count a save would leave in the training.
+            for opt in self.optimizers:
+                init_state(opt)
             sd.update(self._dcp_state.get(self.model, self.optimizers, reuse, skip))
         if self.schedulers:
             sd["scheduler"] = {str(i): s.state_dict() for i, s in enumerate(self.schedulers)}
@@ -200,9 +205,6 @@ class TrainingState:
         it asks for the frozen parameters: a checkpoint that holds them (saved with "save",
         or while they were trained) restores them, one that does not leaves them as they are
         (`optional`). Never a trained value left behind because the job froze it since."""
-        if not deepspeed_state.is_engine(self.model):
-            for opt in self.optimizers:  # else DCP's state-dict API makes it by a step
-                init_state(opt)
         sd = self.capture({}, rank, reuse=False, frozen=True)  # DCP loads into it: never the cached dicts
         # Whether the template's tensors are the objects' own, worked out now (while the
         # restore's files are still being read) rather than after the read: `apply` then only
