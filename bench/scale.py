@@ -26,6 +26,7 @@ The machine's busy CPU-seconds in each window (every process) say whether someth
 
     .venv/bin/python bench/scale.py                       # 2, 4, 8, 16 ranks on S3: bench/results/scale.json
     .venv/bin/python bench/scale.py --ranks 2,4,8 --store local
+    CKPT_BENCH_PROFILE=/tmp/p .venv/bin/python bench/scale.py --ranks 2   # each restore's cProfile: /tmp/p.rankN
 """
 
 from __future__ import annotations
@@ -93,6 +94,10 @@ def _worker(args: argparse.Namespace) -> None:
         import ckpt.restore.prefetch
 
         ckpt.restore.prefetch._EARLY_FILES = 0
+    if os.environ.get("CKPT_BENCH_WARM_CLIENT") == "0":  # bench/early_reads.py --feature warm-client: the client made at the first request
+        import ckpt.storage.store
+
+        ckpt.storage.store.Store.warm = lambda self: None
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
@@ -140,10 +145,19 @@ def _worker(args: argparse.Namespace) -> None:
         ckpt.Checkpointer  # noqa: B018  imported as a training script does at its top, before the clock
         phases = _time_restore_phases()
         seen.clear()
+        profile = os.environ.get("CKPT_BENCH_PROFILE")
+        if profile:
+            import cProfile
+
+            prof = cProfile.Profile()
+            prof.enable()
         began, cpu, machine = time.perf_counter(), _cpu_s(), _machine_cpu_s()
         cp = ckpt.Checkpointer(args.root, model=model, optimizer=opt, save_on_exit=False, **kw)
         phases["connect"] = time.perf_counter() - began  # the store's client imported, the root checked
         with cp:
+            if profile:
+                prof.disable()
+                prof.dump_stats(f"{profile}.rank{rank}")
             out["restore_s"] = time.perf_counter() - began
             out["phases_s"] = {**phases, "other": out["restore_s"] - sum(phases.values())}
             out["restore_cpu_s"] = _cpu_s() - cpu

@@ -1,7 +1,7 @@
 """ckpt's collectives: a `Group` of ranks over a gloo group of ckpt's own, and the few
 operations a save and a restore take on it (a broadcast and a gather of pickled objects in one
 collective when they are short, a scatter, element-wise max and bitwise OR of a few ints);
-and how many of the job's ranks share this one's node (`ranks_per_node`).
+and how many of the job's ranks share this one's node (`ranks_per_node`, `a_core_each`).
 
 The objects are this job's own ranks' (never read from storage): unpickling them is as safe as
 torch's `broadcast_object_list` and `gather_object`, which these replace.
@@ -29,6 +29,18 @@ def ranks_per_node() -> int:
         if value.isdigit() and int(value) > 0:
             return int(value)
     return 1
+
+
+def a_core_each() -> bool:
+    """Whether each of this node's ranks has a core of its own (`ranks_per_node` against the
+    cores this process may run on). Where they outnumber the cores, work a rank starts ahead on
+    its own threads (early reads, its store's client) takes CPU that another rank's part of the
+    restore waits for: slower with 8 and 16 ranks on this machine's 2 cores."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return ranks_per_node() <= cores
 
 
 @dataclass

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from ckpt import console
 from ckpt.capture.deepspeed_state import MidAccumulation
 from ckpt.capture.optim_init import keeps_no_state
-from ckpt.collectives import Group
+from ckpt.collectives import Group, a_core_each
 from ckpt.errors import CheckpointError
 from ckpt.events import History, error_gist
 from ckpt.node.handoff import Handoff
@@ -63,7 +63,10 @@ class Lifecycle:
     def _enter(self) -> Self:
         # The loop's group. The background writers get a group of their own (their collectives
         # and the loop's must never interleave), made at the first save: a restarted job's
-        # restore does not wait for it.
+        # restore does not wait for it. A restoring rank's store client is made meanwhile, and
+        # while rank 0 takes the lease and surveys the root (not where ranks outnumber cores).
+        if self.restore_mode != "none" and a_core_each():
+            self.store.warm()
         self._ctrl = Group.new(self.timeout_s)
         console.show(self._ctrl.rank)
         # The node agent, if one serves this rank's spool (the spool is the node's, not the

@@ -35,7 +35,7 @@ import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from ckpt.collectives import ranks_per_node
+from ckpt.collectives import a_core_each
 from ckpt.format.manifest import Manifest
 from ckpt.restore.partial import first_reads
 
@@ -165,15 +165,8 @@ def to_warm(store: Store, tiered: Any, rel: str, manifest: Manifest, rank: int, 
     own data files and their sizes, to open early (at most as many as it reads at once)."""
     source = tiered or store
     paths = [p for n in first_reads(manifest, rank, world) if (p := source.local_path(f"{rel}/{n}")) is not None]
-    if tiered is not None or store.is_local or manifest.world_size != world or ranks_per_node() > _cores():
+    if tiered is not None or store.is_local or manifest.world_size != world or not a_core_each():
         return paths, []
     own = [(f"{rel}/{n}", e.size) for n, e in sorted(manifest.files.items()) if e.rank == rank and n.endswith(".distcp")]
     return paths, own[:_EARLY_FILES]
 
-
-def _cores() -> int:
-    """The cores this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1

@@ -131,6 +131,11 @@ class Backend(ABC):
         where that gains nothing (a local disk: `ckpt.restore.prefetch` warms its pages)."""
         return None
 
+    def warm(self) -> None:
+        """Begin making what the first request needs, in the background (`Store.warm`);
+        nothing where there is nothing to make."""
+        return None
+
     # -- writing ----------------------------------------------------------------------------
     @abstractmethod
     def open_write(self, path: str, where: str, size: int | None) -> contextlib.AbstractContextManager[BinaryIO]:

@@ -102,6 +102,11 @@ class S3Backend(FsspecBackend):
     def open_read_early(self, path: str, where: str, size: int) -> BinaryIO | None:
         return Reader(self.client, path, where, None, size).start()  # type: ignore[return-value]
 
+    def warm(self) -> None:
+        # The botocore client (80-300 ms of CPU) made on the I/O loop. The first request
+        # waits for it (s3fs's session lock) and, if making it failed, tries again there.
+        self.client.start(self.fs.set_session())
+
     # -- writing ----------------------------------------------------------------------------
     def open_write(self, path: str, where: str, size: int | None) -> contextlib.AbstractContextManager[S3Upload]:  # type: ignore[override]
         return upload(self.client, path, where, size)

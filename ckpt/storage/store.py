@@ -262,6 +262,16 @@ class Store:
             if old is not None:
                 old[1].close()
 
+    def warm(self) -> None:
+        """Begin making the store's client in the background (an object store's: its first
+        request otherwise makes it), while the caller goes on: for a restoring rank, which
+        sends no request until rank 0 has surveyed the root. Whatever fails here is met, and
+        said, at the first request."""
+        try:
+            self.backend.warm()
+        except Exception as e:
+            log.debug("no early client for %s: %s", self.display, type(e).__name__)
+
     def drop_early(self) -> None:
         """Close the streams `read_early` began that no `open_read` took up (their GETs cancelled)."""
         while self._early:

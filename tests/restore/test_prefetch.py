@@ -167,6 +167,27 @@ def test_from_an_object_store_a_rank_opens_its_own_data_files_early_on_the_world
     assert to_warm(store, None, rel, manifest(2), 1, 2) == ([], [])
 
 
+@pytest.mark.parametrize(("restore", "local", "warmed"), [("latest", "1", 1), (3, "1", 1), ("none", "1", 0), ("latest", "many", 0)])
+def test_a_restoring_rank_starts_its_stores_client_as_it_enters_where_it_has_a_core(tmp_path, monkeypatch, restore, local, warmed):
+    """`Store.warm` (the client made while rank 0 surveys the root), as the Checkpointer
+    enters to restore; not for a fresh start, nor where the node's ranks outnumber its cores."""
+    calls: list[Store] = []
+    real = Store.warm
+    monkeypatch.setattr(Store, "warm", lambda self: (calls.append(self), real(self)))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(len(os.sched_getaffinity(0)) + 1) if local == "many" else local)
+    model = torch.nn.Linear(4, 2)
+    kw = dict(interval=None, save_on_exit=False, handle_sigterm=False)
+    with ckpt.Checkpointer(str(tmp_path), model=model, restore="none", **kw) as cp:
+        cp.step_done()
+        cp.step_done()
+        cp.step_done()
+        cp.save(blocking=True)
+    calls.clear()
+    with ckpt.Checkpointer(str(tmp_path), model=model, restore=restore, **kw) as cp:
+        assert cp.restored_step == (None if restore == "none" else 3)
+    assert len(calls) == warmed and all(s is cp.store for s in calls)
+
+
 @linux
 def test_a_restore_stops_its_prefetch_as_its_reader_starts_and_loads_bit_for_bit(tmp_path, monkeypatch):
     w = torch.randn(512, 1024)

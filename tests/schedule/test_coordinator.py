@@ -32,6 +32,18 @@ def test_the_node_count_comes_from_the_launchers_local_size(monkeypatch):
     assert ranks_per_node() == 4
 
 
+@pytest.mark.parametrize(("local", "cores", "each"), [(None, 1, True), ("1", 1, True), ("2", 2, True), ("3", 2, False), ("8", 64, True), ("16(x2)", 8, False)])
+def test_a_rank_has_a_core_of_its_own_until_its_nodes_ranks_outnumber_the_cores_it_may_run_on(monkeypatch, local, cores, each):
+    from ckpt.collectives import a_core_each
+
+    for name in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"):
+        monkeypatch.delenv(name, raising=False)
+    if local is not None:
+        monkeypatch.setenv("SLURM_NTASKS_PER_NODE", local)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(cores)))  # the process's CPU mask, as a launcher pins it
+    assert a_core_each() is each
+
+
 def _train_auto(root, auto, steps: int, sleep_s: float = 0.02, enough=None):
     """Train up to `steps` steps under the interval policy `auto`; stop sooner once
     `enough()` says so."""

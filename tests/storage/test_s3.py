@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from ckpt.errors import NotFound
+from ckpt.errors import NotFound, StorageError
 from ckpt.storage.store import Store, Transfer
 
 
@@ -85,3 +85,46 @@ def test_objects_a_store_refuses_to_delete_fail_retention_loudly_and_nothing_is_
     assert sorted(root.scan()) == [3]
     with ckpt.Checkpointer(s3_root, model=model, **kw) as cp:
         assert cp.restored_step == 3
+
+
+def test_a_warmed_store_makes_its_client_in_the_background_without_a_request(proxy, s3_root, s3_options):
+    """A restoring rank makes its client while rank 0 surveys the root (`Store.warm`): made
+    once, on the I/O loop, sending nothing; the first request uses it."""
+    store = Store(s3_root, {**s3_options, "endpoint_url": proxy.url})  # a new endpoint: a new file system
+    assert store.fs._s3 is None
+    store.warm()
+    deadline = time.monotonic() + 30
+    while store.fs._s3 is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    made = store.fs._s3
+    assert made is not None and not proxy.requests
+    store.put_atomic("x", b"after the warm-up")
+    assert store.read_bytes("x") == b"after the warm-up" and store.fs._s3 is made
+
+
+def test_a_first_request_racing_the_warm_up_shares_its_client(proxy, s3_root, s3_options):
+    from aiobotocore.session import AioSession
+
+    made = []
+    real = AioSession.create_client
+
+    def create_client(self, *a, **k):  # counts the clients made; each is botocore's own
+        made.append(1)
+        return real(self, *a, **k)
+
+    AioSession.create_client = create_client
+    try:
+        store = Store(s3_root, {**s3_options, "endpoint_url": proxy.url})
+        store.warm()
+        store.put_atomic("x", b"raced")  # at once: s3fs's session lock keeps it to one client
+        assert store.read_bytes("x") == b"raced"
+    finally:
+        AioSession.create_client = real
+    assert len(made) == 1
+
+
+def test_a_client_that_cannot_be_made_fails_the_first_request_and_not_the_warm_up(s3_root, s3_options):
+    store = Store(s3_root, {**s3_options, "client_kwargs": {"region_name": "no such region!"}})
+    store.warm()  # says nothing: the request after it does
+    with pytest.raises(StorageError, match="region_name 'no such region!'"):
+        store.read_bytes("x")
