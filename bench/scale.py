@@ -319,7 +319,7 @@ def _mark(store) -> None:  # noqa: ANN001
 
 
 _SECOND_SAVE = "bench-a-save-begins"  # a HEAD rank 0 sends before each save after the first
-_STEADY_SAVES = 3  # timed after the first: the median time of each rank, its mean CPU
+_STEADY_SAVES = 5  # timed after the first: the median time of each rank, its mean CPU
 _BENCH_GETS = Counter({"range.manifest": 1, "range.metadata": 1, "range.index": 2})  # rank 0's, for the sizes and `_rates`
 
 
@@ -377,6 +377,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="ckpt-scale-") as d, _store(args.store, Path(d)) as (base, options, proxy):
         store = _time_store(f"{base}/probe", options)
         sizes = list(map(int, args.ranks.split(",")))
+        # The store's bandwidth with as many processes as each job has writers, apart from it.
+        sys.path.insert(0, str(REPO / "bench"))
+        import store_streams
+
+        total = 3 * 4 * args.layers * (args.width**2 + args.width)  # the weights and Adam's two moments, fp32
+        store["streams"] = {n: store_streams.measure(f"{base}/streams{n}", options, n, total, Path(d, f"streams{n}"), _compiled(Path(d))) for n in sizes}
         # Untimed: the first job compiles what the ranks import into the bytecode cache
         # (`_compiled`: its own, in which torch's and the store client's are not yet).
         for phase in ("save", "restore"):
@@ -573,6 +579,8 @@ def _calibrate(rows: list[dict], store: dict[str, float], probe: dict[str, float
         "head_s": store["head_s"],
         "write_bytes_per_s": store["write_bytes_per_s"],
         "read_bytes_per_s": store["read_bytes_per_s"],
+        # By world size: what as many processes got from the store at once (`store_streams`).
+        "streams": {n: {k: v[k] for k in ("write_bytes_per_s", "read_bytes_per_s")} for n, v in store.get("streams", {}).items()},
     }
     for phase in ("save", "restore"):
         table[f"{phase}_cpu_s"] = sum(r[phase]["cpu_s_mean"] for r in rows) / len(rows)
@@ -597,7 +605,8 @@ def _calibrate(rows: list[dict], store: dict[str, float], probe: dict[str, float
         f"per piece of state {table['save_cpu_per_piece_s'] * 1e3:.2f} / {table['restore_cpu_per_piece_s'] * 1e3:.2f} ms "
         f"({args.probe}x the tensors on {rows[0]['ranks']} ranks, the median of {_PROBE_RUNS} runs)",
         f"  the store: a small GET {table['request_latency_s'] * 1e3:.1f} ms, a HEAD {table['head_s'] * 1e3:.1f} ms; "
-        f"writes {table['write_bytes_per_s'] / 1e6:.0f} MB/s, reads {table['read_bytes_per_s'] / 1e6:.0f} MB/s",
+        f"writes {table['write_bytes_per_s'] / 1e6:.0f} MB/s, reads {table['read_bytes_per_s'] / 1e6:.0f} MB/s (4 threads of one process); "
+        + ", ".join(f"{n} processes {v['write_bytes_per_s'] / 1e6:.0f} / {v['read_bytes_per_s'] / 1e6:.0f} MB/s" for n, v in table["streams"].items()),
     ]
     return {"table": table, "lines": lines}
 
@@ -622,7 +631,7 @@ def _model_times(rows: list[dict], calibration: dict, args: argparse.Namespace) 
         scale = Scale(world=n, nodes=1, tensors=2 * args.layers, cores_per_node=os.cpu_count() or 1, kept=1,
                       save_cpu_s=cal["save_cpu_s_fixed"], save_cpu_per_byte_s=cal["save_cpu_per_byte_s"], restore_cpu_s=cal["restore_cpu_s"],
                       rank0_cpu_s=(cal["save_cpu_rank0_s"], cal["restore_cpu_rank0_s"]), request_latency=cal["request_latency_s"],
-                      write_bandwidth=cal["write_bytes_per_s"], read_bandwidth=cal["read_bytes_per_s"])  # fmt: skip
+                      write_bandwidth=cal["streams"].get(n, cal)["write_bytes_per_s"], read_bandwidth=cal["streams"].get(n, cal)["read_bytes_per_s"])  # fmt: skip
         got = at_scale(data, scale)
         # And as `ckpt plan` ships it: its own CPU constants (the busiest rank's, from an earlier
         # run), this machine's cores, round trip and bandwidths.

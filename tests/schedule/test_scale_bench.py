@@ -59,3 +59,19 @@ def test_the_mark_before_a_timed_save_sends_no_request_counted_as_the_saves(prox
         proxy.requests.clear()
         bench._mark(store)
         assert bench._requests(proxy.requests, "save") == {}
+
+
+def test_the_stores_bandwidth_as_n_processes_see_it_is_measured_on_the_store(s3_root, s3_options, tmp_path):
+    """bench/store_streams.py: N processes write and read their objects at once, through Stores."""
+    import json
+    import os
+    import sys
+
+    sys.path.insert(0, str(REPO / "bench"))
+    import store_streams
+
+    from ckpt.storage.store import Store
+
+    got = store_streams.measure(s3_root, json.dumps(s3_options), 2, 2 << 20, tmp_path / "streams", dict(os.environ))
+    assert got["write_bytes_per_s"] > 0 and got["read_bytes_per_s"] > 0 and len(got["write_rounds"]) == store_streams.ROUNDS
+    assert [len(Store(s3_root, s3_options).read_bytes(f"stream{i}.bin")) for i in range(2)] == [1 << 20] * 2
