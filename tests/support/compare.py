@@ -21,8 +21,9 @@ def assert_bitwise_equal(got: object, want: object, where: str = "state") -> Non
     if isinstance(want, torch.Tensor):
         assert isinstance(got, torch.Tensor), f"{where}: {type(got).__name__}, want a tensor"
         assert (got.dtype, got.shape) == (want.dtype, want.shape), f"{where}: {got.dtype}{list(got.shape)} != {want.dtype}{list(want.shape)}"
-        diff = (got.double() - want.double()).abs().max().item() if got.numel() else 0.0
-        assert bits_equal(got, want), f"{where}: differs (max abs diff {diff})"
+        if not bits_equal(got, want):  # how far, for the message: a complex value's imaginary part too
+            a, b = (t.detach().cpu().to(torch.complex128 if t.is_complex() else torch.float64) for t in (got, want))
+            raise AssertionError(f"{where}: differs (max abs diff {(a - b).abs().max().item() if got.numel() else 0.0})")
     elif isinstance(want, dict):
         assert isinstance(got, dict) and got.keys() == want.keys(), f"{where}: keys {sorted(got)} != {sorted(want)}"
         for k in want:
