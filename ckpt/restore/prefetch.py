@@ -15,8 +15,8 @@ Measured on a 2-core VM with 2 ranks of 95 MB each: a thread of read() calls wai
 planning thread's GIL between calls and gained little; POSIX_FADV_WILLNEED, one call per
 window, made the later read slower than a cold one. Linux only.
 
-From an object store a rank's own data files (on the world size that saved them) are opened
-as soon as the manifest names them (`Store.read_early`): their first `Transfer.readahead`
+From an object store a rank's own data files and its index (on the world size that saved
+them) are opened as soon as the manifest names them (`Store.read_early`): their first `Transfer.readahead`
 ranged GETs go out while the rank still plans, and the reader goes on with those streams,
 checking every byte as always. Streams the restore did not take up are closed with the
 Prefetch. Through the node spool's tiers, nothing is read early; nor where the node's ranks
@@ -36,7 +36,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from ckpt.collectives import a_core_each
-from ckpt.format.manifest import Manifest
+from ckpt.format.manifest import INDEX_SUFFIX, Manifest
 from ckpt.restore.partial import first_reads
 
 if TYPE_CHECKING:
@@ -168,5 +168,7 @@ def to_warm(store: Store, tiered: Any, rel: str, manifest: Manifest, rank: int, 
     if tiered is not None or store.is_local or manifest.world_size != world or not a_core_each():
         return paths, []
     own = [(f"{rel}/{n}", e.size) for n, e in sorted(manifest.files.items()) if e.rank == rank and n.endswith(".distcp")]
-    return paths, own[:_EARLY_FILES]
+    # And its own index, first: the rank reads it as it plans (`partial_metadata`), a round trip sooner.
+    index = [(f"{rel}/{n}", e.size) for n, e in sorted(manifest.files.items()) if e.rank == rank and n.endswith(INDEX_SUFFIX)]
+    return paths, index[:1] + own[:_EARLY_FILES]
 

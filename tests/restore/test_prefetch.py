@@ -141,9 +141,10 @@ def test_chunks_already_in_the_page_cache_are_not_pulled_again(tmp_path):
     assert resident(cold) == 1.0
 
 
-def manifest(world: int) -> Manifest:
+def manifest(world: int, indexes: bool = False) -> Manifest:
     files = {METADATA_NAME: FileEntry(10, "xxh3_64:0", -1)}
     files.update({f"__{r}_0.distcp": FileEntry(10, "xxh3_64:0", r) for r in range(world)})
+    files.update({f"__{r}_0.index": FileEntry(5, "xxh3_64:0", r) for r in range(world) if indexes})
     return Manifest(step=3, world_size=world, created=0.0, files=files)
 
 
@@ -161,6 +162,8 @@ def test_from_an_object_store_a_rank_opens_its_own_data_files_early_on_the_world
     store, rel = Store(s3_root), step_dir_name(3)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     assert to_warm(store, None, rel, manifest(2), 1, 2) == ([], [(f"{rel}/__1_0.distcp", 10)])
+    # Its index first: read as the rank plans, before any data.
+    assert to_warm(store, None, rel, manifest(2, indexes=True), 1, 2) == ([], [(f"{rel}/__1_0.index", 5), (f"{rel}/__1_0.distcp", 10)])
     assert to_warm(store, None, rel, manifest(2), 1, 4) == ([], [])  # another world size: its plan picks
     # More ranks on the node than cores: receiving early would take CPU the planning needs.
     monkeypatch.setenv("LOCAL_WORLD_SIZE", str(len(os.sched_getaffinity(0)) + 1))

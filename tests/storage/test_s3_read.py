@@ -146,3 +146,22 @@ def test_read_small_reads_a_file_up_to_its_limit_whole_and_no_more(proxy, s3_roo
         assert store.read_small("x", 4999) is None
         with pytest.raises(NotFound):
             store.read_small("missing", 10)
+
+
+@pytest.mark.parametrize(("stored", "said", "outcome"), [(b"i" * 300, 300, "read"), (b"i" * 301, 300, "InvalidCheckpoint"), (b"i" * 299, 300, "InvalidCheckpoint"), (b"i" * 300, 400, "passed")])
+def test_a_small_file_read_early_is_read_whole_from_its_stream_or_said_to_be_of_another_size(proxy, s3_root, s3_options, stored, said, outcome):
+    """A restoring rank's own index, begun as the manifest names it (`Store.read_early`): the
+    read of it takes that stream, one GET in all; an object of another size than the manifest
+    says fails as it is read; a file said to be larger than the read allows is read as before."""
+    store = through(proxy, s3_root, s3_options)
+    store.put_atomic("step/__1_0.index", stored)
+    proxy.requests.clear()
+    store.read_early("step/__1_0.index", said)
+    if outcome == "InvalidCheckpoint":
+        with pytest.raises(InvalidCheckpoint, match="__1_0.index"):
+            store.read_small("step/__1_0.index", said)
+    else:
+        assert store.read_small("step/__1_0.index", 300) == stored
+    assert store._early == {}
+    if outcome == "read":
+        assert [k for k, _ in proxy.requests] == ["range"]
