@@ -104,6 +104,7 @@ RESTORE_CPU_S = 0.42
 RESTORE_CPU_PER_PIECE_S = 0.15e-3
 RESTORE_CPU_RANK0_S = 0.13
 EARLY_RANGES = 8  # ranged GETs of a rank's own file sent as the manifest names it (Transfer.readahead)
+EARLY_TRIPS = 2  # of RESTORE_ROUND_TRIPS, sent then too: its index's GET and its first range's
 # Rank 0's survey before a restore: a LIST answers at most LIST_PAGE keys; the HEADs, GETs and
 # pages of one step directory go PARALLEL at a time (`Store.each`). A listed key costs the
 # client about 70 µs of one core: a page of 1,000 took 74 ms of CPU through ckpt's S3 client
@@ -243,15 +244,16 @@ def at_scale(checkpoint_bytes: float, s: Scale) -> AtScale:
     restore_trips_s = RESTORE_ROUND_TRIPS * s.request_latency
     survey_s, survey_trips, survey_keys = _survey(s, manifest)
     save_s = save_cpu_s + save_trips_s + max(save_bytes_s, save_requests_s, save_stream_s) + save_metadata_s
-    # A rank's first EARLY_RANGES ranges of its own file are on their way from the moment the
-    # manifest names it (`Store.read_early`), while it builds its template, reads its metadata
-    # and plans (its CPU per piece): their transfer takes no time of its own up to that work's.
+    # A rank's own index and the first EARLY_RANGES ranges of its own file are on their way
+    # from the moment the manifest names them (`Store.read_early`), while it builds its
+    # template, reads its metadata and plans (its CPU per piece): their round trips and
+    # transfer take no time of their own up to that work's.
     # Not where its node's ranks outnumber the cores (the transfer's CPU competes with it), nor
     # for a CPU given whole (`restore_cpu_s`, which does not say what comes after the manifest).
     read_s = max(restore_bytes_s, restore_requests_s)
     planning_s = (RESTORE_CPU_PER_PIECE_S * entries if s.restore_cpu_s is None else 0.0) + restore_metadata_s
     early = min(1.0, EARLY_RANGES * s.read_size / per_rank) if shared_cores == 1 and per_rank else 0.0
-    overlap_s = min(planning_s, early * read_s)
+    overlap_s = min(planning_s, early * read_s + (EARLY_TRIPS * s.request_latency if early else 0.0))
     restore_s = restore_cpu_s + restore_trips_s + survey_s + read_s - overlap_s + restore_exchange_s + restore_metadata_s
     return AtScale(
         saved_per_rank=per_rank,

@@ -12,6 +12,7 @@ import pytest
 from ckpt.format.manifest import MAX_INDEXES
 from ckpt.schedule.scale_model import (
     EARLY_RANGES,
+    EARLY_TRIPS,
     LIST_KEY_PARSE_S,
     METADATA_ENTRY,
     METADATA_PER_TENSOR,
@@ -178,20 +179,22 @@ def test_a_ranks_cpu_takes_its_own_time_until_the_ranks_outnumber_their_nodes_co
 
 @pytest.mark.parametrize(
     ("params", "world", "store_bandwidth", "covered"),
-    [("70B", 10_000, 1e12, "planning"), ("70B", 10_000, 20e9, "planning"), ("405B", 1_000, 1e12, "first ranges"), ("8B", 1_000, 1e12, "bytes")],
+    [("70B", 10_000, 1e12, "planning"), ("70B", 10_000, 20e9, "planning"), ("405B", 1_000, 1e12, "first ranges"), ("8B", 1_000, 2e12, "bytes")],
 )
 def test_a_ranks_first_ranges_arrive_while_it_plans_up_to_the_shorter_of_the_two(params, world, store_bandwidth, covered):
-    """A rank's own file's first EARLY_RANGES ranges are read from the moment the manifest names
-    it: the restore is shorter by its planning (CPU per piece and its metadata), by the time of
-    those ranges where they are a part of its file, or by the bytes' time if all come sooner."""
+    """A rank's own index and its own file's first EARLY_RANGES ranges are read from the moment
+    the manifest names them: the restore is shorter by its planning (CPU per piece and its
+    metadata), by those two round trips and the time of those ranges where they are a part of
+    its file, or by the round trips and the bytes' time if all come sooner."""
     size = {"8B": 8e9 * 14, "70B": SEVENTY_B, "405B": 405e9 * 14}[params]
     scale = Scale(world=world, nodes=world // 8, **{**CLUSTER, "store_bandwidth": store_bandwidth, "tensors": llama_tensors(float(params[:-1]) * 1e9)})
     got = at_scale(size, scale)
     planning = RESTORE_CPU_PER_PIECE_S * scale.tensors * scale.state_per_param + got.restore_metadata_s
     read = max(got.restore_bytes_s, got.restore_requests_s)
-    first = min(1.0, EARLY_RANGES * scale.read_size / got.saved_per_rank) * read
+    trips = EARLY_TRIPS * scale.request_latency
+    first = min(1.0, EARLY_RANGES * scale.read_size / got.saved_per_rank) * read + trips
     assert got.restore_overlap_s == pytest.approx(min(planning, first))
-    assert {"planning": planning, "first ranges": first, "bytes": read}[covered] == pytest.approx(got.restore_overlap_s)
+    assert {"planning": planning, "first ranges": first, "bytes": read + trips}[covered] == pytest.approx(got.restore_overlap_s)
     whole = at_scale(size, dataclasses.replace(scale, restore_cpu_s=0.5))  # a CPU given whole says no planning apart
     assert whole.restore_overlap_s == pytest.approx(min(got.restore_metadata_s, first))
 
