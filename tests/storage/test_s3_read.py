@@ -165,3 +165,21 @@ def test_a_small_file_read_early_is_read_whole_from_its_stream_or_said_to_be_of_
     assert store._early == {}
     if outcome == "read":
         assert [k for k, _ in proxy.requests] == ["range"]
+
+
+def test_a_small_file_whose_early_get_failed_is_read_by_a_get_sent_again(proxy, s3_root, s3_options):
+    """The store failed the early GET of a rank's index (an outage while the rank waited for
+    `.index`), and serves again by the time the rank reads it: the read sends it again."""
+    import concurrent.futures
+
+    store = through(proxy, s3_root, s3_options, attempts=1)
+    store.put_atomic("step/__1_0.index", b"i" * 300)
+    proxy.requests.clear()
+    proxy.fail("range", "500")
+    store.read_early("step/__1_0.index", 300)
+    stream = store._early["step/__1_0.index"][1]
+    futures = [f for _, _, f in list(stream._ahead)]
+    concurrent.futures.wait(futures, timeout=30)
+    assert [f.exception() is not None for f in futures] == [True]  # it gave up
+    assert store.read_small("step/__1_0.index", 300) == b"i" * 300
+    assert [k for k, _ in proxy.requests] == ["range", "range"]
