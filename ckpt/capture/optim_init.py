@@ -14,8 +14,9 @@ which every step runs before its update) have it made here by that very method a
 update: the same entries, shapes, dtypes, devices and layouts as the step makes, with the
 counters not yet advanced. Their values do not matter: the restore overwrites every one it
 finds in the checkpoint, and drops the state of the parameters the checkpoint has none for.
-Only the exact classes listed: a subclass may make more state in its own `step`; and only
-while their step is theirs alone: a step hook (the optimizer's or torch's global ones) or a
+Only the classes listed, and their subclasses whose `step` and `_init_group` are the listed
+class's own (a subclass with its own `step` may make more state there); and only while their
+step is theirs alone: a step hook (the optimizer's or torch's global ones) or a
 `step` replaced on the object may keep state of its own in `optimizer.state` (an EMA of the
 weights), which the template must ask for or the restore leaves it out. Any other
 optimizer, and any that already has state or gradients, is left to DCP's step as before.
@@ -43,7 +44,7 @@ _MADE_BY_INIT_GROUP = (
 def init_state(optimizer: torch.optim.Optimizer) -> bool:
     """Make `optimizer`'s state as its first step would, without the step; False (and the
     optimizer as it was) where this cannot be done: DCP then takes its step, as before."""
-    if type(optimizer) not in _MADE_BY_INIT_GROUP or optimizer.state or _step_does_more(optimizer):
+    if not _steps_as_listed(type(optimizer)) or optimizer.state or _step_does_more(optimizer):
         return False
     params = [p for group in optimizer.param_groups for p in group["params"]]
     if any(p.grad is not None for p in params):  # DCP makes no state then either
@@ -71,6 +72,13 @@ def init_state(optimizer: torch.optim.Optimizer) -> bool:
     if not made:
         optimizer.state.clear()
     return made
+
+
+def _steps_as_listed(cls: type) -> bool:
+    """Whether `cls` is one of the listed classes, or a subclass whose `step` and `_init_group`
+    are that class's own (one that sets other defaults, say): its state is made as theirs."""
+    base = next((b for b in cls.__mro__ if b in _MADE_BY_INIT_GROUP), None)
+    return base is not None and all(getattr(cls, name, None) is getattr(base, name) for name in ("step", "_init_group"))
 
 
 def keeps_no_state(hook: Callable[..., None]) -> Callable[..., None]:

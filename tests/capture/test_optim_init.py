@@ -50,6 +50,7 @@ OPTIMIZERS = [
     pytest.param(lambda ps: torch.optim.Adadelta(ps), id="Adadelta"),
     pytest.param(lambda ps: torch.optim.ASGD(ps), id="ASGD"),
     pytest.param(lambda ps: torch.optim.Rprop(ps), id="Rprop"),
+    pytest.param(lambda ps: _QuietAdamW(ps), id="a subclass with other defaults"),
 ]
 
 
@@ -69,10 +70,30 @@ def test_the_state_made_without_a_step_is_laid_out_as_the_steps(make):
 class _MyAdamW(torch.optim.AdamW):
     """A subclass may make more state in its own step: left to DCP's."""
 
+    def step(self, closure=None):
+        loss = super().step(closure)
+        for p in (p for g in self.param_groups for p in g["params"] if p in self.state):
+            self.state[p]["seen"] = self.state[p].get("seen", 0) + 1
+        return loss
+
+
+class _GroupedAdam(torch.optim.Adam):
+    """A subclass that makes its state its own way in `_init_group`: left to DCP's."""
+
+    def _init_group(self, group, *lists):
+        return super()._init_group(group, *lists)
+
+
+class _QuietAdamW(torch.optim.AdamW):
+    """A subclass that only sets other defaults: its step and state are AdamW's."""
+
+    def __init__(self, params, lr=3e-4):
+        super().__init__(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
+
 
 @pytest.mark.parametrize(
     "case",
-    ["SGD with momentum", "Adagrad", "a subclass", "state already made", "gradients already there", "a step pre-hook", "step replaced"],
+    ["SGD with momentum", "Adagrad", "a subclass", "a subclass making its state", "state already made", "gradients already there", "a step pre-hook", "step replaced"],
 )
 def test_other_optimizers_are_left_to_dcps_step(case):
     model = _model()
@@ -80,6 +101,7 @@ def test_other_optimizers_are_left_to_dcps_step(case):
         "SGD with momentum": lambda: torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
         "Adagrad": lambda: torch.optim.Adagrad(model.parameters()),
         "a subclass": lambda: _MyAdamW(model.parameters()),
+        "a subclass making its state": lambda: _GroupedAdam(model.parameters()),
     }.get(case, lambda: torch.optim.AdamW(model.parameters()))()
     if case == "state already made":
         _init_optim_state(opt)
@@ -212,6 +234,7 @@ def test_fsdp2_dtensor_state_is_laid_out_as_the_steps(tmp_path):
         pytest.param(lambda ps: torch.optim.AdamW(ps, lr=0.1, amsgrad=True), id="AdamW-amsgrad"),
         pytest.param(lambda ps: torch.optim.NAdam(ps, lr=0.1), id="NAdam"),
         pytest.param(lambda ps: torch.optim.RMSprop(ps, lr=0.1, centered=True, momentum=0.5), id="RMSprop"),
+        pytest.param(lambda ps: _QuietAdamW(ps, lr=0.1), id="a subclass with other defaults"),
     ],
 )
 def test_a_save_before_the_first_step_leaves_the_training_as_it_would_have_been(tmp_path, make):
