@@ -24,9 +24,10 @@ optimizer, and any that already has state or gradients, is left to DCP's step as
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 from torch.optim import optimizer as torch_optimizer
@@ -72,6 +73,32 @@ def init_state(optimizer: torch.optim.Optimizer) -> bool:
     if not made:
         optimizer.state.clear()
     return made
+
+
+@contextlib.contextmanager
+def saved_without_state(optimizers: list[torch.optim.Optimizer]) -> Iterator[None]:
+    """A save of optimizers of which some have no state `init_state` could make (another
+    class, a step of its own): those are saved with none. DCP's state-dict API would take its
+    step of zeros on the live optimizer, and the training would keep what that step left (a
+    count one ahead, SGD's momentum with dampening); it takes none where a parameter has a
+    gradient, so the smallest trained parameter of each gets an empty one for the while. A
+    restore of the checkpoint leaves those optimizers with no state, as the run had
+    (`SafeLoadPlanner.stateless`): their first step then makes it."""
+    lent = []
+    for opt in optimizers:
+        params = [p for group in opt.param_groups for p in group["params"]]
+        trained = [p for p in params if p.requires_grad]
+        if opt.state or not trained or any(p.grad is not None for p in params):
+            continue
+        smallest = min(trained, key=lambda p: p.numel())
+        with torch.no_grad():
+            smallest.grad = torch.empty_like(smallest)  # looked at, never read
+        lent.append(smallest)
+    try:
+        yield
+    finally:
+        for p in lent:
+            p.grad = None
 
 
 def _steps_as_listed(cls: type) -> bool:

@@ -24,6 +24,7 @@ IMPORTANT: per-rank state is keyed by rank; DCP keeps one copy of equal keys acr
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import logging
@@ -45,7 +46,7 @@ from ckpt.capture.live import (
     optim_template_is_live,
     template_is_live,
 )
-from ckpt.capture.optim_init import init_state
+from ckpt.capture.optim_init import init_state, saved_without_state
 
 log = logging.getLogger(__name__)
 
@@ -138,7 +139,7 @@ class TrainingState:
         return defer
 
     # -- save -------------------------------------------------------------------------------
-    def capture(self, counters: dict[str, Any], rank: int, *, reuse: bool = True, frozen: bool | None = None) -> dict[str, Any]:
+    def capture(self, counters: dict[str, Any], rank: int, *, reuse: bool = True, frozen: bool | None = None, template: bool = False) -> dict[str, Any]:
         """The state dict to save. Tensors are the live ones: stage before training resumes.
         With `reuse`, the model and optimizer dicts are those of the last capture when
         nothing they hold has been replaced (see `StateDictCache`). `frozen`: whether the
@@ -150,10 +151,13 @@ class TrainingState:
         elif self.model is not None:
             # An optimizer that has taken no step (a restore's template; a save before the
             # first step) gets its state as its first step will make it: else DCP's state-dict
-            # API takes a step of zeros, whose count a save would leave in the training.
+            # API takes a step of zeros, whose count a save would leave in the training. One
+            # whose state cannot be made so is saved with none (`template`: DCP's step makes
+            # it, in a restore's fresh objects, to load into).
             for opt in self.optimizers:
                 init_state(opt)
-            sd.update(self._dcp_state.get(self.model, self.optimizers, reuse, skip))
+            with contextlib.nullcontext() if template else saved_without_state(self.optimizers):
+                sd.update(self._dcp_state.get(self.model, self.optimizers, reuse, skip))
         if self.schedulers:
             sd["scheduler"] = {str(i): s.state_dict() for i, s in enumerate(self.schedulers)}
         if self.scaler is not None:
@@ -205,7 +209,7 @@ class TrainingState:
         it asks for the frozen parameters: a checkpoint that holds them (saved with "save",
         or while they were trained) restores them, one that does not leaves them as they are
         (`optional`). Never a trained value left behind because the job froze it since."""
-        sd = self.capture({}, rank, reuse=False, frozen=True)  # DCP loads into it: never the cached dicts
+        sd = self.capture({}, rank, reuse=False, frozen=True, template=True)  # DCP loads into it: never the cached dicts
         # Whether the template's tensors are the objects' own, worked out now (while the
         # restore's files are still being read) rather than after the read: `apply` then only
         # checks that DCP loaded into those very tensors. Nothing touches the objects between.

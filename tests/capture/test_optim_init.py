@@ -84,6 +84,23 @@ class _GroupedAdam(torch.optim.Adam):
         return super()._init_group(group, *lists)
 
 
+class _CountingSGD(torch.optim.Optimizer):
+    """An optimizer of its own: a step count and a momentum in its state, made by its step."""
+
+    def __init__(self, params, lr=0.1):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in (p for p in group["params"] if p.grad is not None):
+                st = self.state[p]
+                st["n"] = st.get("n", torch.tensor(0.0)) + 1
+                buf = st.setdefault("buf", torch.zeros_like(p))
+                buf.mul_(0.9).add_(p.grad)
+                p.add_(buf, alpha=-group["lr"] / float(st["n"]))
+
+
 class _QuietAdamW(torch.optim.AdamW):
     """A subclass that only sets other defaults: its step and state are AdamW's."""
 
@@ -235,6 +252,9 @@ def test_fsdp2_dtensor_state_is_laid_out_as_the_steps(tmp_path):
         pytest.param(lambda ps: torch.optim.NAdam(ps, lr=0.1), id="NAdam"),
         pytest.param(lambda ps: torch.optim.RMSprop(ps, lr=0.1, centered=True, momentum=0.5), id="RMSprop"),
         pytest.param(lambda ps: _QuietAdamW(ps, lr=0.1), id="a subclass with other defaults"),
+        pytest.param(lambda ps: _MyAdamW(ps, lr=0.1), id="a subclass with its own step"),
+        pytest.param(lambda ps: _CountingSGD(ps), id="an optimizer of its own"),
+        pytest.param(lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, dampening=0.5), id="SGD-dampening"),
     ],
 )
 def test_a_save_before_the_first_step_leaves_the_training_as_it_would_have_been(tmp_path, make):
@@ -257,3 +277,41 @@ def test_a_save_before_the_first_step_leaves_the_training_as_it_would_have_been(
         return [p.detach().clone() for p in model.parameters()]
 
     assert all(torch.equal(a, b) for a, b in zip(train(True), train(False), strict=True))
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        pytest.param(lambda ps: torch.optim.AdamW(ps, lr=0.1), id="AdamW"),
+        pytest.param(lambda ps: _CountingSGD(ps), id="an optimizer of its own"),
+        pytest.param(lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, dampening=0.5), id="SGD-dampening"),
+    ],
+)
+def test_a_checkpoint_saved_before_the_first_step_resumes_as_the_run_would_have_gone_on(tmp_path, make):
+    """Saved before any step, restored into fresh objects (the template takes DCP's step of
+    zeros there, to load into): the optimizer of its own class resumes with no state, and
+    its first steps are those of a run that never stopped."""
+
+    def train(model, opt, cp=None) -> list[torch.Tensor]:
+        for i in range(3):
+            torch.manual_seed(i)
+            model(torch.randn(2, 6)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            if cp is not None:
+                cp.step_done()
+        return [p.detach().clone() for p in model.parameters()]
+
+    kw = dict(interval=None, handle_sigterm=False, save_on_exit=False)
+    model = _model()
+    opt = make(model.parameters())
+    with ckpt.Checkpointer(tmp_path, model=model, optimizer=opt, **kw) as cp:
+        cp.save(blocking=True)
+    model = _model()
+    opt = make(model.parameters())
+    with ckpt.Checkpointer(tmp_path, model=model, optimizer=opt, **kw) as cp:
+        assert cp.restored_step == 0
+        assert all(float(st["step"]) == 0 for st in opt.state.values()) if isinstance(opt, torch.optim.AdamW) else not opt.state
+        resumed = train(model, opt, cp)
+    model = _model()
+    assert all(torch.equal(a, b) for a, b in zip(resumed, train(model, make(model.parameters())), strict=True))
