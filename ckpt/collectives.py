@@ -25,8 +25,8 @@ _LOCAL_SIZE_VARS = ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE", "OMPI_COMM_WORL
 
 def ranks_per_node() -> int:
     for name in _LOCAL_SIZE_VARS:
-        value = os.environ.get(name, "").split("(")[0]  # Slurm may say "8(x4)"
-        if value.isdigit() and int(value) > 0:
+        value = os.environ.get(name, "").split("(")[0].strip()  # Slurm may say "8(x4)"
+        if value.isascii() and value.isdigit() and int(value) > 0:  # "²" is a digit to isdigit()
             return int(value)
     return 1
 

@@ -253,7 +253,9 @@ def at_scale(checkpoint_bytes: float, s: Scale) -> AtScale:
     read_s = max(restore_bytes_s, restore_requests_s)
     planning_s = (RESTORE_CPU_PER_PIECE_S * entries if s.restore_cpu_s is None else 0.0) + restore_metadata_s
     early = min(1.0, EARLY_RANGES * s.read_size / per_rank) if shared_cores == 1 and per_rank else 0.0
-    overlap_s = min(planning_s, early * read_s + (EARLY_TRIPS * s.request_latency if early else 0.0))
+    # Its index is among them where it reads its own (an indexed layout, more than one rank).
+    trips = EARLY_TRIPS if indexed and w > 1 else EARLY_TRIPS - 1
+    overlap_s = min(planning_s, early * read_s + (trips * s.request_latency if early else 0.0))
     restore_s = restore_cpu_s + restore_trips_s + survey_s + read_s - overlap_s + restore_exchange_s + restore_metadata_s
     return AtScale(
         saved_per_rank=per_rank,

@@ -8,6 +8,7 @@ bucket" is told from "cannot reach the store".
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import math
 from typing import Any, BinaryIO
@@ -105,7 +106,8 @@ class S3Backend(FsspecBackend):
     def warm(self) -> None:
         # The botocore client (80-300 ms of CPU) made on the I/O loop. The first request
         # waits for it (s3fs's session lock) and, if making it failed, tries again there.
-        self.client.start(self.fs.set_session())
+        loop = self.fs.loop  # a forked child's file system raises here, before a coroutine is made
+        asyncio.run_coroutine_threadsafe(self.fs.set_session(), loop)
 
     # -- writing ----------------------------------------------------------------------------
     def open_write(self, path: str, where: str, size: int | None) -> contextlib.AbstractContextManager[S3Upload]:  # type: ignore[override]

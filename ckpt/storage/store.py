@@ -214,7 +214,7 @@ class Store:
         where = f"{self.display}/{rel}"
         early = self._early.pop(rel, None)  # begun by `read_early`, of the size a manifest says
         with storage_errors(f"reading {where}"), _missing_is_not_found(where):
-            if early is not None and early[0] <= at_most:  # its GETs that failed are sent again
+            if early is not None and 0 < early[0] <= at_most:  # its GETs that failed are sent again (none for 0 bytes: read anew)
                 with self.backend.open_read(self.path(rel), where, None, early[0], early[1]) as f:
                     return f.read()  # an object of another size: InvalidCheckpoint as it is read
             if early is not None:

@@ -30,6 +30,10 @@ def test_the_node_count_comes_from_the_launchers_local_size(monkeypatch):
     assert ranks_per_node() == 8
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     assert ranks_per_node() == 4
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", " 4 ")  # as a shell may leave it
+    assert ranks_per_node() == 4
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "\u00b2")  # a digit to str.isdigit(), not to int(): the next variable's
+    assert ranks_per_node() == 8
 
 
 @pytest.mark.parametrize(("local", "cores", "each"), [(None, 1, True), ("1", 1, True), ("2", 2, True), ("3", 2, False), ("8", 64, True), ("16(x2)", 8, False)])

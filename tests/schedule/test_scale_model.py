@@ -254,3 +254,16 @@ def test_ckpt_plan_prints_the_survey_and_each_ranks_cpu_and_takes_their_inputs()
     assert doc["restore_round_trips_s"] == pytest.approx(RESTORE_ROUND_TRIPS * 0.05)
     bad = ckpt_cli(*args, "--rank-cpu", "1s", check=False)
     assert bad.returncode == 2 and "1s/0.8s" in bad.stderr
+
+
+@pytest.mark.parametrize(("layout", "world", "own_index"), [("fsdp", 1_000, True), ("ddp", 8, True), ("ddp", 128, False), ("fsdp", 1, False)])
+def test_a_ranks_own_index_counts_among_its_early_reads_only_where_it_reads_its_own(layout, world, own_index):
+    """DDP on more ranks than the indexes serve reads `.metadata`, one rank has no index: only
+    the first range's round trip is early there (outside review)."""
+    scale = Scale(world=world, nodes=max(1, world // 8), **{**CLUSTER, "tensors": 291}, layout=layout)
+    got = at_scale(8e9 * 14, scale)
+    planning = RESTORE_CPU_PER_PIECE_S * scale.tensors * scale.state_per_param + got.restore_metadata_s
+    read = max(got.restore_bytes_s, got.restore_requests_s)
+    first = min(1.0, EARLY_RANGES * scale.read_size / got.saved_per_rank) * read
+    trips = EARLY_TRIPS if own_index else EARLY_TRIPS - 1
+    assert got.restore_overlap_s == pytest.approx(min(planning, first + trips * scale.request_latency))

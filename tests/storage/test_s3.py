@@ -128,3 +128,25 @@ def test_a_client_that_cannot_be_made_fails_the_first_request_and_not_the_warm_u
     store.warm()  # says nothing: the request after it does
     with pytest.raises(StorageError, match="region_name 'no such region!'"):
         store.read_bytes("x")
+
+
+def test_warm_in_a_forked_child_of_a_parents_store_leaves_no_coroutine_unawaited(s3_root, s3_options):
+    """A parent's S3 Store is not fork-safe: in a child, warm() says nothing and makes no
+    coroutine it cannot run (outside review)."""
+    import gc
+    import warnings
+
+    store = Store(s3_root, s3_options)
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            with warnings.catch_warnings(record=True) as seen:
+                warnings.simplefilter("always")
+                store.warm()
+                gc.collect()
+            code = 3 if any("never awaited" in str(w.message) for w in seen) else 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
