@@ -76,29 +76,38 @@ def init_state(optimizer: torch.optim.Optimizer) -> bool:
 
 
 @contextlib.contextmanager
-def saved_without_state(optimizers: list[torch.optim.Optimizer]) -> Iterator[None]:
+def left_as_it_was(optimizers: list[torch.optim.Optimizer]) -> Iterator[None]:
     """A save of optimizers of which some have no state `init_state` could make (another
-    class, a step of its own): those are saved with none. DCP's state-dict API would take its
-    step of zeros on the live optimizer, and the training would keep what that step left (a
-    count one ahead, SGD's momentum with dampening); it takes none where a parameter has a
-    gradient, so the smallest trained parameter of each gets an empty one for the while. A
-    restore of the checkpoint leaves those optimizers with no state, as the run had
-    (`SafeLoadPlanner.stateless`): their first step then makes it."""
-    lent = []
+    class, a step of its own, SGD): DCP's state-dict API makes theirs by its step of zeros on
+    the live optimizer, and that state is what is saved (plain DCP reads it as DCP wrote it).
+    Then each such optimizer is left as it was: no state, its groups' values (but their
+    parameters), its gradients (none) and its LR scheduler's mark as before, also where that
+    step raised (DCP leaves the learning rate at 0 then). The training kept what that step left
+    (a count one ahead, SGD's momentum with dampening); its first step now makes it afresh.
+    The capture holds the saved tensors until they are staged."""
+    fresh = []
     for opt in optimizers:
         params = [p for group in opt.param_groups for p in group["params"]]
-        trained = [p for p in params if p.requires_grad]
-        if opt.state or not trained or any(p.grad is not None for p in params):
-            continue
-        smallest = min(trained, key=lambda p: p.numel())
-        with torch.no_grad():
-            smallest.grad = torch.empty_like(smallest)  # looked at, never read
-        lent.append(smallest)
+        if not opt.state and not any(p.grad is not None for p in params):
+            groups = [{k: v for k, v in group.items() if k != "params"} for group in opt.param_groups]
+            fresh.append((opt, groups, vars(opt).get("_opt_called", _UNSET)))
     try:
         yield
     finally:
-        for p in lent:
-            p.grad = None
+        for opt, groups, called in fresh:
+            opt.state.clear()
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    p.grad = None  # as they were; DCP's step left zeros where it raised
+            for group, values in zip(opt.param_groups, groups, strict=True):
+                group.update(values)
+            if called is _UNSET:
+                vars(opt).pop("_opt_called", None)
+            else:
+                opt._opt_called = called  # type: ignore[attr-defined]
+
+
+_UNSET = object()
 
 
 def _steps_as_listed(cls: type) -> bool:

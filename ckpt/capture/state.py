@@ -46,7 +46,7 @@ from ckpt.capture.live import (
     optim_template_is_live,
     template_is_live,
 )
-from ckpt.capture.optim_init import init_state, saved_without_state
+from ckpt.capture.optim_init import init_state, left_as_it_was
 
 log = logging.getLogger(__name__)
 
@@ -152,11 +152,11 @@ class TrainingState:
             # An optimizer that has taken no step (a restore's template; a save before the
             # first step) gets its state as its first step will make it: else DCP's state-dict
             # API takes a step of zeros, whose count a save would leave in the training. One
-            # whose state cannot be made so is saved with none (`template`: DCP's step makes
-            # it, in a restore's fresh objects, to load into).
+            # whose state cannot be made so is saved as DCP's step makes it, and then left
+            # with none, as it was (`template`: a restore's fresh objects keep it, to load into).
             for opt in self.optimizers:
                 init_state(opt)
-            with contextlib.nullcontext() if template else saved_without_state(self.optimizers):
+            with contextlib.nullcontext() if template else left_as_it_was(self.optimizers):
                 sd.update(self._dcp_state.get(self.model, self.optimizers, reuse, skip))
         if self.schedulers:
             sd["scheduler"] = {str(i): s.state_dict() for i, s in enumerate(self.schedulers)}
