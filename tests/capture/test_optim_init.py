@@ -342,3 +342,49 @@ def test_a_save_whose_optimizer_step_of_zeros_raises_leaves_the_optimizer_as_it_
         with pytest.raises(Exception, match="dense"):
             cp.save(blocking=True)
     assert opt.param_groups[0]["lr"] == 0.1 and emb.weight.grad is None and not opt.state
+
+
+SAVED_AT_ZERO = textwrap.dedent("""
+    import sys, torch, torch.distributed as dist
+    import ckpt
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+    from tests.capture.test_optim_init import _model, _CountingSGD
+    dist.init_process_group("gloo")
+    root, rank = sys.argv[1], dist.get_rank()
+    makers = {"SGD-dampening": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, dampening=0.5, weight_decay=0.01),
+              "an optimizer of its own": _CountingSGD}
+    for wrap in ("fsdp2", "ddp"):
+        for name, make in makers.items():
+            got = []
+            for save in (True, False):
+                model = _model()
+                if wrap == "fsdp2":
+                    for layer in model:
+                        fully_shard(layer)
+                    fully_shard(model)
+                else:
+                    model = DistributedDataParallel(model)
+                opt = make(model.parameters())
+                with ckpt.Checkpointer(f"{root}/{wrap}-{name}-{save}", model=model, optimizer=opt, interval=None,
+                                       handle_sigterm=False, save_on_exit=False) as cp:
+                    if save:
+                        cp.save(blocking=True)
+                        assert not opt.state and all(p.grad is None for p in model.parameters()), (wrap, name)
+                    for i in range(3):
+                        torch.manual_seed(100 * i + rank)
+                        model(torch.randn(2, 6)).sum().backward()
+                        opt.step()
+                        opt.zero_grad()
+                        cp.step_done()
+                got.append([p.detach().full_tensor() if wrap == "fsdp2" else p.detach().clone() for p in model.parameters()])
+            assert all(torch.equal(a, b) for a, b in zip(*got, strict=True)), (wrap, name)
+    dist.destroy_process_group()
+""")
+
+
+def test_on_fsdp2_and_ddp_a_save_before_the_first_step_leaves_an_optimizer_of_another_class_as_it_was(tmp_path):
+    script = tmp_path / "saved_at_zero.py"
+    script.write_text(SAVED_AT_ZERO)
+    codes = launch.run(2, script, str(tmp_path / "roots"), log_dir=tmp_path, timeout=240)
+    assert codes == [0, 0], "\n".join((tmp_path / f"rank{r}.log").read_text()[-3000:] for r in range(2))
