@@ -76,7 +76,7 @@ def init_state(optimizer: torch.optim.Optimizer) -> bool:
 
 
 @contextlib.contextmanager
-def left_as_it_was(optimizers: list[torch.optim.Optimizer]) -> Iterator[None]:
+def left_as_it_was(optimizers: list[torch.optim.Optimizer], unstepped: list[int] | None = None) -> Iterator[None]:
     """A save of optimizers of which some have no state `init_state` could make (another
     class, a step of its own, SGD): DCP's state-dict API makes theirs by its step of zeros on
     the live optimizer, and that state is what is saved (plain DCP reads it as DCP wrote it).
@@ -84,17 +84,20 @@ def left_as_it_was(optimizers: list[torch.optim.Optimizer]) -> Iterator[None]:
     parameters), its gradients (none) and its LR scheduler's mark as before, also where that
     step raised (DCP leaves the learning rate at 0 then). The training kept what that step left
     (a count one ahead, SGD's momentum with dampening); its first step now makes it afresh.
-    The capture holds the saved tensors until they are staged."""
+    The capture holds the saved tensors until they are staged. `unstepped` gets the indexes
+    of the optimizers whose state DCP's step made: a restore takes it back too."""
     fresh = []
-    for opt in optimizers:
+    for i, opt in enumerate(optimizers):
         params = [p for group in opt.param_groups for p in group["params"]]
         if not opt.state and not any(p.grad is not None for p in params):
             groups = [{k: v for k, v in group.items() if k != "params"} for group in opt.param_groups]
-            fresh.append((opt, groups, vars(opt).get("_opt_called", _UNSET)))
+            fresh.append((i, opt, groups, vars(opt).get("_opt_called", _UNSET)))
     try:
         yield
     finally:
-        for opt, groups, called in fresh:
+        for i, opt, groups, called in fresh:
+            if opt.state and unstepped is not None:
+                unstepped.append(i)
             opt.state.clear()
             for group in opt.param_groups:
                 for p in group["params"]:

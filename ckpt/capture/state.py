@@ -53,6 +53,9 @@ log = logging.getLogger(__name__)
 # Values a state dict holds that are copied as they are (immutable): no tensors inside.
 ATOMS = frozenset({str, int, float, bool, bytes, type(None)})
 # The top-level keys of ckpt's own state dict: an app state (`TrainingState.app`) may not use them.
+# In the saved counters (never the user's: `ckpt.options` keeps "ckpt." names for ckpt): the
+# optimizers saved before their first step with the state DCP's step made (`left_as_it_was`).
+UNSTEPPED = "ckpt.unstepped_optimizers"
 OWN_KEYS = frozenset({"model", "optim", "scheduler", "scaler", "extra", "data", "loader", "counters", "rng"})
 
 
@@ -156,8 +159,11 @@ class TrainingState:
             # with none, as it was (`template`: a restore's fresh objects keep it, to load into).
             for opt in self.optimizers:
                 init_state(opt)
-            with contextlib.nullcontext() if template else left_as_it_was(self.optimizers):
+            unstepped: list[int] = []
+            with contextlib.nullcontext() if template else left_as_it_was(self.optimizers, unstepped):
                 sd.update(self._dcp_state.get(self.model, self.optimizers, reuse, skip))
+            if unstepped:  # a restore leaves them with none again (`apply`)
+                counters = {**counters, UNSTEPPED: unstepped}
         if self.schedulers:
             sd["scheduler"] = {str(i): s.state_dict() for i, s in enumerate(self.schedulers)}
         if self.scaler is not None:
@@ -285,6 +291,9 @@ class TrainingState:
             blob = sd["loader"][f"rank_{rank}"]
             self.loader.load_state_dict(torch.load(io.BytesIO(blob), weights_only=True))
         counters = json.loads(sd["counters"])
+        for i in counters.pop(UNSTEPPED, ()):  # saved before their first step: no state, as then
+            if isinstance(i, int) and 0 <= i < len(self.optimizers):
+                self.optimizers[i].state.clear()
         if "rng" in sd:
             set_rng_state(sd["rng"][f"rank_{rank}"])
         else:

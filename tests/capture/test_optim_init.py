@@ -284,11 +284,15 @@ def test_a_save_before_the_first_step_leaves_the_training_as_it_would_have_been(
     [
         pytest.param(lambda ps: torch.optim.AdamW(ps, lr=0.1), id="AdamW"),
         pytest.param(lambda ps: _QuietAdamW(ps, lr=0.1), id="a subclass with other defaults"),
+        pytest.param(lambda ps: _CountingSGD(ps), id="an optimizer of its own"),
+        pytest.param(lambda ps: _MyAdamW(ps, lr=0.1), id="a subclass with its own step"),
+        pytest.param(lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, dampening=0.5), id="SGD-dampening"),
     ],
 )
 def test_a_checkpoint_saved_before_the_first_step_resumes_as_the_run_would_have_gone_on(tmp_path, make):
     """Saved before any step, restored into fresh objects: the state made without a step
-    (its count at 0) resumes as a run that never stopped."""
+    (its count at 0) resumes as a run that never stopped; an optimizer saved with the state
+    DCP's step made resumes with none, as the run had it (the counters say which)."""
 
     def train(model, opt, cp=None) -> list[torch.Tensor]:
         for i in range(3):
@@ -308,7 +312,8 @@ def test_a_checkpoint_saved_before_the_first_step_resumes_as_the_run_would_have_
     model = _model()
     opt = make(model.parameters())
     with ckpt.Checkpointer(tmp_path, model=model, optimizer=opt, **kw) as cp:
-        assert cp.restored_step == 0 and all(float(st["step"]) == 0 for st in opt.state.values())
+        assert cp.restored_step == 0 and all(float(st["step"]) == 0 for st in opt.state.values()) and "ckpt.unstepped_optimizers" not in cp.counters
+        assert opt.state if isinstance(opt, torch.optim.AdamW) and not isinstance(opt, _MyAdamW) else not opt.state
         resumed = train(model, opt, cp)
     model = _model()
     assert all(torch.equal(a, b) for a, b in zip(resumed, train(model, make(model.parameters())), strict=True))
@@ -379,6 +384,25 @@ SAVED_AT_ZERO = textwrap.dedent("""
                         cp.step_done()
                 got.append([p.detach().full_tensor() if wrap == "fsdp2" else p.detach().clone() for p in model.parameters()])
             assert all(torch.equal(a, b) for a, b in zip(*got, strict=True)), (wrap, name)
+            # And resumed from the step-0 checkpoint in fresh objects: the same 3 steps.
+            model = _model()
+            if wrap == "fsdp2":
+                for layer in model:
+                    fully_shard(layer)
+                fully_shard(model)
+            else:
+                model = DistributedDataParallel(model)
+            opt = make(model.parameters())
+            with ckpt.Checkpointer(f"{root}/{wrap}-{name}-True", model=model, optimizer=opt, interval=None,
+                                   handle_sigterm=False, save_on_exit=False) as cp:
+                assert cp.restored_step == 0 and not opt.state, (wrap, name)
+                for i in range(3):
+                    torch.manual_seed(100 * i + rank)
+                    model(torch.randn(2, 6)).sum().backward()
+                    opt.step()
+                    opt.zero_grad()
+            resumed = [p.detach().full_tensor() if wrap == "fsdp2" else p.detach().clone() for p in model.parameters()]
+            assert all(torch.equal(a, b) for a, b in zip(resumed, got[1], strict=True)), (wrap, name, "resumed")
     dist.destroy_process_group()
 """)
 
