@@ -359,50 +359,39 @@ SAVED_AT_ZERO = textwrap.dedent("""
     root, rank = sys.argv[1], dist.get_rank()
     makers = {"SGD-dampening": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, dampening=0.5, weight_decay=0.01),
               "an optimizer of its own": _CountingSGD}
+
+    def built(wrap):
+        model = _model()
+        if wrap == "ddp":
+            return DistributedDataParallel(model)
+        for layer in model:
+            fully_shard(layer)
+        fully_shard(model)
+        return model
+
+    def trained(wrap, model, opt, cp):
+        for i in range(3):
+            torch.manual_seed(100 * i + rank)
+            model(torch.randn(2, 6)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            cp.step_done()
+        return [p.detach().full_tensor() if wrap == "fsdp2" else p.detach().clone() for p in model.parameters()]
+
     for wrap in ("fsdp2", "ddp"):
         for name, make in makers.items():
             got = []
-            for save in (True, False):
-                model = _model()
-                if wrap == "fsdp2":
-                    for layer in model:
-                        fully_shard(layer)
-                    fully_shard(model)
-                else:
-                    model = DistributedDataParallel(model)
+            for save in (True, False, "resumed"):  # a save at step 0 and on; no save; resumed from that save
+                model = built(wrap)
                 opt = make(model.parameters())
-                with ckpt.Checkpointer(f"{root}/{wrap}-{name}-{save}", model=model, optimizer=opt, interval=None,
-                                       handle_sigterm=False, save_on_exit=False) as cp:
-                    if save:
+                with ckpt.Checkpointer(f"{root}/{wrap}-{name}-{save is not False}", model=model, optimizer=opt, interval=None,
+                                       handle_sigterm=False, save_on_exit=False, restore="latest" if save == "resumed" else "none") as cp:
+                    if save is True:
                         cp.save(blocking=True)
-                        assert not opt.state and all(p.grad is None for p in model.parameters()), (wrap, name)
-                    for i in range(3):
-                        torch.manual_seed(100 * i + rank)
-                        model(torch.randn(2, 6)).sum().backward()
-                        opt.step()
-                        opt.zero_grad()
-                        cp.step_done()
-                got.append([p.detach().full_tensor() if wrap == "fsdp2" else p.detach().clone() for p in model.parameters()])
-            assert all(torch.equal(a, b) for a, b in zip(*got, strict=True)), (wrap, name)
-            # And resumed from the step-0 checkpoint in fresh objects: the same 3 steps.
-            model = _model()
-            if wrap == "fsdp2":
-                for layer in model:
-                    fully_shard(layer)
-                fully_shard(model)
-            else:
-                model = DistributedDataParallel(model)
-            opt = make(model.parameters())
-            with ckpt.Checkpointer(f"{root}/{wrap}-{name}-True", model=model, optimizer=opt, interval=None,
-                                   handle_sigterm=False, save_on_exit=False) as cp:
-                assert cp.restored_step == 0 and not opt.state, (wrap, name)
-                for i in range(3):
-                    torch.manual_seed(100 * i + rank)
-                    model(torch.randn(2, 6)).sum().backward()
-                    opt.step()
-                    opt.zero_grad()
-            resumed = [p.detach().full_tensor() if wrap == "fsdp2" else p.detach().clone() for p in model.parameters()]
-            assert all(torch.equal(a, b) for a, b in zip(resumed, got[1], strict=True)), (wrap, name, "resumed")
+                    assert not opt.state and all(p.grad is None for p in model.parameters()), (wrap, name, save)
+                    assert cp.restored_step == (0 if save == "resumed" else None), (wrap, name, save)
+                    got.append(trained(wrap, model, opt, cp))
+            assert all(torch.equal(a, b) for run in got[1:] for a, b in zip(got[0], run, strict=True)), (wrap, name)
     dist.destroy_process_group()
 """)
 
