@@ -45,7 +45,7 @@ _MADE_BY_INIT_GROUP = (
 def init_state(optimizer: torch.optim.Optimizer) -> bool:
     """Make `optimizer`'s state as its first step would, without the step; False (and the
     optimizer as it was) where this cannot be done: DCP then takes its step, as before."""
-    if not _steps_as_listed(type(optimizer)) or optimizer.state or _step_does_more(optimizer):
+    if optimizer.state or not _steps_as_listed(type(optimizer)) or _step_does_more(optimizer):
         return False
     params = [p for group in optimizer.param_groups for p in group["params"]]
     if any(p.grad is not None for p in params):  # DCP makes no state then either
@@ -88,8 +88,7 @@ def left_as_it_was(optimizers: list[torch.optim.Optimizer], unstepped: list[int]
     of the optimizers whose state DCP's step made: a restore takes it back too."""
     fresh = []
     for i, opt in enumerate(optimizers):
-        params = [p for group in opt.param_groups for p in group["params"]]
-        if not opt.state and not any(p.grad is not None for p in params):
+        if not opt.state and all(p.grad is None for group in opt.param_groups for p in group["params"]):  # a save after a step: none
             groups = [{k: v for k, v in group.items() if k != "params"} for group in opt.param_groups]
             fresh.append((i, opt, groups, vars(opt).get("_opt_called", _UNSET)))
     try:

@@ -16,9 +16,9 @@ planning thread's GIL between calls and gained little; POSIX_FADV_WILLNEED, one 
 window, made the later read slower than a cold one. Linux only.
 
 From an object store a rank's own data files and its index (on the world size that saved
-them) are opened as soon as the manifest names them (`Store.read_early`): their first `Transfer.readahead`
-ranged GETs go out while the rank still plans, and the reader goes on with those streams,
-checking every byte as always. Streams the restore did not take up are closed with the
+them) are opened as soon as the manifest names them (`Store.read_early`): their first
+`Transfer.readahead` ranged GETs go out while the rank still plans, and the reader goes on
+with those streams, checking every byte as always. Streams the restore did not take up are closed with the
 Prefetch. Through the node spool's tiers, nothing is read early; nor where the node's ranks
 outnumber its cores: there receiving the bytes takes CPU the planning needs, and measured
 with 16 ranks on 2 cores (the store on them too) the restore took 4.76 s with early reads
