@@ -102,8 +102,6 @@ def _check_counter(key: Any, value: Any) -> None:
         raise TypeError(f"a counter's name is a string (it is saved as JSON), not {key!r}")
     if key == "step":
         raise ValueError("cp.counters['step'] is ckpt's own (cp.step, the steps completed): name the counter otherwise")
-    if key.startswith("ckpt."):
-        raise ValueError(f"cp.counters[{key!r}]: names that begin with 'ckpt.' are ckpt's own; name the counter otherwise")
     bad = _not_json(value)
     if bad is not None:
         raise TypeError(

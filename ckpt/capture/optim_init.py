@@ -76,40 +76,34 @@ def init_state(optimizer: torch.optim.Optimizer) -> bool:
 
 
 @contextlib.contextmanager
-def left_as_it_was(optimizers: list[torch.optim.Optimizer], unstepped: list[int] | None = None) -> Iterator[None]:
+def saved_without_state(optimizers: list[torch.optim.Optimizer]) -> Iterator[None]:
     """A save of optimizers of which some have no state `init_state` could make (another
-    class, a step of its own, SGD): DCP's state-dict API makes theirs by its step of zeros on
-    the live optimizer, and that state is what is saved (plain DCP reads it as DCP wrote it).
-    Then each such optimizer is left as it was: no state, its groups' values (but their
-    parameters), its gradients (none) and its LR scheduler's mark as before, also where that
-    step raised (DCP leaves the learning rate at 0 then). The training kept what that step left
-    (a count one ahead, SGD's momentum with dampening); its first step now makes it afresh.
-    The capture holds the saved tensors until they are staged. `unstepped` gets the indexes
-    of the optimizers whose state DCP's step made: a restore takes it back too."""
-    fresh = []
-    for i, opt in enumerate(optimizers):
-        if not opt.state and all(p.grad is None for group in opt.param_groups for p in group["params"]):  # a save after a step: none
-            groups = [{k: v for k, v in group.items() if k != "params"} for group in opt.param_groups]
-            fresh.append((i, opt, groups, vars(opt).get("_opt_called", _UNSET)))
+    class, a step of its own, SGD): those are saved with none, and no step is taken on them.
+    DCP's state-dict API would take its step of zeros on the live optimizer, and the training
+    would keep what it left: a count one ahead, SGD's momentum with dampening, parameters
+    moved by an update that does not scale with the learning rate (Adafactor's relative step
+    with weight decay), a step hook's work (an EMA). It takes none where a parameter has a
+    gradient, so the smallest trained parameter of each gets an empty one for the while. A
+    restore of the checkpoint leaves those optimizers with no state, as the run had
+    (`SafeLoadPlanner.stateless`, by parameter name): their first step then makes it. A plain
+    DCP reader finds no state for them (its own objects take DCP's step and ask for it)."""
+    lent = []
     try:
+        for opt in optimizers:
+            if opt.state:  # a save after a step: nothing to do
+                continue
+            params = [p for group in opt.param_groups for p in group["params"]]
+            trained = [p for p in params if p.requires_grad]
+            if not trained or any(p.grad is not None for p in params):
+                continue
+            smallest = min(trained, key=lambda p: p.numel())
+            with torch.no_grad():
+                smallest.grad = torch.empty_like(smallest)  # looked at, never read
+            lent.append(smallest)
         yield
     finally:
-        for i, opt, groups, called in fresh:
-            if opt.state and unstepped is not None:
-                unstepped.append(i)
-            opt.state.clear()
-            for group in opt.param_groups:
-                for p in group["params"]:
-                    p.grad = None  # as they were; DCP's step left zeros where it raised
-            for group, values in zip(opt.param_groups, groups, strict=True):
-                group.update(values)
-            if called is _UNSET:
-                vars(opt).pop("_opt_called", None)
-            else:
-                opt._opt_called = called  # type: ignore[attr-defined]
-
-
-_UNSET = object()
+        for p in lent:
+            p.grad = None
 
 
 def _steps_as_listed(cls: type) -> bool:

@@ -46,16 +46,13 @@ from ckpt.capture.live import (
     optim_template_is_live,
     template_is_live,
 )
-from ckpt.capture.optim_init import init_state, left_as_it_was
+from ckpt.capture.optim_init import init_state, saved_without_state
 
 log = logging.getLogger(__name__)
 
 # Values a state dict holds that are copied as they are (immutable): no tensors inside.
 ATOMS = frozenset({str, int, float, bool, bytes, type(None)})
 # The top-level keys of ckpt's own state dict: an app state (`TrainingState.app`) may not use them.
-# In the saved counters (never the user's: `ckpt.options` keeps "ckpt." names for ckpt): the
-# optimizers saved before their first step with the state DCP's step made (`left_as_it_was`).
-UNSTEPPED = "ckpt.unstepped_optimizers"
 OWN_KEYS = frozenset({"model", "optim", "scheduler", "scaler", "extra", "data", "loader", "counters", "rng"})
 
 
@@ -155,15 +152,12 @@ class TrainingState:
             # An optimizer that has taken no step (a restore's template; a save before the
             # first step) gets its state as its first step will make it: else DCP's state-dict
             # API takes a step of zeros, whose count a save would leave in the training. One
-            # whose state cannot be made so is saved as DCP's step makes it, and then left
-            # with none, as it was (`template`: a restore's fresh objects keep it, to load into).
+            # whose state cannot be made so is saved with none (`template`: a restore's fresh
+            # objects take DCP's step, to load into; the restore drops what it did not load).
             for opt in self.optimizers:
                 init_state(opt)
-            unstepped: list[int] = []
-            with contextlib.nullcontext() if template else left_as_it_was(self.optimizers, unstepped):
+            with contextlib.nullcontext() if template else saved_without_state(self.optimizers):
                 sd.update(self._dcp_state.get(self.model, self.optimizers, reuse, skip))
-            if unstepped:  # a restore leaves them with none again (`apply`)
-                counters = {**counters, UNSTEPPED: unstepped}
         if self.schedulers:
             sd["scheduler"] = {str(i): s.state_dict() for i, s in enumerate(self.schedulers)}
         if self.scaler is not None:
@@ -291,9 +285,6 @@ class TrainingState:
             blob = sd["loader"][f"rank_{rank}"]
             self.loader.load_state_dict(torch.load(io.BytesIO(blob), weights_only=True))
         counters = json.loads(sd["counters"])
-        for i in counters.pop(UNSTEPPED, ()):  # saved before their first step: no state, as then
-            if isinstance(i, int) and 0 <= i < len(self.optimizers):
-                self.optimizers[i].state.clear()
         if "rng" in sd:
             set_rng_state(sd["rng"][f"rank_{rank}"])
         else:

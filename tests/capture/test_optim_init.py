@@ -291,8 +291,8 @@ def test_a_save_before_the_first_step_leaves_the_training_as_it_would_have_been(
 )
 def test_a_checkpoint_saved_before_the_first_step_resumes_as_the_run_would_have_gone_on(tmp_path, make):
     """Saved before any step, restored into fresh objects: the state made without a step
-    (its count at 0) resumes as a run that never stopped; an optimizer saved with the state
-    DCP's step made resumes with none, as the run had it (the counters say which)."""
+    (its count at 0) resumes as a run that never stopped; an optimizer saved with none
+    resumes with none, as the run had it."""
 
     def train(model, opt, cp=None) -> list[torch.Tensor]:
         for i in range(3):
@@ -312,7 +312,7 @@ def test_a_checkpoint_saved_before_the_first_step_resumes_as_the_run_would_have_
     model = _model()
     opt = make(model.parameters())
     with ckpt.Checkpointer(tmp_path, model=model, optimizer=opt, **kw) as cp:
-        assert cp.restored_step == 0 and all(float(st["step"]) == 0 for st in opt.state.values()) and "ckpt.unstepped_optimizers" not in cp.counters
+        assert cp.restored_step == 0 and all(float(st["step"]) == 0 for st in opt.state.values())
         assert opt.state if isinstance(opt, torch.optim.AdamW) and not isinstance(opt, _MyAdamW) else not opt.state
         resumed = train(model, opt, cp)
     model = _model()
@@ -320,10 +320,12 @@ def test_a_checkpoint_saved_before_the_first_step_resumes_as_the_run_would_have_
 
 
 @pytest.mark.parametrize("make", [lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), _CountingSGD], ids=["SGD-momentum", "an optimizer of its own"])
-def test_plain_dcp_reads_a_checkpoint_saved_before_the_first_step(tmp_path, make):
-    """The state saved is DCP's own step of zeros: a plain reader's state dict of fresh
-    objects (which takes that step too) finds every key (outside review of a save with none)."""
+def test_plain_dcp_reads_the_model_of_a_checkpoint_saved_before_the_first_step_and_no_optimizer_state(tmp_path, make):
+    """The optimizer was saved with no state: a plain reader's fresh objects take DCP's step
+    and ask for that state, and DCP names the key it lacks; a partial load gets the rest."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model = _model()
@@ -331,22 +333,78 @@ def test_plain_dcp_reads_a_checkpoint_saved_before_the_first_step(tmp_path, make
     with ckpt.Checkpointer(tmp_path, model=model, optimizer=opt, interval=None, handle_sigterm=False, save_on_exit=False) as cp:
         cp.save(blocking=True)
     assert not opt.state and all(p.grad is None for p in model.parameters())  # the live one as it was
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    fresh = _model()
+    with torch.no_grad():
+        for p in fresh.parameters():
+            p.zero_()
+    msd, osd = get_state_dict(fresh, make(fresh.parameters()))
+    with pytest.raises(CheckpointException, match="Missing key in checkpoint state_dict: optim.state"):
+        dcp.load({"model": msd, "optim": osd}, checkpoint_id=tmp_path / "step-0000000000")
+    dcp.load({"model": msd, "optim": osd}, checkpoint_id=tmp_path / "step-0000000000", planner=DefaultLoadPlanner(allow_partial_load=True))
+    assert all(torch.equal(msd[k], want[k]) for k in want)
+
+
+class _DecayingSGD(torch.optim.Optimizer):
+    """Weight decay that does not scale with the learning rate (as Adafactor's relative step)."""
+
+    def __init__(self, params, lr=0.1, wd=0.1):
+        super().__init__(params, {"lr": lr, "wd": wd})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in (p for p in group["params"] if p.grad is not None):
+                self.state[p]["n"] = self.state[p].get("n", 0) + 1
+                p.mul_(1 - group["wd"]).add_(p.grad, alpha=-group["lr"])
+
+
+def test_a_save_before_the_first_step_takes_no_step_on_the_live_optimizer(tmp_path):
+    """No step hook runs and no parameter moves (DCP's step of zeros moved those an update
+    that ignores the learning rate decays); a SparseAdam, whose step refuses DCP's dense zeros,
+    saves too (outside review)."""
     model = _model()
-    msd, osd = get_state_dict(model, make(model.parameters()))
-    dcp.load({"model": msd, "optim": osd}, checkpoint_id=tmp_path / "step-0000000000")
-    assert osd["state"]
-
-
-def test_a_save_whose_optimizer_step_of_zeros_raises_leaves_the_optimizer_as_it_was(tmp_path):
-    """SparseAdam refuses DCP's dense zero gradients: the save fails, saying so, and the
-    optimizer keeps its learning rate (DCP's step left it at 0) and no gradients."""
+    decaying = _DecayingSGD(list(model[0].parameters()))
+    sgd = torch.optim.SGD(list(model[2].parameters()), lr=0.1, momentum=0.9)
+    hooked = []
+    sgd.register_step_post_hook(lambda *_: hooked.append(1))
+    before = [p.detach().clone() for p in model.parameters()]
+    with ckpt.Checkpointer(tmp_path / "a", model=model, optimizer=[decaying, sgd], interval=None, handle_sigterm=False, save_on_exit=False) as cp:
+        cp.save(blocking=True)
+    assert hooked == [] and not decaying.state and not sgd.state
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
     torch.manual_seed(0)
     emb = torch.nn.Embedding(10, 4, sparse=True)
-    opt = torch.optim.SparseAdam(emb.parameters(), lr=0.1)
-    with ckpt.Checkpointer(tmp_path, model=emb, optimizer=opt, interval=None, handle_sigterm=False, save_on_exit=False) as cp:
-        with pytest.raises(Exception, match="dense"):
-            cp.save(blocking=True)
-    assert opt.param_groups[0]["lr"] == 0.1 and emb.weight.grad is None and not opt.state
+    sparse = torch.optim.SparseAdam(emb.parameters(), lr=0.1)
+    with ckpt.Checkpointer(tmp_path / "b", model=emb, optimizer=sparse, interval=None, handle_sigterm=False, save_on_exit=False) as cp:
+        cp.save(blocking=True)
+    assert sparse.param_groups[0]["lr"] == 0.1 and emb.weight.grad is None and not sparse.state
+
+
+def test_optimizers_given_in_another_order_get_their_own_state_back(tmp_path):
+    """Which optimizer had no state at the save is known by its parameters' names, not by its
+    place in the list (outside review of a marker by index)."""
+    kw = dict(interval=None, handle_sigterm=False, save_on_exit=False)
+
+    def build():
+        model = _model()
+        return model, torch.optim.SGD(model[0].parameters(), lr=0.1, momentum=0.9), torch.optim.SGD(model[2].parameters(), lr=0.1, momentum=0.9)
+
+    model, a, b = build()
+    with ckpt.Checkpointer(tmp_path, model=model, optimizer=[a, b], **kw) as cp:
+        for i in range(3):  # only a steps: b's layer is not trained yet
+            torch.manual_seed(i)
+            model(torch.randn(2, 6)).sum().backward()
+            a.step()
+            a.zero_grad()
+            b.zero_grad()
+            cp.step_done()
+        cp.save(blocking=True)
+    saved = a.state[model[0].weight]["momentum_buffer"].clone()
+    model, a, b = build()
+    with ckpt.Checkpointer(tmp_path, model=model, optimizer=[b, a], **kw) as cp:
+        assert cp.restored_step == 3 and not b.state
+        assert torch.equal(a.state[model[0].weight]["momentum_buffer"], saved)
 
 
 SAVED_AT_ZERO = textwrap.dedent("""
