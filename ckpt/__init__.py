@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from ckpt.admin.export import read_export
     from ckpt.checkpointer import Checkpointer
     from ckpt.data import ElasticSampler, accumulation_steps
+    from ckpt.early import prepare
     from ckpt.storage.transfer import Transfer
 
 # The names that need torch load on first use, so that `ckpt ls` starts in a blink.
@@ -36,6 +37,7 @@ _LAZY = {
     "accumulation_steps": "data",
     "Transfer": "storage.transfer",
     "read_export": "admin.export",
+    "prepare": "early",
 }
 
 
@@ -49,6 +51,7 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "Checkpointer",
+    "prepare",
     "Auto",
     "Every",
     "Keep",

@@ -15,13 +15,9 @@ are `ckpt.lifecycle`'s, the background save and what follows a commit `ckpt.back
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import os
 import time
 from typing import Any, Literal
-
-import torch.distributed as dist
 
 from ckpt._faults import fault_point
 from ckpt._gc import gc_paused
@@ -29,6 +25,8 @@ from ckpt.background import BackgroundSaves
 from ckpt.capture.state import TrainingState
 from ckpt.collectives import Group
 from ckpt.data import data_position, own_generator
+from ckpt.early import store_config
+from ckpt.early import take as take_early
 from ckpt.errors import SaveFailed
 from ckpt.events import Event, History
 from ckpt.format.checksum import BLAKE3
@@ -208,11 +206,9 @@ class Checkpointer(Lifecycle, BackgroundSaves):
             timeout_s=timeout_s, budget=host_memory_budget, agree_every_s=agree_every_s, frozen=frozen,
         )  # fmt: skip
         interval = checked_interval(interval)
-        # IMPORTANT: no request of rank 0's commit outlives the other ranks' wait for it.
-        transfer = (transfer or Transfer()).within(timeout_s)
-        if transfer.requests_per_s > 0:  # each rank paces itself at its share
-            transfer = dataclasses.replace(transfer, ranks=_world_size())
-        self.store = Store(root, storage_options, transfer)
+        args = store_config(root, storage_options, transfer, timeout_s)
+        self._early = early = take_early(args)  # `ckpt.prepare`'s, for this root
+        self.store = early.store if early is not None and early.store is not None else Store(*args)
         self._signing_key = SigningKey.resolve(signing_key)
         if self._signing_key is not None:  # a signature over xxh3 checksums would not cover the data
             self.store.checksum_algo = BLAKE3
@@ -442,9 +438,3 @@ class Checkpointer(Lifecycle, BackgroundSaves):
         decides, from its own costs; on other ranks this stays the initial choice."""
         return self._cadence.schedule
 
-
-def _world_size() -> int:
-    """The job's ranks, as torch.distributed (or torchrun's environment) says."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size()
-    return max(1, int(os.environ.get("WORLD_SIZE", "1") or 1))

@@ -32,6 +32,8 @@ from ckpt.storage.lease_keeper import take_for_job
 if TYPE_CHECKING:
     from typing_extensions import Self
 
+    from ckpt.early import Early
+
 # The Checkpointer's lines, wherever its code sits: a program tunes them under this one name.
 log = logging.getLogger("ckpt.checkpointer")
 
@@ -72,10 +74,13 @@ class Lifecycle:
         # The node agent, if one serves this rank's spool (the spool is the node's, not the
         # root's): whether any rank has one goes round with the lease's outcome.
         agent = Handoff.find(self._spool, self.store, self._ctrl.rank, self._storage_options)
-        # IMPORTANT: the root's lease first, before anything there is read or written.
-        self._lease, any_agent = take_for_job(self.store, self.lease, self._ctrl, flag=agent is not None)
+        # IMPORTANT: the root's lease first, before anything there is read or written (or
+        # written over the version `ckpt.prepare` read before it surveyed the root).
+        early, self._early = self._early, None
+        seen = early.seen if early is not None and self._ctrl.rank == 0 else None
+        self._lease, any_agent = take_for_job(self.store, self.lease, self._ctrl, flag=agent is not None, seen=seen)
         try:
-            return self._start(agent, any_agent)
+            return self._start(agent, any_agent, early)
         except BaseException as e:
             # Said in the job's history (`ckpt events`), and to the next run as how this one
             # ended; not a failure of the machine for the MTBF (a bad checkpoint would count
@@ -88,7 +93,7 @@ class Lifecycle:
                     self._lease.close(release=False)
             raise
 
-    def _start(self, agent: Handoff | None, any_agent: bool) -> Self:
+    def _start(self, agent: Handoff | None, any_agent: bool, early: Early | None = None) -> Self:
         """The rest of entering, once the root is this job's."""
         self._leaving = False
         self._slot.open()
@@ -100,7 +105,9 @@ class Lifecycle:
         self._handoff = self._link_agent(agent, any_agent)
         if self.restore_mode != "none":
             began = time.perf_counter()
-            restored, self._taken, self._newest = restore(self.store, self._ctrl, self.state, self.restore_mode, self._handoff, self._signing_key)
+            ctrl, mode, key = self._ctrl, self.restore_mode, self._signing_key
+            prepared = early.survey(mode, key, ctrl.world, self._lease, any_agent) if early is not None and ctrl.rank == 0 else None
+            restored, self._taken, self._newest = restore(self.store, ctrl, self.state, mode, self._handoff, key, prepared)
             if restored is not None:
                 self._step = self.restored_step = restored.step
                 took = time.perf_counter() - began

@@ -24,6 +24,11 @@ def checked_interval(interval: Any) -> Every | Auto | None:
     return interval
 
 
+def check_restore(restore: Any) -> None:
+    if not (restore in ("latest", "none") or (isinstance(restore, int) and not isinstance(restore, bool) and restore >= 0)):
+        raise ValueError(f"restore must be 'latest', 'none' or a step number, not {restore!r}")
+
+
 def check_options(
     *,
     on_error: Any,
@@ -39,8 +44,7 @@ def check_options(
 ) -> None:
     if not (on_error in ("raise", "log") or (type(on_error) is int and on_error >= 1)):
         raise ValueError(f"on_error must be 'raise', 'log' or a number of failed saves in a row (>= 1), not {on_error!r}")
-    if not (restore in ("latest", "none") or (isinstance(restore, int) and not isinstance(restore, bool) and restore >= 0)):
-        raise ValueError(f"restore must be 'latest', 'none' or a step number, not {restore!r}")
+    check_restore(restore)
     if not isinstance(keep, Keep):
         raise ValueError(f"keep must be ckpt.Keep(last=..., every_steps=...), not {keep!r}")
     if frozen not in ("save", "skip"):

@@ -149,7 +149,7 @@ ORDER = [
     ("ckpt.cli",),
     ("ckpt.agent",),
     ("ckpt.admin",),
-    ("ckpt.checkpointer", "ckpt.lifecycle", "ckpt.background", "ckpt.options"),
+    ("ckpt.checkpointer", "ckpt.lifecycle", "ckpt.background", "ckpt.options", "ckpt.early"),
     ("ckpt.schedule",),
     ("ckpt.restore",),
     ("ckpt.save",),

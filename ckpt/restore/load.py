@@ -72,10 +72,12 @@ def restore(
     mode: str | int,
     handoff: Handoff | None = None,
     key: SigningKey | None = None,
+    prepared: Prepared | None = None,
 ) -> tuple[Restored | None, set[int], float]:
     """Load the newest checkpoint that loads (`mode` "latest") or step `mode` into `state`
     on every rank; with `handoff`, files the node spool holds are read from there; with
-    `key`, only checkpoints signed with it are trusted (the others are passed over). Returns
+    `key`, only checkpoints signed with it are trusted (the others are passed over); with
+    `prepared` (rank 0's), its first pick is that survey's (`ckpt.prepare`). Returns
     what was restored (None: the root holds nothing to restore) and the steps that hold a
     manifest, which this run must never write into, and the newest commit time among them
     (`newest_commit`)."""
@@ -91,16 +93,18 @@ def restore(
         # collective (read again only if it did not keep it: it reads it, once, in
         # `_try_restore`, as the ranks build their templates meanwhile).
         plan: list[int] | str = []
-        doc: bytes | str | None = None
+        doc: Manifest | bytes | str | None = None
         metadata = None  # rank 0's: the pick's `.metadata`, as the catalog checked it
         error: Exception | None = None  # rank 0's, told to every rank: none is left in the broadcast
         if ctrl.rank == 0:
             try:
-                plan, more, passed, created, first = _restore_plan(store, mode, key, tried, ctrl.world)
-                taken |= more
-                newest = max(newest, created)
-                if first is not None:
-                    doc, metadata = first.doc, first.metadata
+                # The first pick as `ckpt.prepare` made it, where it still stands.
+                got = prepared if prepared is not None and not tried else restore_plan(store, mode, key, tried, ctrl.world)
+                plan, passed = got.steps, got.passed
+                taken |= got.taken
+                newest = max(newest, got.created)
+                if got.first is not None:
+                    doc, metadata = got.manifest or got.first.doc, got.first.metadata
             except Exception as e:
                 plan, error = f"{type(e).__name__}: {e}", e
             if plan and not isinstance(plan, str) and doc is None and store.is_local:
@@ -202,21 +206,32 @@ def _newest(entries: list[catalog.Entry]) -> float:
     return max((e.manifest.created for e in entries if e.manifest is not None), default=0.0)
 
 
-def _restore_plan(
-    store: Store, mode: str | int, key: SigningKey | None, tried: list[int], world: int
-) -> tuple[list[int], set[int], list[str], float, catalog.Entry | None]:
-    """Rank 0: the next step to try (none left: []), after the `tried` ones failed; the steps
-    that hold a manifest; falling back, the corrupt ones passed over on the way; the newest
-    commit time it saw (`newest_commit`); and the catalog's entry of the step to try (with
-    the manifest and `.metadata` it read and checked, where it kept them)."""
+@dataclass(frozen=True)
+class Prepared:
+    """Rank 0's pick (`restore_plan`): the next step to try (none left: []); the steps that
+    hold a manifest; falling back, the corrupt ones passed over on the way; the newest commit
+    time it saw (`newest_commit`); the catalog's entry of the step to try (with the manifest
+    and `.metadata` it read and checked, where it kept them); and that manifest as
+    `view.checked_manifest` checked it (`ckpt.prepare`'s)."""
+
+    steps: list[int]
+    taken: set[int]
+    passed: list[str]
+    created: float
+    first: catalog.Entry | None
+    manifest: Manifest | None = None
+
+
+def restore_plan(store: Store, mode: str | int, key: SigningKey | None, tried: list[int], world: int) -> Prepared:
+    """Rank 0: the next pick (`Prepared`), after the `tried` ones failed."""
     if isinstance(mode, int):
         if tried:
-            return [], set(), [], 0.0, None
+            return Prepared([], set(), [], 0.0, None)
         store.check_reachable()
         listings, strays = store.survey(whole=False)  # one survey for all three
         entry = catalog.find(store, mode, key, keep=True, listings=listings, world=world)
         taken = {s for s, lst in listings.items() if lst.has_manifest} | _held_by_strays(store, strays)
-        return [entry.step], taken, [], newest_commit(store, key, listings), entry
+        return Prepared([entry.step], taken, [], newest_commit(store, key, listings), entry)
     if not tried:
         store.check_reachable()
     listings, strays = store.survey(whole=False)
@@ -229,7 +244,7 @@ def _restore_plan(
             log.warning("passing over %s/%s: %s", store.display, e.dir, e.problem)
         if good:
             log.info("falling back to %s/%s", store.display, good[0].dir)
-        return [e.step for e in good[:1]], taken, [f"{e.dir}: {e.problem}" for e in passed], _newest(good), _first(good)
+        return Prepared([e.step for e in good[:1]], taken, [f"{e.dir}: {e.problem}" for e in passed], _newest(good), _first(good))
     for e in skipped:
         log.warning("passing over %s/%s: %s", store.display, e.dir, e.problem)
     if good:
@@ -243,7 +258,7 @@ def _restore_plan(
             + "values). To start fresh, pass restore='none' (the corrupt directories are kept "
             + "and their steps skipped) or use a new root."
         )
-    return [e.step for e in good[:1]], taken, [], _newest(good), _first(good)
+    return Prepared([e.step for e in good[:1]], taken, [], _newest(good), _first(good))
 
 
 def _held_by_strays(store: Store, strays: list[Stray], say: bool = True) -> set[int]:
@@ -269,10 +284,11 @@ def _read_manifest(store: Store, step: int) -> bytes | str:
 
 def _try_restore(
     store: Store, ctrl: Group, state: TrainingState, step: int, handoff: Handoff | None, key: SigningKey | None,
-    doc: bytes | str | None, metadata: bytes | None = None,
+    doc: Manifest | bytes | str | None, metadata: bytes | None = None,
 ) -> tuple[int, str, Restored | None]:  # fmt: skip
     """Load `step` into the objects, given its manifest `doc` as rank 0 read it (or why it
-    could not; None: rank 0 reads it now) and on rank 0 perhaps its `.metadata`, checked
+    could not; None: rank 0 reads it now; a Manifest: checked already) and on rank 0 perhaps
+    its `.metadata`, checked
     against that manifest: 0 ok, 1 invalid (fall back), 2 storage error, 3 the training
     state does not match the checkpoint's (no fallback can help). Every phase ends with all
     ranks knowing its outcome, so no rank enters a collective alone."""
@@ -282,7 +298,9 @@ def _try_restore(
     # GETs sent) while it builds its template, so the manifest that names them comes first.
     # Rank 0 reads and checks the manifest (as the catalog read it, or now) and tells each rank
     # its part of it (`ckpt.restore.view`), or why it cannot be restored from.
-    whole = checked_manifest(store, step, doc if doc is not None else _read_manifest(store, step), key) if rank == 0 else None
+    whole = None
+    if rank == 0:
+        whole = doc if isinstance(doc, Manifest) else checked_manifest(store, step, doc if doc is not None else _read_manifest(store, step), key)
     got = tell(ctrl, whole)
     if isinstance(got, tuple):
         return (*got, None)

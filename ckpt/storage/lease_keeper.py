@@ -71,8 +71,10 @@ class LeaseKeeper:
     claims a step directory) takes it, or fails that save: the disk still full, or another
     job took the root meanwhile (then for good)."""
 
-    def __init__(self, store: Store, policy: Lease, mine: Holder, tag: str | None, pending: str | None = None) -> None:
+    def __init__(self, store: Store, policy: Lease, mine: Holder, tag: str | None, as_seen: bool = False, pending: str | None = None) -> None:
         self.store = store
+        #: The lease was written over the version `take` was given as seen (`Seen`).
+        self.as_seen = as_seen
         self.policy = policy
         self.mine = mine
         self._tag = tag  # the version of the lease this job wrote last
@@ -93,9 +95,11 @@ class LeaseKeeper:
         self._thread.start()
 
     @classmethod
-    def take(cls, store: Store, policy: Lease) -> LeaseKeeper:
+    def take(cls, store: Store, policy: Lease, seen: Seen | None = None) -> LeaseKeeper:
         """Take the root's lease for this job, or raise LeaseHeld saying who holds it. A root
-        this process holds already is shared (the first take's ttl rules)."""
+        this process holds already is shared (the first take's ttl rules). `seen`: the root
+        as `ckpt.prepare` found it; `as_seen` says whether the lease was written over the
+        version it read (nobody wrote it since)."""
         with _HELD_LOCK:
             taking = _TAKING.setdefault(store.identity, threading.Lock())
         with taking:
@@ -105,17 +109,18 @@ class LeaseKeeper:
                     keeper._users += 1
                     log.info("the lease of %s is held by this process already: shared (%d users)", store.display, keeper._users)
                     return keeper
-            keeper = cls._take(store, policy)
+            keeper = cls._take(store, policy, seen)
             with _HELD_LOCK:
                 _HELD[store.identity] = keeper
             return keeper
 
     @classmethod
-    def _take(cls, store: Store, policy: Lease) -> LeaseKeeper:
+    def _take(cls, store: Store, policy: Lease, seen: Seen | None) -> LeaseKeeper:
         me = this_process(policy.ttl_s)
-        store.check_reachable()  # a missing bucket says so, not "could not create the lease"
+        if seen is None:  # else checked as it was seen
+            store.check_reachable()  # a missing bucket says so, not "could not create the lease"
         try:
-            return cls(store, policy, me, _acquire(store, policy, me, wait=True))
+            return cls(store, policy, me, *_acquire(store, policy, me, wait=True, seen=seen))
         except DiskFull as e:
             # IMPORTANT: no lease is held, so nothing may be written before `check` takes it.
             log.warning(
@@ -161,7 +166,7 @@ class LeaseKeeper:
         """Take the lease this job could not write when it started. Under the lock."""
         me = this_process(self.policy.ttl_s)
         try:
-            tag = _acquire(self.store, self.policy, me, wait=False)
+            tag, _ = _acquire(self.store, self.policy, me, wait=False)
         except LeaseHeld as e:  # another job took the root meanwhile: it is that job's now
             self.lost = f"this job could not write the lease of {self.store.display} when it started ({self.pending}), and now: {e}"
             log.error("%s", self.lost)
@@ -258,13 +263,16 @@ class LeaseKeeper:
         log.error("%s", self.lost)
 
 
-def _acquire(store: Store, policy: Lease, me: Holder, *, wait: bool) -> str:
-    """Write the lease document `me` if the lease `judge` lets this job take it; its tag, or
+def _acquire(store: Store, policy: Lease, me: Holder, *, wait: bool, seen: Seen | None = None) -> tuple[str, bool]:
+    """Write the lease document `me` if the lease `judge` lets this job take it; its tag and
+    whether it was written over the version `seen` (read earlier, `ckpt.prepare`), or
     LeaseHeld. With `wait`, a lease held from another machine is waited out once to see
     whether it is renewed (`_expiry_wait`)."""
     waited: str | None = None  # the version of the lease waited out, once
-    for _ in range(ATTEMPTS):
-        got = store.read_tagged(LEASE_NAME)
+    for attempt in range(ATTEMPTS):
+        # IMPORTANT: the first write is conditional on the version seen: it lands only if
+        # nobody wrote the lease since.
+        got = seen.lease if seen is not None and attempt == 0 else store.read_tagged(LEASE_NAME)
         if got is None:
             tag = store.put_if_absent(LEASE_NAME, me.to_json())
             why, warn = "it had none", False
@@ -286,28 +294,28 @@ def _acquire(store: Store, policy: Lease, me: Holder, *, wait: bool) -> str:
         if tag is not None:
             # IMPORTANT: DEBUG unless it says something is off: rank 0 shows INFO (`ckpt.console`).
             log.log(logging.WARNING if warn else logging.DEBUG, "took the lease of %s for job %r: %s", store.display, me.job_id, why)
-            return tag
+            return tag, seen is not None and attempt == 0
         # Another job wrote it between the read and the write: look again.
     raise LeaseHeld(f"{store.display}: its lease kept changing under {ATTEMPTS} attempts to take it: another job is starting there at the same time")
 
 
-def take_for_job(store: Store, policy: Lease | None, group: Any, flag: bool = False) -> tuple[LeaseKeeper | None, bool]:
+def take_for_job(store: Store, policy: Lease | None, group: Any, flag: bool = False, seen: Seen | None = None) -> tuple[LeaseKeeper | None, bool]:
     """Rank 0 of `group` (a `ckpt.collectives.Group`) takes the root's lease under `policy`
-    (None: no lease), once it saw the root is not a checkpoint's own step directory; every
-    rank learns the outcome and raises the same error, so that none goes on alone into a
-    collective. Returns rank 0's keeper (None elsewhere), and whether any rank's `flag` was
-    set: what the ranks must learn next (whether a node agent serves any of them) rides on
-    the lease's one collective."""
+    (None: no lease), once it saw the root is not a checkpoint's own step directory (or as
+    `seen` by `ckpt.prepare`); every rank learns the outcome and raises the same error, so
+    that none goes on alone into a collective. Returns rank 0's keeper (None elsewhere), and
+    whether any rank's `flag` was set: what the ranks must learn next (whether a node agent
+    serves any of them) rides on the lease's one collective."""
     keeper, error = None, None
     if group.rank == 0:
         try:
-            if _is_checkpoint(store):  # a job there would write into a committed checkpoint
+            if seen is None and _is_checkpoint(store):  # a job there would write into a committed checkpoint
                 raise ValueError(
                     f"{store.display} is a checkpoint (it holds {MANIFEST_NAME}), not a checkpoint root: "
                     "pass the directory that holds the step-* directories"
                 )
             if policy is not None:
-                keeper = LeaseKeeper.take(store, policy)
+                keeper = LeaseKeeper.take(store, policy, seen)
         except Exception as e:  # told to every rank below, not left to hang them
             error = e
     # Always, whatever this rank's settings say: a collective must never depend on them.
@@ -324,6 +332,21 @@ def take_for_job(store: Store, policy: Lease | None, group: Any, flag: bool = Fa
         kind, text = told
         raise {"LeaseHeld": LeaseHeld, "StorageError": StorageError, "ValueError": ValueError}.get(kind, CheckpointError)(text)
     return keeper, bool(anyone)
+
+
+@dataclasses.dataclass(frozen=True)
+class Seen:
+    """The root as `ckpt.prepare` found it before it surveyed it: reachable, no step
+    directory, and its lease (None: none)."""
+
+    lease: Tagged | None
+
+
+def seen_now(store: Store) -> Seen | None:
+    """The root's `Seen` now, or None where it is a checkpoint's step directory (the lease
+    take says so)."""
+    store.check_reachable()
+    return None if _is_checkpoint(store) else Seen(store.read_tagged(LEASE_NAME))
 
 
 def _is_checkpoint(store: Store) -> bool:

@@ -9,7 +9,8 @@ A pristine root with steps 5 and 10 is written once by real 2-rank FSDP2 jobs; e
 copies it, damages step 10, and is checked by the CLI (in this process: the same `main` a
 user's `ckpt` runs) and by one 2-rank restore job per backend that restores every case's root
 in turn (tests/workers/restore_worker.py), so that the matrix pays for starting ranks twice,
-not once per case.
+not once per case. On S3 each of those restores is begun by `ckpt.prepare`, whose survey of
+the root sees the damage before the model exists: the outcomes are the same.
 """
 
 from __future__ import annotations
@@ -207,7 +208,10 @@ def matrix(pristine, tmp_path_factory, request):
             outcomes[case] = Outcome(rc, capsys.readouterr().out, root.tree(), root)
         options = outcomes["intact"].root.options
         cases = json.dumps([[c, o.root.url] for c, o in outcomes.items()])
-        codes = run(RANKS, WORKERS / "restore_worker.py", str(work / "out"), cases, json.dumps(options), log_dir=work, timeout=300)
+        # On S3 each restore is begun by `ckpt.prepare` (the survey made before the model):
+        # every case must come out as without it.
+        env = {"CKPT_TEST_PREPARE": "1"} if backend == "s3" else None
+        codes = run(RANKS, WORKERS / "restore_worker.py", str(work / "out"), cases, json.dumps(options), env=env, log_dir=work, timeout=300)
         assert codes == [0] * RANKS, f"exit codes {codes}\n{rank_logs(work)}"
         done[backend] = (outcomes, work)
         return done[backend]
@@ -271,6 +275,8 @@ def test_corruption_is_caught_by_verify_and_restore_falls_back_saying_why(matrix
         said = [line for line in log.splitlines() if newest in line and why in line]
         assert said and any("passing over" in s or "could not restore" in s for s in said), log
     assert f"restored step {restores} in" in log, log
+    # On S3 rank 0 restored with the survey `ckpt.prepare` made, whatever it found.
+    assert ("the survey made at prepare stands" in log) == (backend == "s3"), log
 
     # Nothing unverified was unpickled, and the restore changed nothing.
     assert not o.root.marker.exists()

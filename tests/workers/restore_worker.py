@@ -6,7 +6,9 @@ One job for many roots: each rank imports torch and joins the gloo group once, n
 root. Every root starts from a model initialised with other weights and other RNG streams
 than the ones saved, so only a real restore makes the dump equal to a saved step. A restore
 that raises ckpt.RestoreFailed (on every rank together) is recorded in <out>.<case>.failed
-and the job goes on to the next root.
+and the job goes on to the next root. With CKPT_TEST_PREPARE=1 each restore is begun by
+`ckpt.prepare` before its model is built (rank 0 surveys the root meanwhile), and the
+worker waits for that survey, as a job's set-up would take longer than it.
 
 Usage: restore_worker.py OUT CASES_JSON (a list of [case, root]) [STORAGE_OPTIONS_JSON]
 """
@@ -23,6 +25,7 @@ import numpy as np
 import torch.distributed as dist
 
 import ckpt
+from ckpt import early
 from tests.support.launch import exit_without_teardown
 from tests.support.toy_model import build, optimizer
 from tests.workers.worker import dump
@@ -34,10 +37,15 @@ def main() -> None:
     out, cases = sys.argv[1], json.loads(sys.argv[2])
     options = json.loads(sys.argv[3]) if len(sys.argv) > 3 else {}
     logging.basicConfig(level=logging.INFO, format=f"[rank{os.environ.get('RANK', 0)}] %(name)s %(message)s")
+    if os.environ.get("CKPT_TEST_PREPARE") == "1":
+        logging.getLogger("ckpt.early").setLevel(logging.DEBUG)  # whether its survey stands
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     for i, (case, root) in enumerate(cases):
         log.info("=== case %s", case)
+        if os.environ.get("CKPT_TEST_PREPARE") == "1":
+            ckpt.prepare(root, storage_options=options, timeout_s=30)
+            assert early._pending is not None and early._pending.done.wait(60)
         random.seed(9000 + i)
         np.random.seed(9000 + i)
         model = build("fsdp2", world, seed=4321 + i)

@@ -1,0 +1,193 @@
+"""A restore begun before the training state exists: `ckpt.prepare(root)`.
+
+A restarted job spends seconds to minutes before it can restore (at 10,000 GPUs: torch's
+process group forms, the model is built and sharded), and a restore's fixed costs came after
+that, one after another: each rank imports its store's client stack and makes its client (an
+S3 root: 0.3-0.45 s of CPU here), rank 0 lists the root and reads and checks the newest
+manifest (for 70B on 10,000 ranks, 0.3 s). Called first thing, `prepare` does them on a
+thread of its own while the job sets up:
+
+- every rank: the store (its client stack imported) and its client;
+- rank 0 (`RANK`, or a job of one process): the root checked and its lease read as it
+  stands, then the survey a restore makes (`restore.load.restore_plan`: the candidates, the
+  newest one's manifest read and checked). What it would log is held back.
+
+The Checkpointer made with the same root, storage options, transfer and timeout takes the
+store over. At its restore, rank 0 takes the lease by a write conditional on the version read
+before the survey: where that write lands, no job that keeps to the lease wrote to the root
+since, and the survey stands (its lines logged then). Otherwise (the lease changed or was
+shared within this process, no lease is kept, a node agent serves the job, which commits
+without it, or the restore mode, signing key or world size differ) the survey is dropped and
+made anew. Nothing more is taken on trust: each rank still checks every byte it reads against
+the manifest, and a checkpoint that fails falls back to the one before, as always. A prepare
+that fails leaves the Checkpointer to do all of it, and to say what went wrong.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import threading
+from typing import Any
+
+from ckpt.format.manifest import Manifest
+from ckpt.format.signing import SigningKey
+from ckpt.options import check_restore
+from ckpt.restore.load import Prepared, restore_plan
+from ckpt.restore.view import checked_manifest
+from ckpt.storage.lease_keeper import LeaseKeeper, Seen, seen_now
+from ckpt.storage.store import Store, Transfer
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(eq=False)
+class Early:
+    """One `prepare`'s work: made on its thread, taken over by one Checkpointer."""
+
+    args: tuple[str, dict[str, Any] | None, Transfer]  # the store's, as the Checkpointer makes it
+    mode: str | int
+    key: SigningKey | None
+    world: int
+    surveys: bool  # rank 0: surveys the root
+    done: threading.Event = dataclasses.field(default_factory=threading.Event)
+    store: Store | None = None
+    seen: Seen | None = None  # rank 0: the root before the survey
+    plan: Prepared | None = None
+    records: list[logging.LogRecord] = dataclasses.field(default_factory=list)  # held back
+
+    def survey(
+        self,
+        mode: str | int,
+        key: SigningKey | None,
+        world: int,
+        lease: LeaseKeeper | None,
+        agents: bool,
+    ) -> Prepared | None:
+        """Rank 0's survey, where it still stands (see the module); its lines logged now."""
+        same_key = (key is None) == (self.key is None) and (
+            key is None or key.key_id == self.key.key_id
+        )  # type: ignore[union-attr]
+        if self.plan is None or not (
+            lease is not None
+            and lease.as_seen
+            and not agents
+            and mode == self.mode
+            and same_key
+            and world == self.world
+        ):
+            log.debug("the survey made at prepare is not used: made anew")
+            return None
+        log.debug("the survey made at prepare stands")
+        for record in self.records:
+            logging.getLogger(record.name).handle(record)
+        return self.plan
+
+
+_pending: Early | None = None
+_lock = threading.Lock()
+
+
+def store_config(
+    root: str | os.PathLike,
+    storage_options: dict[str, Any] | None,
+    transfer: Transfer | None,
+    timeout_s: float,
+) -> tuple[str, dict[str, Any] | None, Transfer]:
+    """The arguments of the Checkpointer's `Store`."""
+    # IMPORTANT: no request of rank 0's commit outlives the other ranks' wait for it.
+    transfer = (transfer or Transfer()).within(timeout_s)
+    if transfer.requests_per_s > 0:  # each rank paces itself at its share
+        transfer = dataclasses.replace(transfer, ranks=world_size())
+    return os.fspath(root), storage_options, transfer
+
+
+def world_size() -> int:
+    """The job's ranks, as torch.distributed (or torchrun's environment) says."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return max(1, int(os.environ.get("WORLD_SIZE", "1") or 1))
+
+
+def prepare(
+    root: str | os.PathLike = "./checkpoints",
+    *,
+    storage_options: dict[str, Any] | None = None,
+    transfer: Transfer | None = None,
+    timeout_s: float = 600.0,
+    restore: str | int = "latest",
+    signing_key: bytes | str | None = None,
+) -> None:
+    """Begin the restore of the Checkpointer that this process makes next for `root`, before
+    the model exists: call it first thing, with the Checkpointer's own `root`,
+    `storage_options`, `transfer`, `timeout_s`, `restore` and `signing_key` (those that
+    differ make the work wasted, never wrong). Returns at once; see the module."""
+    global _pending
+    check_restore(restore)
+    key = SigningKey.resolve(signing_key)
+    rank = os.environ.get("RANK", "0").strip() or "0"
+    early = Early(
+        store_config(root, storage_options, transfer, timeout_s),
+        restore,
+        key,
+        world_size(),
+        rank == "0" and restore != "none",
+    )
+    with _lock:
+        _pending = early
+    threading.Thread(target=_run, args=(early,), name="ckpt-prepare", daemon=True).start()
+
+
+def _run(early: Early) -> None:
+    me = threading.get_ident()
+
+    def hold(record: logging.LogRecord) -> bool:  # this thread's lines wait for the survey's use
+        if record.thread != me:
+            return True
+        early.records.append(record)
+        return False
+
+    loggers = [
+        logging.getLogger(n)
+        for n in (
+            "ckpt",
+            *(n for n in list(logging.root.manager.loggerDict) if n.startswith("ckpt.")),
+        )
+    ]
+    for logger in loggers:
+        logger.addFilter(hold)
+    try:
+        early.store = Store(*early.args)
+        early.store.warm()
+        if early.surveys:
+            early.seen = seen_now(early.store)
+            got = restore_plan(early.store, early.mode, early.key, [], early.world)
+            if got.first is not None and got.first.doc is not None:
+                checked = checked_manifest(early.store, got.first.step, got.first.doc, early.key)
+                got = dataclasses.replace(
+                    got, manifest=checked if isinstance(checked, Manifest) else None
+                )
+            early.plan = got if early.seen is not None else None
+    except Exception as e:  # the Checkpointer does it again, and says what fails
+        log.debug("prepare of %s stopped: %s: %s", early.args[0], type(e).__name__, e)
+        early.plan = None
+    finally:
+        for logger in loggers:
+            logger.removeFilter(hold)
+        early.done.set()
+
+
+def take(args: tuple[str, dict[str, Any] | None, Transfer]) -> Early | None:
+    """The Checkpointer's: the prepare made with these store arguments (waited for: its work
+    is what the Checkpointer would do now), None if there is none or it could not make the
+    store. Taken once."""
+    global _pending
+    with _lock:
+        early, _pending = _pending, None
+    if early is None or early.args != args:
+        return None
+    early.done.wait()
+    return early if early.store is not None else None
