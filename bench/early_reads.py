@@ -13,8 +13,14 @@ one), and the same checkpoint is restored `--runs` times with early reads and as
 as they enter (`Store.warm`, while rank 0 takes the lease and surveys the root) with one whose
 client is made by its first request (`CKPT_BENCH_WARM_CLIENT=0`), the store on loopback.
 
+`--feature prepare` compares a restore begun by `ckpt.prepare` before the ranks form their
+group and build the model (`CKPT_BENCH_PREPARE=1`: each rank's store and client made, rank
+0's survey of the root made, and waited for, as a job's longer set-up would) with one that
+does all of it on entering; both timed from the Checkpointer's construction.
+
     .venv/bin/python bench/early_reads.py                                       # bench/results/early-reads.json
     .venv/bin/python bench/early_reads.py --feature warm-client --latency 0     # bench/results/warm-client.json
+    .venv/bin/python bench/early_reads.py --feature prepare --latency 0         # bench/results/prepare.json
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ from pathlib import Path
 from scale import REPO, _job, _store
 
 # What each feature's restores are told by the worker's environment ("0": without it).
-_FEATURES = {"early-reads": "CKPT_BENCH_EARLY_READS", "warm-client": "CKPT_BENCH_WARM_CLIENT"}
+_FEATURES = {"early-reads": "CKPT_BENCH_EARLY_READS", "warm-client": "CKPT_BENCH_WARM_CLIENT", "prepare": "CKPT_BENCH_PREPARE"}
 
 
 def main() -> None:
@@ -54,16 +60,20 @@ def main() -> None:
             for mode in ("early", "before") if run % 2 == 0 else ("before", "early"):
                 env = {variable: "1" if mode == "early" else "0"}
                 ranks = _job(args.ranks, "restore", root, Path(d, f"{mode}{run}"), args, options, env)
-                times[mode].append({"s_max": max(r["restore_s"] for r in ranks), "phases_max_s": {
+                times[mode].append({"s_max": max(r["restore_s"] for r in ranks), "cpu_s_mean": statistics.mean(r["restore_cpu_s"] for r in ranks),
+                                    "cpu_s_rank0": next(r["restore_cpu_s"] for r in ranks if r["rank"] == 0), "phases_max_s": {
                     k: max(r["phases_s"].get(k, 0.0) for r in ranks) for k in ranks[0]["phases_s"]}})  # fmt: skip
     doc: dict = {"config": {k: v for k, v in vars(args).items() if k != "out"}, "modes": {"early": "with it", "before": "without"}, "when": time.strftime("%Y-%m-%d %H:%M"), "runs": times}
     for mode, got in times.items():
         doc[mode] = {"median_s": statistics.median(t["s_max"] for t in got),
+                     "median_cpu_s_mean": statistics.median(t["cpu_s_mean"] for t in got),
+                     "median_cpu_s_rank0": statistics.median(t["cpu_s_rank0"] for t in got),
                      "median_phases_s": {k: statistics.median(t["phases_max_s"][k] for t in got) for k in got[0]["phases_max_s"]}}  # fmt: skip
     doc["gain_s"] = doc["before"]["median_s"] - doc["early"]["median_s"]
     for mode in ("before", "early"):
         ph = doc[mode]["median_phases_s"]
-        print(f"{mode:6s}: restore {doc[mode]['median_s']:.3f} s (median of {args.runs}); "
+        print(f"{mode:6s}: restore {doc[mode]['median_s']:.3f} s (median of {args.runs}), CPU {doc[mode]['median_cpu_s_mean']:.3f} s a rank "
+              f"(rank 0 {doc[mode]['median_cpu_s_rank0']:.3f}); "
               + ", ".join(f"{k} {ph[k]:.3f}" for k in ("connect", "lease", "template", "metadata", "read", "other") if k in ph))  # fmt: skip
     print(f"{args.feature} gains {doc['gain_s']:.3f} s with {args.latency:.2f} s a ranged GET, {args.ranks} ranks")
     Path(args.out).write_text(json.dumps(doc, indent=1))

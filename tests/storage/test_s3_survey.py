@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import ckpt
-from ckpt.restore.load import _restore_plan
+from ckpt.restore.load import restore_plan
 from ckpt.storage import fsspec_backend
 from ckpt.storage.store import Store
 
@@ -95,7 +95,8 @@ def test_the_survey_reserves_what_the_recursive_listing_did_and_a_bad_pick_falls
     assert all(not lst.whole and set(lst.files) <= {"manifest.json"} for lst in surveyed.values())
     with_manifest = [s for s, lst in surveyed.items() if lst.has_manifest]
     assert [surveyed[s].manifest_mtime for s in with_manifest] == pytest.approx([listed[s].manifest_mtime for s in with_manifest], abs=1.0)
-    assert _restore_plan(store, "latest", None, [], 1)[:2] == ([picked], taken)
+    got = restore_plan(store, "latest", None, [], 1)
+    assert (got.steps, got.taken) == ([picked], taken)
     m2 = torch.nn.Linear(8, 8)
     with ckpt.Checkpointer(s3_root, model=m2, storage_options=s3_options, save_on_exit=False, interval=None) as cp:
         assert cp.step == restored
