@@ -35,7 +35,7 @@ from ckpt.format.manifest import Manifest
 from ckpt.format.signing import SigningKey
 from ckpt.options import check_restore
 from ckpt.restore.load import Prepared, restore_plan
-from ckpt.restore.view import checked_manifest
+from ckpt.restore.view import checked_manifest, parts
 from ckpt.storage.lease_keeper import LeaseKeeper, Seen, seen_now
 from ckpt.storage.store import Store, Transfer
 
@@ -57,26 +57,10 @@ class Early:
     plan: Prepared | None = None
     records: list[logging.LogRecord] = dataclasses.field(default_factory=list)  # held back
 
-    def survey(
-        self,
-        mode: str | int,
-        key: SigningKey | None,
-        world: int,
-        lease: LeaseKeeper | None,
-        agents: bool,
-    ) -> Prepared | None:
+    def survey(self, mode: str | int, key: SigningKey | None, world: int, lease: LeaseKeeper | None, agents: bool) -> Prepared | None:
         """Rank 0's survey, where it still stands (see the module); its lines logged now."""
-        same_key = (key is None) == (self.key is None) and (
-            key is None or key.key_id == self.key.key_id
-        )  # type: ignore[union-attr]
-        if self.plan is None or not (
-            lease is not None
-            and lease.as_seen
-            and not agents
-            and mode == self.mode
-            and same_key
-            and world == self.world
-        ):
+        same_key = (key.key_id if key is not None else None) == (self.key.key_id if self.key is not None else None)
+        if self.plan is None or not (lease is not None and lease.as_seen and not agents and mode == self.mode and same_key and world == self.world):
             log.debug("the survey made at prepare is not used: made anew")
             return None
         log.debug("the survey made at prepare stands")
@@ -89,12 +73,7 @@ _pending: Early | None = None
 _lock = threading.Lock()
 
 
-def store_config(
-    root: str | os.PathLike,
-    storage_options: dict[str, Any] | None,
-    transfer: Transfer | None,
-    timeout_s: float,
-) -> tuple[str, dict[str, Any] | None, Transfer]:
+def store_config(root: str | os.PathLike, storage_options: dict[str, Any] | None, transfer: Transfer | None, timeout_s: float) -> tuple[str, dict[str, Any] | None, Transfer]:
     """The arguments of the Checkpointer's `Store`."""
     # IMPORTANT: no request of rank 0's commit outlives the other ranks' wait for it.
     transfer = (transfer or Transfer()).within(timeout_s)
@@ -129,13 +108,7 @@ def prepare(
     check_restore(restore)
     key = SigningKey.resolve(signing_key)
     rank = os.environ.get("RANK", "0").strip() or "0"
-    early = Early(
-        store_config(root, storage_options, transfer, timeout_s),
-        restore,
-        key,
-        world_size(),
-        rank == "0" and restore != "none",
-    )
+    early = Early(store_config(root, storage_options, transfer, timeout_s), restore, key, world_size(), rank == "0" and restore != "none")
     with _lock:
         _pending = early
     threading.Thread(target=_run, args=(early,), name="ckpt-prepare", daemon=True).start()
@@ -150,30 +123,23 @@ def _run(early: Early) -> None:
         early.records.append(record)
         return False
 
-    loggers = [
-        logging.getLogger(n)
-        for n in (
-            "ckpt",
-            *(n for n in list(logging.root.manager.loggerDict) if n.startswith("ckpt.")),
-        )
-    ]
+    loggers = [logging.getLogger(n) for n in ("ckpt", *(n for n in list(logging.root.manager.loggerDict) if n.startswith("ckpt.")))]
     for logger in loggers:
         logger.addFilter(hold)
     try:
         early.store = Store(*early.args)
         early.store.warm()
         if early.surveys:
-            early.seen = seen_now(early.store)
+            seen = seen_now(early.store)
             got = restore_plan(early.store, early.mode, early.key, [], early.world)
             if got.first is not None and got.first.doc is not None:
                 checked = checked_manifest(early.store, got.first.step, got.first.doc, early.key)
-                got = dataclasses.replace(
-                    got, manifest=checked if isinstance(checked, Manifest) else None
-                )
-            early.plan = got if early.seen is not None else None
+                if isinstance(checked, Manifest):  # and what each rank is told of it
+                    got = dataclasses.replace(got, manifest=checked, told=parts(checked, early.world) if early.world > 1 else None)
+            early.seen, early.plan = seen, got if seen is not None else None
     except Exception as e:  # the Checkpointer does it again, and says what fails
         log.debug("prepare of %s stopped: %s: %s", early.args[0], type(e).__name__, e)
-        early.plan = None
+        early.seen = early.plan = None
     finally:
         for logger in loggers:
             logger.removeFilter(hold)

@@ -84,25 +84,25 @@ def cmd_plan(args: argparse.Namespace) -> int:
     save_cpu, _, restore_cpu = (args.rank_cpu or "").partition("/")
     if args.rank_cpu and not restore_cpu:
         raise ValueError(f"--rank-cpu {args.rank_cpu!r}: a save's and a restore's, as 1s/0.8s")
-    big = at_scale(
-        parse_count(args.params) * ledger.per_param,
-        Scale(
-            world=nodes * args.gpus_per_node,
-            nodes=nodes,
-            tensors=args.tensors or llama_tensors(parse_count(args.params)),
-            layout=args.layout,
-            write_bandwidth=parse_bytes(args.write_bandwidth),
-            read_bandwidth=parse_bytes(args.read_bandwidth or args.write_bandwidth),
-            store_bandwidth=parse_bytes(args.store_bandwidth) if args.store_bandwidth else float("inf"),
-            prefixes=args.prefixes,
-            cores_per_node=args.cores_per_node,
-            save_cpu_s=parse_duration(save_cpu) if save_cpu else None,
-            restore_cpu_s=parse_duration(restore_cpu) if restore_cpu else None,
-            save_cpu_per_byte_s=args.cpu_per_byte * 1e-9 if args.cpu_per_byte is not None else None,
-            request_latency=parse_duration(args.request_latency),
-            kept=args.kept,
-        ),
+    scale = Scale(
+        world=nodes * args.gpus_per_node,
+        nodes=nodes,
+        tensors=args.tensors or llama_tensors(parse_count(args.params)),
+        layout=args.layout,
+        write_bandwidth=parse_bytes(args.write_bandwidth),
+        read_bandwidth=parse_bytes(args.read_bandwidth or args.write_bandwidth),
+        store_bandwidth=parse_bytes(args.store_bandwidth) if args.store_bandwidth else float("inf"),
+        prefixes=args.prefixes,
+        cores_per_node=args.cores_per_node,
+        save_cpu_s=parse_duration(save_cpu) if save_cpu else None,
+        restore_cpu_s=parse_duration(restore_cpu) if restore_cpu else None,
+        save_cpu_per_byte_s=args.cpu_per_byte * 1e-9 if args.cpu_per_byte is not None else None,
+        request_latency=parse_duration(args.request_latency),
+        kept=args.kept,
     )
+    big = at_scale(parse_count(args.params) * ledger.per_param, scale)
+    # The same restore begun by `ckpt.prepare` while the job sets up (docs/at-scale.md).
+    early = at_scale(parse_count(args.params) * ledger.per_param, dataclasses.replace(scale, prepared=True))
     p = plan(
         parse_count(args.params),
         nodes,
@@ -118,7 +118,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         slowdown_s=parse_duration(args.slowdown),
     )
     if args.json:
-        emit_json({**as_dict(p), "at_scale": as_dict(big)})
+        emit_json({**as_dict(p), "at_scale": as_dict(big), "at_scale_prepared": as_dict(early)})
         return EXIT_OK
     rows = [
         ["checkpoint", f"{human_bytes(p.checkpoint_bytes)} ({p.bytes_per_param:g} B/param), {human_bytes(p.bytes_per_gpu)} per GPU"],
@@ -135,7 +135,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
         rows.append(["priced at blocking only: interval, ETTR", f"{duration(p.async_blocking_only_s)}, {p.ettr_async_blocking_only:.1%} ({100 * (p.ettr_async - p.ettr_async_blocking_only):.2f} pp less)"])
     table(rows, ["quantity", "estimate"])
     say("")
-    table(scale_rows(big), [f"at {nodes * args.gpus_per_node} ranks ({args.layout})", "estimate"])
+    rows = scale_rows(big)
+    rows.insert(next(i for i, r in enumerate(rows) if r[0] == "restore, predicted") + 1,
+                ["restore begun by ckpt.prepare, predicted", f"{duration(early.restore_s)} (its survey and clients made as the job sets up)"])  # fmt: skip
+    table(rows, [f"at {nodes * args.gpus_per_node} ranks ({args.layout})", "estimate"])
     if big.loaded_per_rank > parse_bytes(args.gpu_memory):
         say()
         say(

@@ -94,6 +94,7 @@ def restore(
         # `_try_restore`, as the ranks build their templates meanwhile).
         plan: list[int] | str = []
         doc: Manifest | bytes | str | None = None
+        told = None  # rank 0's: the parts of `doc` made by `ckpt.prepare`
         metadata = None  # rank 0's: the pick's `.metadata`, as the catalog checked it
         error: Exception | None = None  # rank 0's, told to every rank: none is left in the broadcast
         if ctrl.rank == 0:
@@ -104,7 +105,7 @@ def restore(
                 taken |= got.taken
                 newest = max(newest, got.created)
                 if got.first is not None:
-                    doc, metadata = got.manifest or got.first.doc, got.first.metadata
+                    doc, metadata, told = got.manifest or got.first.doc, got.first.metadata, got.told
             except Exception as e:
                 plan, error = f"{type(e).__name__}: {e}", e
             if plan and not isinstance(plan, str) and doc is None and store.is_local:
@@ -123,13 +124,13 @@ def restore(
             break
         step = plan[0]
         tried.append(step)
-        outcome, why, restored = _try_restore(store, ctrl, state, step, handoff, key, doc, metadata)
+        outcome, why, restored = _try_restore(store, ctrl, state, step, handoff, key, doc, metadata, told)
         # One collective for the outcome, whether a spool was used, and whether any rank has
         # values left unloaded (only then are they gathered, to be named).
         worst, spooled, unasked = ctrl.max([outcome, int(handoff is not None and handoff.local is not None), _has_unasked(restored)])
         if worst == 1 and spooled:  # a spool's copy may be what failed: the root's decides
             log.warning("restoring %s with the node spool's copies failed (%s); reading it all from %s", step_dir_name(step), why, store.display)
-            outcome, why, restored = _try_restore(store, ctrl, state, step, None, key, doc, metadata)
+            outcome, why, restored = _try_restore(store, ctrl, state, step, None, key, doc, metadata, told)
             worst, unasked = ctrl.max([outcome, _has_unasked(restored)])
         if worst == 0:
             assert restored is not None
@@ -220,6 +221,7 @@ class Prepared:
     created: float
     first: catalog.Entry | None
     manifest: Manifest | None = None
+    told: tuple[Any, list[Any]] | None = None  # its parts, as `view.tell` tells them
 
 
 def restore_plan(store: Store, mode: str | int, key: SigningKey | None, tried: list[int], world: int) -> Prepared:
@@ -284,7 +286,7 @@ def _read_manifest(store: Store, step: int) -> bytes | str:
 
 def _try_restore(
     store: Store, ctrl: Group, state: TrainingState, step: int, handoff: Handoff | None, key: SigningKey | None,
-    doc: Manifest | bytes | str | None, metadata: bytes | None = None,
+    doc: Manifest | bytes | str | None, metadata: bytes | None = None, told: tuple[Any, list[Any]] | None = None,
 ) -> tuple[int, str, Restored | None]:  # fmt: skip
     """Load `step` into the objects, given its manifest `doc` as rank 0 read it (or why it
     could not; None: rank 0 reads it now; a Manifest: checked already) and on rank 0 perhaps
@@ -301,7 +303,7 @@ def _try_restore(
     whole = None
     if rank == 0:
         whole = doc if isinstance(doc, Manifest) else checked_manifest(store, step, doc if doc is not None else _read_manifest(store, step), key)
-    got = tell(ctrl, whole)
+    got = tell(ctrl, whole, told if isinstance(doc, Manifest) and whole is doc else None)
     if isinstance(got, tuple):
         return (*got, None)
     manifest: Manifest = got

@@ -105,6 +105,17 @@ RESTORE_CPU_PER_PIECE_S = 0.15e-3
 RESTORE_CPU_RANK0_S = 0.13
 EARLY_RANGES = 8  # ranged GETs of a rank's own file sent as the manifest names it (Transfer.readahead)
 EARLY_TRIPS = 2  # of RESTORE_ROUND_TRIPS, sent then too: its index's GET and its first range's
+# A restore begun by `ckpt.prepare` while the job sets up (its process group, its model): each
+# rank's store and client made, rank 0's survey made (the root checked, the lease read, the
+# manifest and `.index` read and checked, the parts each rank is told made). What is left to the restore: the lease's one
+# conditional write and the ranks' own early GETs (RESTORE_ROUND_TRIPS_PREPARED), no survey,
+# and a rank's CPU of RESTORE_CPU_PREPARED_S and its pieces; rank 0 does no more than the
+# others (its share, RESTORE_CPU_RANK0_PREPARED_S). bench/early_reads.py --feature prepare
+# (2 ranks, moto on loopback, median of 7): a rank's CPU 0.560 against 0.145 s, less its 144
+# pieces.
+RESTORE_CPU_PREPARED_S = 0.12
+RESTORE_CPU_RANK0_PREPARED_S = 0.0
+RESTORE_ROUND_TRIPS_PREPARED = 1 + EARLY_TRIPS
 # Rank 0's survey before a restore: a LIST answers at most LIST_PAGE keys; the HEADs, GETs and
 # pages of one step directory go PARALLEL at a time (`Store.each`). A listed key costs the
 # client about 70 µs of one core: a page of 1,000 took 74 ms of CPU through ckpt's S3 client
@@ -144,6 +155,7 @@ class Scale:
     rank0_cpu_s: tuple[float, float] | None = None  # rank 0's more in a save and a restore (None: SAVE_CPU_RANK0_S, RESTORE_CPU_RANK0_S)
     request_latency: float = 0.03  # s, one store round trip for a small object (S3: 10-50 ms)
     kept: int = 5  # checkpoints kept in the root: rank 0's survey looks at each before a restore
+    prepared: bool = False  # the restore begun by `ckpt.prepare` while the job set up
 
     @property
     def replicas(self) -> int:
@@ -239,10 +251,17 @@ def at_scale(checkpoint_bytes: float, s: Scale) -> AtScale:
     # A rank's checksums and copies of what it writes, done as the writer streams it to the store.
     per_byte = SAVE_CPU_PER_BYTE_S if s.save_cpu_per_byte_s is None else s.save_cpu_per_byte_s
     save_stream_s = shared_cores * per_byte * per_rank
-    restore_cpu_s = shared_cores * (RESTORE_CPU_S + RESTORE_CPU_PER_PIECE_S * entries if s.restore_cpu_s is None else s.restore_cpu_s) + rank0_restore
+    if s.prepared and s.rank0_cpu_s is None:
+        rank0_restore = RESTORE_CPU_RANK0_PREPARED_S
+    fixed = RESTORE_CPU_PREPARED_S if s.prepared else RESTORE_CPU_S
+    restore_cpu_s = shared_cores * (fixed + RESTORE_CPU_PER_PIECE_S * entries if s.restore_cpu_s is None else s.restore_cpu_s) + rank0_restore
     save_trips_s = SAVE_ROUND_TRIPS * s.request_latency
-    restore_trips_s = RESTORE_ROUND_TRIPS * s.request_latency
+    # A rank's early GETs (its index, its first range) go out together: one round trip in sequence.
+    trips = EARLY_TRIPS if indexed and w > 1 else EARLY_TRIPS - 1
+    restore_trips_s = ((RESTORE_ROUND_TRIPS_PREPARED if s.prepared else RESTORE_ROUND_TRIPS) - max(trips - 1, 0)) * s.request_latency
     survey_s, survey_trips, survey_keys = _survey(s, manifest)
+    if s.prepared:  # made while the job set up: the manifest parsed, the parts each rank is told made
+        survey_s, survey_trips, survey_keys = 0.0, 0, 0
     save_s = save_cpu_s + save_trips_s + max(save_bytes_s, save_requests_s, save_stream_s) + save_metadata_s
     # A rank's own index and the first EARLY_RANGES ranges of its own file are on their way
     # from the moment the manifest names them (`Store.read_early`), while it builds its
@@ -254,8 +273,7 @@ def at_scale(checkpoint_bytes: float, s: Scale) -> AtScale:
     planning_s = (RESTORE_CPU_PER_PIECE_S * entries if s.restore_cpu_s is None else 0.0) + restore_metadata_s
     early = min(1.0, EARLY_RANGES * s.read_size / per_rank) if shared_cores == 1 and per_rank else 0.0
     # Its index is among them where it reads its own (an indexed layout, more than one rank).
-    trips = EARLY_TRIPS if indexed and w > 1 else EARLY_TRIPS - 1
-    overlap_s = min(planning_s, early * read_s + (trips * s.request_latency if early else 0.0))
+    overlap_s = min(planning_s, early * read_s + (s.request_latency if early else 0.0))
     restore_s = restore_cpu_s + restore_trips_s + survey_s + read_s - overlap_s + restore_exchange_s + restore_metadata_s
     return AtScale(
         saved_per_rank=per_rank,

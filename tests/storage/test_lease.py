@@ -23,7 +23,7 @@ import pytest
 import ckpt
 from ckpt.storage import lease
 from ckpt.storage.lease import Holder, Lease, judge
-from ckpt.storage.lease_keeper import LeaseKeeper
+from ckpt.storage.lease_keeper import LeaseKeeper, seen_now
 from ckpt.storage.store import Store, Tagged
 from tests.support.cli import ckpt_cli
 from tests.support.launch import REPO, WORKERS, spawn, start
@@ -667,3 +667,24 @@ def test_a_lease_held_from_another_machine_is_waited_out_and_refused_only_if_it_
         entered.set()
         renewer.join()
     assert Store(str(alive)).exists(LEASE_NAME)
+
+
+@pytest.mark.parametrize("before", ["none", "released"])
+@pytest.mark.parametrize("since", ["nothing", "another-take"])
+def test_a_lease_seen_before_a_survey_is_written_over_only_if_nobody_wrote_it_since(root, before, since):
+    """`ckpt.prepare` reads the lease before it surveys; the take's first write is
+    conditional on that version: `as_seen` where it lands, and where another job wrote the
+    lease meanwhile the take reads it again and goes on as always (here: taken, not as seen)."""
+    store = Store(root)
+    if before == "released":
+        LeaseKeeper.take(store, Lease(ttl_s=TTL)).close(release=True)
+    seen = seen_now(store)
+    assert seen is not None and (seen.lease is None) == (before == "none")
+    if since == "another-take":
+        LeaseKeeper.take(store, Lease(ttl_s=TTL)).close(release=True)
+    keeper = LeaseKeeper.take(store, Lease(ttl_s=TTL), seen)
+    try:
+        assert keeper.as_seen == (since == "nothing")
+        assert lease.read(store).job_id == keeper.mine.job_id and lease.read(store).released is None
+    finally:
+        keeper.close(release=True)

@@ -1,0 +1,236 @@
+"""`ckpt.prepare`: a restore begun before the model exists (`ckpt/early.py`).
+
+Real single-process jobs on a local root and on the S3 server (the 2-rank path: the S3 half
+of tests/system/test_corruption.py restores every damaged root through it). What is checked:
+rank 0 restores with the survey made at prepare only where it still stands, and restores
+exactly what it would have restored without it in every other case: the checkpoint newer,
+deleted or damaged since, the Checkpointer's settings other than prepare's, a prepare that
+failed, a root that is a step directory. `restore_plan` is counted (wrapped, not replaced) to
+tell whether the survey was made again.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+
+import fsspec
+import pytest
+import torch
+
+import ckpt
+from ckpt import early
+from ckpt.restore import load
+from ckpt.storage.store import step_dir_name
+
+KEY = "k" * 32
+
+
+@pytest.fixture(params=["local", "s3"])
+def root(request, tmp_path) -> str:
+    if request.param == "local":
+        return str(tmp_path / "root")
+    return request.getfixturevalue("s3_root")
+
+
+@pytest.fixture
+def surveys(monkeypatch) -> list[int]:
+    """The surveys rank 0 made (`restore_plan` calls, the prepare's not counted), counted
+    from `_prepared` on."""
+    counted = _Counted(load.restore_plan)
+    monkeypatch.setattr(load, "restore_plan", counted)
+    monkeypatch.setattr(early, "_pending", None)
+    return counted.calls
+
+
+class _Counted:
+    def __init__(self, real):
+        self.real, self.calls = real, []
+
+    def __call__(self, *args, **kwargs):
+        self.calls.append(1)
+        return self.real(*args, **kwargs)
+
+
+def _objects(seed: int = 0):
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(4, 4)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def _train(root: str, to: int, **kw) -> dict[str, torch.Tensor]:
+    """Train to step `to` saving every 2 steps (resuming what the root holds); the weights."""
+    model, opt = _objects()
+    with ckpt.Checkpointer(root, model=model, optimizer=opt, interval=ckpt.Every(2), handle_sigterm=False, **kw) as cp:
+        for _ in range(cp.step, to):
+            model(torch.randn(2, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            cp.step_done()
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def _prepared(root: str, **kw) -> early.Early:
+    ckpt.prepare(root, **kw)
+    pending = early._pending
+    assert pending is not None and pending.done.wait(60)
+    if isinstance(load.restore_plan, _Counted):
+        load.restore_plan.calls.clear()
+    return pending
+
+
+def _restore(root: str, **kw) -> tuple[int, dict[str, torch.Tensor]]:
+    model, opt = _objects(seed=1)
+    with ckpt.Checkpointer(root, model=model, optimizer=opt, interval=None, save_on_exit=False, handle_sigterm=False, **kw) as cp:
+        return cp.step, model.state_dict()
+
+
+def test_a_prepared_restore_takes_the_store_over_and_restores_with_its_survey(root, surveys):
+    weights = _train(root, 4)
+    prepared = _prepared(root)
+    assert prepared.plan is not None and prepared.plan.steps == [4] and prepared.plan.manifest is not None
+    model, opt = _objects(seed=1)
+    with ckpt.Checkpointer(root, model=model, optimizer=opt, interval=None, save_on_exit=False, handle_sigterm=False) as cp:
+        assert cp.store is prepared.store
+        assert cp.step == 4 and not surveys
+        assert all(torch.equal(model.state_dict()[k], weights[k]) for k in weights)
+    assert early._pending is None  # taken once
+
+
+def _newer_since(root: str, prepared: early.Early) -> None:
+    """Another run of the job trains on to step 6 after the survey (it takes the lease)."""
+    early._pending = None
+    _train(root, 6)
+    early._pending = prepared
+
+
+def _deleted_since(root: str, prepared: early.Early) -> None:
+    """Step 4 removed behind the lease's back (a user's rm): the survey still names it."""
+    fs, path = fsspec.core.url_to_fs(root)
+    fs.rm(f"{path}/{step_dir_name(4)}", recursive=True)
+
+
+def _damaged_since(root: str, prepared: early.Early) -> None:
+    """Step 4's data file cut short behind the lease's back."""
+    fs, path = fsspec.core.url_to_fs(root)
+    name = next(n for n in fs.ls(f"{path}/{step_dir_name(4)}", detail=False) if n.endswith(".distcp"))
+    data = fs.cat_file(name)
+    fs.pipe_file(name, data[: len(data) // 2])
+
+
+@pytest.mark.parametrize(
+    ("change", "step", "surveyed"),
+    [(_newer_since, 6, 2), (_deleted_since, 2, 1), (_damaged_since, 2, 1)],
+    ids=["newer-with-the-lease", "deleted-without-it", "damaged-without-it"],
+)
+def test_a_root_changed_after_the_survey_restores_what_it_holds_now(root, surveys, change, step, surveyed):
+    """A run that took the lease since (its own survey counted): the lease write fails its
+    condition and the survey is made anew. A change made without the lease: the survey
+    stands, the read finds the damage, and the restore falls back as always (its one survey:
+    the fallback's)."""
+    _train(root, 4)
+    prepared = _prepared(root)
+    change(root, prepared)
+    got, _ = _restore(root)
+    assert got == step
+    assert len(surveys) == surveyed
+
+
+@pytest.mark.parametrize(
+    ("prepare_kw", "restore_kw", "step"),
+    [
+        ({"restore": 2}, {}, 4),
+        ({}, {"restore": 2}, 2),
+        ({"timeout_s": 30}, {}, 4),
+        ({"signing_key": KEY}, {}, 4),
+        ({}, {"lease": None}, 4),
+    ],
+    ids=["prepared-a-step", "restores-a-step", "other-timeout", "other-key", "no-lease"],
+)
+def test_a_prepare_with_other_settings_changes_nothing(root, surveys, prepare_kw, restore_kw, step):
+    """Its survey is not used (the store neither, where the store's settings differ): the
+    Checkpointer restores what it would have without it."""
+    _train(root, 4)
+    _prepared(root, **prepare_kw)
+    got, _ = _restore(root, **restore_kw)
+    assert got == step
+    assert len(surveys) == 1
+
+
+def test_a_prepare_for_another_root_is_not_taken(tmp_path, surveys):
+    _train(str(tmp_path / "a"), 4)
+    _train(str(tmp_path / "b"), 2)
+    prepared = _prepared(str(tmp_path / "a"))
+    got, _ = _restore(str(tmp_path / "b"))
+    assert got == 2 and len(surveys) == 1
+    assert early._pending is None and prepared.plan.steps == [4]  # dropped, not kept for later
+
+
+def test_a_signed_restore_uses_a_prepare_with_the_same_key(tmp_path, surveys):
+    root = str(tmp_path / "root")
+    _train(root, 4, signing_key=KEY)
+    _prepared(root, signing_key=KEY)
+    got, _ = _restore(root, signing_key=KEY)
+    assert got == 4 and not surveys
+
+
+def test_a_prepare_that_fails_leaves_the_checkpointer_to_say_why(tmp_path, surveys):
+    """A root that is a step directory: prepare surveys nothing, and the Checkpointer refuses
+    it as it does without prepare."""
+    root = tmp_path / "root"
+    _train(str(root), 2)
+    step = str(root / step_dir_name(2))
+    prepared = _prepared(step)
+    assert prepared.plan is None and prepared.seen is None
+    with pytest.raises(ValueError, match="is a checkpoint"):
+        _restore(step)
+
+
+def test_what_the_survey_says_is_logged_once_when_it_is_used(tmp_path, surveys, caplog):
+    """A damaged newest checkpoint: "passing over" is held back at prepare and said once, by
+    the Checkpointer that used the survey."""
+    root = tmp_path / "root"
+    _train(str(root), 4)
+    (root / step_dir_name(4) / "manifest.json").write_text("{ not json")
+    with caplog.at_level(logging.INFO, logger="ckpt"):
+        _prepared(str(root))
+        assert not [r for r in caplog.records if "passing over" in r.getMessage()]
+        got, _ = _restore(str(root))
+    assert got == 2 and not surveys
+    assert len([r for r in caplog.records if "passing over" in r.getMessage()]) == 1
+
+
+def test_the_prepare_thread_holds_back_only_its_own_lines(tmp_path, surveys, caplog):
+    """Another thread's lines are logged as they come while prepare runs."""
+    _train(str(tmp_path / "root"), 2)
+    with caplog.at_level(logging.INFO, logger="ckpt"):
+        ckpt.prepare(str(tmp_path / "root"))
+        logging.getLogger("ckpt.restore.load").info("from the main thread")
+        early._pending.done.wait(60)
+    assert "from the main thread" in caplog.text
+
+
+def test_prepare_refuses_a_bad_restore_mode_at_once(tmp_path):
+    with pytest.raises(ValueError, match="restore must be"):
+        ckpt.prepare(str(tmp_path), restore="newest")
+
+
+def test_restore_none_prepares_the_store_and_surveys_nothing(tmp_path, surveys):
+    root = str(tmp_path / "root")
+    _train(root, 2)
+    prepared = _prepared(root, restore="none")
+    assert prepared.store is not None and prepared.plan is None
+    got, _ = _restore(root, restore="none")
+    assert got == 0
+
+
+def test_a_copy_of_the_checkpoint_dir_left_in_place_is_not_what_the_survey_reads(tmp_path, surveys):
+    """The survey names the files it checked; a later copy over the newest step (without the
+    lease) is read and checked against that manifest, not trusted: it fails and falls back."""
+    root = tmp_path / "root"
+    _train(str(root), 4)
+    _prepared(str(root))
+    shutil.rmtree(root / step_dir_name(4))
+    shutil.copytree(root / step_dir_name(2), root / step_dir_name(4))
+    got, _ = _restore(str(root))
+    assert got == 2
