@@ -22,6 +22,9 @@ world sizes below the largest (a rank's CPU-seconds in a save and a restore, the
 ranks; the store's round trip and bandwidth, timed before the runs; a rank's CPU per piece of
 state, from a model of 4x the tensors at the smallest size), and the model's save and restore
 times at every size, the largest among them, are set against the measured ones (`model_times`).
+Each size's checkpoint is restored once more begun by `ckpt.prepare` (`restore_prepared`: the
+ranks' stores and clients and rank 0's survey made before the group and the model, and waited
+for), and its CPU after entering calibrates and checks the model's `Scale(prepared=True)`.
 The machine's busy CPU-seconds in each window (every process) say whether something else ran.
 
     .venv/bin/python bench/scale.py                       # 2, 4, 8, 16 ranks on S3: bench/results/scale.json
@@ -418,6 +421,15 @@ def main() -> None:
                 if phase == "save":  # the job's first save, which started each rank's writer process
                     row[phase]["first_s_max"] = max(r["first_save_s"] for r in ranks)
                     row[phase]["first_cpu_s_mean"] = sum(r["first_save_cpu_s"] for r in ranks) / n
+            # And the same restore begun by `ckpt.prepare` before the group and the model (waited for).
+            prepared = _job(n, "restore", root, Path(d, f"prepared{n}"), args, options, {"CKPT_BENCH_PREPARE": "1"})
+            row["restore_prepared"] = {
+                "s_max": max(r["restore_s"] for r in prepared),
+                "cpu_s_max": max(r["restore_cpu_s"] for r in prepared),
+                "cpu_s_mean": sum(r["restore_cpu_s"] for r in prepared) / n,
+                "machine_cpu_s": prepared[0]["machine_cpu_s"],
+                "phases_max_s": {k: max(r["phases_s"].get(k, 0.0) for r in prepared) for k in prepared[0]["phases_s"]},
+            }
             if n >= 4:  # and on half as many ranks (each loads the rows of about 2 saving ranks)
                 if proxy is not None:
                     proxy.requests.clear()
@@ -447,7 +459,8 @@ def main() -> None:
             print(
                 f"{n:3d} ranks: .metadata {row['sizes'].get('.metadata', 0) / 1e3:7.1f} KB, .index {row['sizes'].get('.index', 0) / 1e3:5.1f} KB; "
                 f"busiest rank read {row['read_bytes_max'] / 1e6:6.2f} MB, beyond its own files {row['read_beyond_own_max'] / 1e3:6.1f} KB; "
-                f"restore {row['restore']['s_max']:.2f} s ({row['restore']['cpu_s_max']:.2f} CPU-s on the busiest rank), save {row['save']['s_max']:.2f} s; "
+                f"restore {row['restore']['s_max']:.2f} s ({row['restore']['cpu_s_max']:.2f} CPU-s on the busiest rank), "
+                f"begun by prepare {row['restore_prepared']['s_max']:.2f} s ({row['restore_prepared']['cpu_s_max']:.2f}), save {row['save']['s_max']:.2f} s; "
                 f"collectives per rank: save {row['save']['collectives_max_calls']}, restore {row['restore']['collectives_max_calls']}"
                 + (f"; restore GETs {sum(v for k, v in req.items() if k.startswith(('get', 'range', 'head')))}" if req else ""),
                 flush=True,
@@ -597,6 +610,12 @@ def _calibrate(rows: list[dict], store: dict[str, float], probe: dict[str, float
         table[f"{phase}_cpu_per_piece_s"] = max(0.0, extra / ((args.probe - 1) * pieces))
         # Rank 0's more (a save's commit, a restore's lease and survey): the busiest less the mean.
         table[f"{phase}_cpu_rank0_s"] = max(0.0, table[f"{phase}_cpu_s_busiest"] - table[f"{phase}_cpu_s"])
+    # A restore begun by `ckpt.prepare`: a rank's CPU after entering, and rank 0's more.
+    prepared = [r["restore_prepared"] for r in rows if "restore_prepared" in r]
+    if prepared:
+        table["restore_prepared_cpu_s"] = sum(p["cpu_s_mean"] for p in prepared) / len(prepared)
+        busiest = sum(p["cpu_s_max"] for p in prepared) / len(prepared)
+        table["restore_prepared_cpu_rank0_s"] = max(0.0, busiest - table["restore_prepared_cpu_s"])
     written = [_data_per_rank(r) for r in rows]
     cpu = [r["save"]["cpu_s_mean"] for r in rows]
     fixed, per_byte = _fit(written, cpu) if len(rows) > 1 else (table["save_cpu_s"], 0.0)
@@ -643,7 +662,8 @@ def _model_times(rows: list[dict], calibration: dict, args: argparse.Namespace) 
         got = at_scale(data, scale)
         # And as `ckpt plan` ships it: its own CPU constants (the busiest rank's, from an earlier
         # run), this machine's cores, round trip and bandwidths.
-        shipped = at_scale(data, dataclasses.replace(scale, save_cpu_s=None, save_cpu_per_byte_s=None, restore_cpu_s=None, rank0_cpu_s=None))
+        bare = dataclasses.replace(scale, save_cpu_s=None, save_cpu_per_byte_s=None, restore_cpu_s=None, rank0_cpu_s=None)
+        shipped = at_scale(data, bare)
         entry = {"calibrated_on": n in cal["sizes"]}
         for phase, predicted in (("save", shipped.save_s), ("restore", shipped.restore_s)):
             entry[f"{phase}_shipped"] = {"predicted_s": predicted, "error": (predicted - row[phase]["s_max"]) / row[phase]["s_max"]}
@@ -654,6 +674,13 @@ def _model_times(rows: list[dict], calibration: dict, args: argparse.Namespace) 
             others_busy = max(0.0, row[phase]["machine_cpu_s"] / cores_s - ranks_busy)  # the store, the bench, anyone else
             entry[phase] = {"predicted_s": predicted, "measured_s": measured, "error": (predicted - measured) / measured,
                             "cores_busy_ranks": ranks_busy, "cores_busy_others": others_busy}  # fmt: skip
+        if "restore_prepared" in row and "restore_prepared_cpu_s" in cal:  # begun by `ckpt.prepare`
+            early = at_scale(data, dataclasses.replace(scale, prepared=True, restore_cpu_s=cal["restore_prepared_cpu_s"],
+                                                       rank0_cpu_s=(cal["save_cpu_rank0_s"], cal["restore_prepared_cpu_rank0_s"])))  # fmt: skip
+            early_shipped = at_scale(data, dataclasses.replace(bare, prepared=True))
+            measured = row["restore_prepared"]["s_max"]
+            entry["restore_prepared"] = {"predicted_s": early.restore_s, "measured_s": measured, "error": (early.restore_s - measured) / measured,
+                                         "shipped_s": early_shipped.restore_s, "shipped_error": (early_shipped.restore_s - measured) / measured}  # fmt: skip
         entry["terms"] = {k: getattr(got, k) for k in ("save_cpu_s", "save_round_trips_s", "save_bytes_s", "save_metadata_s",
                                                         "restore_cpu_s", "restore_round_trips_s", "restore_survey_s", "restore_bytes_s",
                                                         "restore_metadata_s")}  # fmt: skip
@@ -664,6 +691,8 @@ def _model_times(rows: list[dict], calibration: dict, args: argparse.Namespace) 
                         f"cores busy: ranks {entry[ph]['cores_busy_ranks']:.0%}, others {entry[ph]['cores_busy_others']:.0%}; "
                         f"as shipped {entry[f'{ph}_shipped']['predicted_s']:.2f} s, {entry[f'{ph}_shipped']['error']:+.1%})"
                         for ph in ("save", "restore"))  # fmt: skip
+            + ("; begun by prepare: predicted {predicted_s:.2f} s, measured {measured_s:.2f} s ({error:+.1%}; as shipped {shipped_s:.2f} s, {shipped_error:+.1%})".format(**entry["restore_prepared"])
+               if "restore_prepared" in entry else "")  # fmt: skip
         )
     return {"table": table, "lines": lines}
 

@@ -8,19 +8,23 @@ manifest (for 70B on 10,000 ranks, 0.3 s). Called first thing, `prepare` does th
 thread of its own while the job sets up:
 
 - every rank: the store (its client stack imported) and its client;
-- rank 0 (`RANK`, or a job of one process): the root checked and its lease read as it
-  stands, then the survey a restore makes (`restore.load.restore_plan`: the candidates, the
-  newest one's manifest read and checked). What it would log is held back.
+- rank 0 (as torch.distributed, `RANK` or the launcher's variable says; in a job of one
+  process, that one): the root checked and its lease read as it stands, then the survey a
+  restore makes (`restore.load.restore_plan`: the candidates, the newest one's manifest read
+  and checked, the part each rank is told made). What it would log is held back.
 
 The Checkpointer made with the same root, storage options, transfer and timeout takes the
 store over. At its restore, rank 0 takes the lease by a write conditional on the version read
-before the survey: where that write lands, no job that keeps to the lease wrote to the root
-since, and the survey stands (its lines logged then). Otherwise (the lease changed or was
-shared within this process, no lease is kept, a node agent serves the job, which commits
-without it, or the restore mode, signing key or world size differ) the survey is dropped and
-made anew. Nothing more is taken on trust: each rank still checks every byte it reads against
-the manifest, and a checkpoint that fails falls back to the one before, as always. A prepare
-that fails leaves the Checkpointer to do all of it, and to say what went wrong.
+before the survey. Where the lease was quiet then (none, released, expired, or its holder's
+process gone from this machine: a holder commits only after writing such a lease) and that
+write lands, no job that keeps to the lease wrote to the root since, and the survey stands
+(its lines logged then). Otherwise (a live holder's fresh lease, under which it commits
+without writing it; the lease changed or was shared within this process; no lease kept; a
+node agent serves the job, which commits without it; or the restore mode, signing key or
+world size differ) the survey is dropped and made anew. Nothing more is taken on trust: each
+rank still checks every byte it reads against the manifest, and a checkpoint that fails
+falls back to the one before, as always. A prepare that fails leaves the Checkpointer to do
+all of it, and to say what went wrong.
 """
 
 from __future__ import annotations
@@ -91,6 +95,24 @@ def world_size() -> int:
     return max(1, int(os.environ.get("WORLD_SIZE", "1") or 1))
 
 
+# Where launchers say a process's rank before torch.distributed knows it.
+RANK_VARS = ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
+
+
+def _rank(world: int) -> int | None:
+    """This process's rank, as torch.distributed or the launcher says; 0 in a job of one
+    process; None where nothing says (then it surveys nothing: every process would)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    for var in RANK_VARS:
+        value = os.environ.get(var, "").strip()
+        if value.isascii() and value.isdigit():
+            return int(value)
+    return 0 if world == 1 else None
+
+
 def prepare(
     root: str | os.PathLike = "./checkpoints",
     *,
@@ -107,8 +129,8 @@ def prepare(
     global _pending
     check_restore(restore)
     key = SigningKey.resolve(signing_key)
-    rank = os.environ.get("RANK", "0").strip() or "0"
-    early = Early(store_config(root, storage_options, transfer, timeout_s), restore, key, world_size(), rank == "0" and restore != "none")
+    world = world_size()
+    early = Early(store_config(root, storage_options, transfer, timeout_s), restore, key, world, _rank(world) == 0 and restore != "none")
     with _lock:
         _pending = early
     threading.Thread(target=_run, args=(early,), name="ckpt-prepare", daemon=True).start()

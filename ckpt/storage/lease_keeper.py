@@ -73,7 +73,7 @@ class LeaseKeeper:
 
     def __init__(self, store: Store, policy: Lease, mine: Holder, tag: str | None, as_seen: bool = False, pending: str | None = None) -> None:
         self.store = store
-        #: The lease was written over the version `take` was given as seen (`Seen`).
+        #: The root is as `take` was given it as seen (`Seen`): see `take`.
         self.as_seen = as_seen
         self.policy = policy
         self.mine = mine
@@ -98,8 +98,9 @@ class LeaseKeeper:
     def take(cls, store: Store, policy: Lease, seen: Seen | None = None) -> LeaseKeeper:
         """Take the root's lease for this job, or raise LeaseHeld saying who holds it. A root
         this process holds already is shared (the first take's ttl rules). `seen`: the root
-        as `ckpt.prepare` found it; `as_seen` says whether the lease was written over the
-        version it read (nobody wrote it since)."""
+        as `ckpt.prepare` found it; `as_seen` says whether the root is as it was seen: the
+        lease was quiet then (`Seen.quiet`) and written over that version (nobody wrote it
+        since)."""
         with _HELD_LOCK:
             taking = _TAKING.setdefault(store.identity, threading.Lock())
         with taking:
@@ -294,7 +295,7 @@ def _acquire(store: Store, policy: Lease, me: Holder, *, wait: bool, seen: Seen 
         if tag is not None:
             # IMPORTANT: DEBUG unless it says something is off: rank 0 shows INFO (`ckpt.console`).
             log.log(logging.WARNING if warn else logging.DEBUG, "took the lease of %s for job %r: %s", store.display, me.job_id, why)
-            return tag, seen is not None and attempt == 0
+            return tag, seen is not None and seen.quiet and attempt == 0
         # Another job wrote it between the read and the write: look again.
     raise LeaseHeld(f"{store.display}: its lease kept changing under {ATTEMPTS} attempts to take it: another job is starting there at the same time")
 
@@ -337,16 +338,36 @@ def take_for_job(store: Store, policy: Lease | None, group: Any, flag: bool = Fa
 @dataclasses.dataclass(frozen=True)
 class Seen:
     """The root as `ckpt.prepare` found it before it surveyed it: reachable, no step
-    directory, and its lease (None: none)."""
+    directory, its lease (None: none), and whether that lease was `quiet`."""
 
     lease: Tagged | None
+    quiet: bool
 
 
 def seen_now(store: Store) -> Seen | None:
     """The root's `Seen` now, or None where it is a checkpoint's step directory (the lease
     take says so)."""
     store.check_reachable()
-    return None if _is_checkpoint(store) else Seen(store.read_tagged(LEASE_NAME))
+    if _is_checkpoint(store):
+        return None
+    got = store.read_tagged(LEASE_NAME)
+    return Seen(got, _quiet(got))
+
+
+def _quiet(got: Tagged | None) -> bool:
+    """Whether no holder of the lease `got` could commit to the root without writing the
+    lease first: none, released, expired (a holder renews an overdue lease before it commits),
+    or held by a process gone from this machine. A live holder's commit needs no write while
+    its lease is fresh (`LeaseKeeper.check` reads it): a survey made then may miss it."""
+    if got is None:
+        return True
+    try:
+        held = parse(got)
+    except ValueError:
+        return False
+    if held.released is not None or time.time() > held.expires:
+        return True
+    return held.same_machine(this_process(0.0)) and not process_alive(held.pid, held.pid_start)
 
 
 def _is_checkpoint(store: Store) -> bool:

@@ -669,22 +669,27 @@ def test_a_lease_held_from_another_machine_is_waited_out_and_refused_only_if_it_
     assert Store(str(alive)).exists(LEASE_NAME)
 
 
-@pytest.mark.parametrize("before", ["none", "released"])
+@pytest.mark.parametrize("before", ["none", "released", "held-live"])
 @pytest.mark.parametrize("since", ["nothing", "another-take"])
 def test_a_lease_seen_before_a_survey_is_written_over_only_if_nobody_wrote_it_since(root, before, since):
     """`ckpt.prepare` reads the lease before it surveys; the take's first write is
-    conditional on that version: `as_seen` where it lands, and where another job wrote the
-    lease meanwhile the take reads it again and goes on as always (here: taken, not as seen)."""
+    conditional on that version: `as_seen` where it lands over a quiet lease. Where another
+    job wrote the lease meanwhile the take reads it again and goes on as always (here: taken,
+    not as seen); where a live holder held it (here, this job's other process), that holder
+    could commit without writing it, and the root is not taken as seen either."""
     store = Store(root)
     if before == "released":
         LeaseKeeper.take(store, Lease(ttl_s=TTL)).close(release=True)
+    elif before == "held-live":  # a live process of this job (this one), its lease fresh
+        store.put_if_absent(lease.LEASE_NAME, lease.this_process(TTL).to_json())
     seen = seen_now(store)
     assert seen is not None and (seen.lease is None) == (before == "none")
+    assert seen.quiet == (before != "held-live")
     if since == "another-take":
         LeaseKeeper.take(store, Lease(ttl_s=TTL)).close(release=True)
     keeper = LeaseKeeper.take(store, Lease(ttl_s=TTL), seen)
     try:
-        assert keeper.as_seen == (since == "nothing")
+        assert keeper.as_seen == (since == "nothing" and before != "held-live")
         assert lease.read(store).job_id == keeper.mine.job_id and lease.read(store).released is None
     finally:
         keeper.close(release=True)
