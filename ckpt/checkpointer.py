@@ -207,7 +207,7 @@ class Checkpointer(Lifecycle, BackgroundSaves):
         )  # fmt: skip
         interval = checked_interval(interval)
         args = store_config(root, storage_options, transfer, timeout_s)
-        self._early = early = take_early(args)  # `ckpt.prepare`'s, for this root
+        self._early = early = take_early(args, timeout_s)  # `ckpt.prepare`'s, for this root
         self.store = early.store if early is not None and early.store is not None else Store(*args)
         self._signing_key = SigningKey.resolve(signing_key)
         if self._signing_key is not None:  # a signature over xxh3 checksums would not cover the data

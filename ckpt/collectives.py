@@ -103,6 +103,18 @@ class Group:
         dist.scatter_object_list(out, objs if self.rank == 0 else None, src=0, group=self.pg)
         return out[0]
 
+    def scatter_framed(self, framed: list[torch.Tensor] | None) -> Any:
+        """`scatter` of objects rank 0 pickled and framed already (`frame`, perhaps long
+        before): each rank unpickles its own; the others pass None."""
+        if self.pg is None:
+            assert framed is not None
+            return _unframed(framed[0])
+        cap = torch.tensor([framed[0].numel() if self.rank == 0 and framed else 0], dtype=torch.long)
+        dist.broadcast(cap, src=0, group=self.pg)
+        out = torch.empty(int(cap.item()), dtype=torch.uint8)
+        dist.scatter(out, framed if self.rank == 0 else None, src=0, group=self.pg)
+        return _unframed(out)
+
     def gather_short(self, obj: Any) -> list[Any] | None:
         """`gather` in one collective: every rank sends `gather_bytes` bytes. Rank 0 gets, for
         a rank whose pickle did not fit, `TooLong(its length)` instead: it then tells every
@@ -179,6 +191,18 @@ def _framed(data: bytes, size: int) -> torch.Tensor:
     part = data[: size - 8]
     buf[8 : 8 + len(part)] = part
     return torch.frombuffer(buf, dtype=torch.uint8)
+
+
+def frame(objs: list[Any]) -> list[torch.Tensor]:
+    """Each object pickled into a buffer of one common size (`scatter_framed`)."""
+    blobs = [pickle.dumps(o) for o in objs]
+    cap = 8 + max(map(len, blobs), default=0)
+    return [_framed(b, cap) for b in blobs]
+
+
+def _unframed(framed: torch.Tensor) -> Any:
+    n = _length(framed)
+    return pickle.loads(framed.numpy()[8 : 8 + n].tobytes())
 
 
 def _length(framed: torch.Tensor) -> int:

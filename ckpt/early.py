@@ -33,11 +33,13 @@ import dataclasses
 import logging
 import os
 import threading
+from collections.abc import Mapping
 from typing import Any
 
 from ckpt.format.manifest import Manifest
 from ckpt.format.signing import SigningKey
-from ckpt.options import check_restore
+from ckpt.options import check_restore, check_seconds
+from ckpt.redact import redact
 from ckpt.restore.load import Prepared, restore_plan
 from ckpt.restore.view import checked_manifest, parts
 from ckpt.storage.lease_keeper import LeaseKeeper, Seen, seen_now
@@ -46,7 +48,7 @@ from ckpt.storage.store import Store, Transfer
 log = logging.getLogger(__name__)
 
 
-@dataclasses.dataclass(eq=False)
+@dataclasses.dataclass(eq=False, repr=False)
 class Early:
     """One `prepare`'s work: made on its thread, taken over by one Checkpointer."""
 
@@ -60,6 +62,10 @@ class Early:
     seen: Seen | None = None  # rank 0: the root before the survey
     plan: Prepared | None = None
     records: list[logging.LogRecord] = dataclasses.field(default_factory=list)  # held back
+    held: list[tuple[logging.Logger, logging.Filter]] = dataclasses.field(default_factory=list)
+
+    def __repr__(self) -> str:  # never the storage options: they may hold credentials
+        return f"Early({redact(self.args[0])!r}, restore={self.mode!r}, world={self.world}, done={self.done.is_set()})"
 
     def survey(self, mode: str | int, key: SigningKey | None, world: int, lease: LeaseKeeper | None, agents: bool) -> Prepared | None:
         """Rank 0's survey, where it still stands (see the module); its lines logged now."""
@@ -72,9 +78,48 @@ class Early:
             logging.getLogger(record.name).handle(record)
         return self.plan
 
+    def hold_lines(self) -> None:
+        """From now on this thread's lines on ckpt's loggers wait in `records`."""
+        hold = _Hold(self, threading.current_thread())
+        self.held = [(logging.getLogger(n), hold) for n in ("ckpt", *(n for n in list(logging.root.manager.loggerDict) if n.startswith("ckpt.")))]
+        for logger, f in self.held:
+            logger.addFilter(f)
+
+    def release_lines(self) -> None:
+        for logger, f in self.held:
+            logger.removeFilter(f)
+        self.held = []
+
+
+class _Hold(logging.Filter):
+    """Holds back the lines of one thread (by the thread, not its id: a later thread may
+    reuse an id, a forked child's threads are others)."""
+
+    def __init__(self, early: Early, thread: threading.Thread) -> None:
+        super().__init__()
+        self.early, self.thread = early, thread
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if threading.current_thread() is not self.thread:
+            return True
+        self.early.records.append(record)
+        return False
+
 
 _pending: Early | None = None
 _lock = threading.Lock()
+
+
+def _forget_in_child() -> None:
+    """A forked child has no prepare thread: nothing of it is waited for, nor held back."""
+    global _pending, _lock
+    _lock = threading.Lock()
+    early, _pending = _pending, None
+    if early is not None:
+        early.release_lines()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def store_config(root: str | os.PathLike, storage_options: dict[str, Any] | None, transfer: Transfer | None, timeout_s: float) -> tuple[str, dict[str, Any] | None, Transfer]:
@@ -128,6 +173,13 @@ def prepare(
     differ make the work wasted, never wrong). Returns at once; see the module."""
     global _pending
     check_restore(restore)
+    check_seconds("timeout_s", timeout_s)
+    if not isinstance(root, (str, os.PathLike)):
+        raise ValueError(f"root must be a path or URL, not {type(root).__name__}")
+    if storage_options is not None and not isinstance(storage_options, Mapping):
+        raise ValueError(f"storage_options must be a dict (or None), not {type(storage_options).__name__}")
+    if transfer is not None and not isinstance(transfer, Transfer):
+        raise ValueError(f"transfer must be a ckpt.Transfer (or None), not {type(transfer).__name__}")
     key = SigningKey.resolve(signing_key)
     world = world_size()
     early = Early(store_config(root, storage_options, transfer, timeout_s), restore, key, world, _rank(world) == 0 and restore != "none")
@@ -137,45 +189,36 @@ def prepare(
 
 
 def _run(early: Early) -> None:
-    me = threading.get_ident()
-
-    def hold(record: logging.LogRecord) -> bool:  # this thread's lines wait for the survey's use
-        if record.thread != me:
-            return True
-        early.records.append(record)
-        return False
-
-    loggers = [logging.getLogger(n) for n in ("ckpt", *(n for n in list(logging.root.manager.loggerDict) if n.startswith("ckpt.")))]
-    for logger in loggers:
-        logger.addFilter(hold)
     try:
-        early.store = Store(*early.args)
+        early.store = Store(*early.args)  # its modules imported: their loggers made
         early.store.warm()
         if early.surveys:
+            early.hold_lines()
             seen = seen_now(early.store)
             got = restore_plan(early.store, early.mode, early.key, [], early.world)
             if got.first is not None and got.first.doc is not None:
                 checked = checked_manifest(early.store, got.first.step, got.first.doc, early.key)
-                if isinstance(checked, Manifest):  # and what each rank is told of it
+                if isinstance(checked, Manifest):  # and what each rank is told of it, pickled
                     got = dataclasses.replace(got, manifest=checked, told=parts(checked, early.world) if early.world > 1 else None)
             early.seen, early.plan = seen, got if seen is not None else None
     except Exception as e:  # the Checkpointer does it again, and says what fails
-        log.debug("prepare of %s stopped: %s: %s", early.args[0], type(e).__name__, e)
+        log.debug("prepare of %s stopped: %s", redact(early.args[0]), type(e).__name__)
         early.seen = early.plan = None
     finally:
-        for logger in loggers:
-            logger.removeFilter(hold)
+        early.release_lines()
         early.done.set()
 
 
-def take(args: tuple[str, dict[str, Any] | None, Transfer]) -> Early | None:
-    """The Checkpointer's: the prepare made with these store arguments (waited for: its work
-    is what the Checkpointer would do now), None if there is none or it could not make the
-    store. Taken once."""
+def take(args: tuple[str, dict[str, Any] | None, Transfer], timeout_s: float) -> Early | None:
+    """The Checkpointer's: the prepare made with these store arguments (waited for, at most
+    `timeout_s`: its work is what the Checkpointer would do now), None if there is none, it
+    could not make the store, or it is still at work. Taken once."""
     global _pending
     with _lock:
         early, _pending = _pending, None
     if early is None or early.args != args:
         return None
-    early.done.wait()
+    if not early.done.wait(timeout_s):
+        log.warning("ckpt.prepare of %s still runs after %.0f s: the Checkpointer goes on without it", redact(args[0]), timeout_s)
+        return None
     return early if early.store is not None else None

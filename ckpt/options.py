@@ -54,14 +54,18 @@ def check_options(
     if not (lease is None or isinstance(lease, Lease)):
         raise ValueError(f"lease must be a ckpt.Lease(...) or None, not {lease!r}")
     for name, value in (("timeout_s", timeout_s), ("agree_every_s", agree_every_s)):
-        if not _positive(value):
-            raise ValueError(f"{name} must be a positive number of seconds, not {value!r}")
+        check_seconds(name, value)
     if budget is not None and not _positive(budget):
         raise ValueError(f"host_memory_budget must be a positive number of bytes (or None: the default), not {budget!r}")
     try:
         json.dumps(dict(metadata or {}))
     except (TypeError, ValueError) as e:
         raise TypeError(f"metadata goes into every manifest, as JSON: {e}") from None
+
+
+def check_seconds(name: str, value: Any) -> None:
+    if not _positive(value):
+        raise ValueError(f"{name} must be a positive number of seconds, not {value!r}")
 
 
 def _positive(value: Any) -> bool:

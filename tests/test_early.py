@@ -12,7 +12,9 @@ tell whether the survey was made again.
 from __future__ import annotations
 
 import logging
+import os
 import shutil
+import time
 
 import fsspec
 import pytest
@@ -210,11 +212,6 @@ def test_the_prepare_thread_holds_back_only_its_own_lines(tmp_path, surveys, cap
     assert "from the main thread" in caplog.text
 
 
-def test_prepare_refuses_a_bad_restore_mode_at_once(tmp_path):
-    with pytest.raises(ValueError, match="restore must be"):
-        ckpt.prepare(str(tmp_path), restore="newest")
-
-
 def test_restore_none_prepares_the_store_and_surveys_nothing(tmp_path, surveys):
     root = str(tmp_path / "root")
     _train(root, 2)
@@ -234,3 +231,87 @@ def test_a_copy_of_the_checkpoint_dir_left_in_place_is_not_what_the_survey_reads
     shutil.copytree(root / step_dir_name(2), root / step_dir_name(4))
     got, _ = _restore(str(root))
     assert got == 2
+
+
+def test_a_lease_this_process_holds_already_is_never_taken_as_seen(tmp_path, surveys):
+    """A Checkpointer of this process holds the root and commits under it while another,
+    prepared meanwhile, enters: the lease is shared, so the survey is made anew (outside
+    review: the shared keeper still said "as seen" from its own first take)."""
+    root = str(tmp_path / "root")
+    _train(root, 2)
+    _prepared(root)
+    model, opt = _objects()
+    with ckpt.Checkpointer(root, model=model, optimizer=opt, interval=ckpt.Every(2), handle_sigterm=False) as outer:
+        assert outer.step == 2
+        _prepared(root)
+        for _ in range(2, 4):
+            model(torch.randn(2, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            outer.step_done()
+        outer.wait()
+        got, _ = _restore(root)
+    assert got == 4 and len(surveys) == 1
+
+
+def test_a_forked_child_forgets_the_prepare_and_its_held_lines(tmp_path):
+    """A DataLoader worker forked while prepare runs: nothing in it waits for a thread it
+    does not have, and no filter of it holds the child's lines (outside review)."""
+    root = str(tmp_path / "root")
+    _train(root, 2)
+    prepared = _prepared(root)
+    prepared.hold_lines()  # as while its survey runs
+    early._pending = prepared
+    try:
+        pid = os.fork()
+        if pid == 0:  # the child: exit code 0 only if nothing of the prepare is left
+            held = any(isinstance(f, early._Hold) for name in ("ckpt", "ckpt.restore.load") for f in logging.getLogger(name).filters)
+            os._exit(0 if early._pending is None and not held else 1)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert early._pending is prepared  # the parent's is its own still
+    finally:
+        prepared.release_lines()
+        early._pending = None
+
+
+def test_a_prepare_still_at_work_is_waited_for_no_longer_than_the_timeout(tmp_path, caplog):
+    args = early.store_config(str(tmp_path), None, None, 600.0)
+    early._pending = stuck = early.Early(args, "latest", None, 1, True)  # its thread never ends
+    began = time.monotonic()
+    assert early.take(args, 0.2) is None
+    assert time.monotonic() - began < 5 and not stuck.done.is_set()
+    assert "still runs after" in caplog.text
+
+
+def test_the_restore_is_said_when_the_log_is_set_up_after_prepare(tmp_path, surveys, caplog):
+    """"restoring from" is logged by the restore that uses the survey, at the level set then
+    (prepare's thread made no INFO line where INFO was off: outside review)."""
+    root = str(tmp_path / "root")
+    _train(root, 4)
+    caplog.set_level(logging.WARNING, logger="ckpt")
+    _prepared(root)
+    caplog.set_level(logging.INFO, logger="ckpt")
+    got, _ = _restore(root)
+    assert got == 4 and not surveys
+    assert len([r for r in caplog.records if r.getMessage().startswith("restoring from")]) == 1
+
+
+def test_prepares_repr_holds_no_storage_secret(tmp_path):
+    ckpt.prepare(str(tmp_path), storage_options={"secret": "SUPERSECRETVALUE1"})
+    prepared = early._pending
+    assert prepared is not None and prepared.done.wait(60)
+    assert "SUPERSECRETVALUE1" not in repr(prepared) and "SUPERSECRETVALUE1" not in str(prepared)
+    early._pending = None
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [{"timeout_s": float("nan")}, {"timeout_s": float("inf")}, {"timeout_s": 0}, {"storage_options": "x"}, {"transfer": "x"}, {"restore": "newest"}],
+    ids=["nan", "inf", "zero", "options", "transfer", "restore"],
+)
+def test_prepare_refuses_what_the_checkpointer_would_at_once(tmp_path, bad):
+    with pytest.raises(ValueError):
+        ckpt.prepare(str(tmp_path), **bad)
+    with pytest.raises(ValueError):
+        ckpt.prepare(5)  # type: ignore[arg-type]

@@ -106,6 +106,8 @@ def restore(
                 newest = max(newest, got.created)
                 if got.first is not None:
                     doc, metadata, told = got.manifest or got.first.doc, got.first.metadata, got.told
+                    if not tried and mode == "latest":  # said as the pick is used (`ckpt.prepare` made it before)
+                        log.info("restoring from %s/%s", store.display, got.first.dir)
             except Exception as e:
                 plan, error = f"{type(e).__name__}: {e}", e
             if plan and not isinstance(plan, str) and doc is None and store.is_local:
@@ -249,9 +251,7 @@ def restore_plan(store: Store, mode: str | int, key: SigningKey | None, tried: l
         return Prepared([e.step for e in good[:1]], taken, [f"{e.dir}: {e.problem}" for e in passed], _newest(good), _first(good))
     for e in skipped:
         log.warning("passing over %s/%s: %s", store.display, e.dir, e.problem)
-    if good:
-        log.info("restoring from %s/%s", store.display, good[0].dir)
-    elif any(e.state == catalog.CORRUPT for e in skipped):
+    if not good and any(e.state == catalog.CORRUPT for e in skipped):
         # Checkpoints were committed but none can be trusted: never silently start over.
         raise RestoreFailed(
             f"no checkpoint under {store.display} could be restored ("

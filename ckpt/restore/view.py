@@ -17,7 +17,7 @@ import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ckpt.collectives import Group
+from ckpt.collectives import Group, frame
 from ckpt.errors import InvalidCheckpoint
 from ckpt.format.checksum import BLAKE3
 from ckpt.format.manifest import FileEntry, Manifest
@@ -93,16 +93,16 @@ def tell(ctrl: Group, whole: Manifest | tuple[int, str] | None, told: tuple[Any,
     """A collective: rank 0's `whole` manifest (or why there is none to restore from) as each
     rank is told it: on rank 0 itself, whole; on the others a `Partial`, or the same why. One
     broadcast of what every rank is told alike (the header, the files written for all), then
-    a scatter of each rank's own files as plain tuples: about 2 KB a rank, and 0.2 s of rank
-    0's CPU for 10,000 ranks (`told`: those parts of `whole`, made before by `parts`)."""
+    a scatter of each rank's own files as plain tuples, pickled and framed: about 2 KB a
+    rank, and 0.06 s of rank 0's CPU for 10,000 ranks (`told`: `parts(whole)`, made before)."""
     if ctrl.world == 1:
         assert whole is not None
         return whole
-    common, own = (told or parts(whole, ctrl.world)) if ctrl.rank == 0 else (None, None)
+    common, framed = (told or parts(whole, ctrl.world)) if ctrl.rank == 0 else (None, None)
     common = ctrl.broadcast(common)
     if isinstance(common, tuple):  # why there is nothing to restore from, on every rank
         return common
-    mine = ctrl.scatter(own)
+    mine = ctrl.scatter_framed(framed)
     if ctrl.rank == 0:
         assert isinstance(whole, Manifest)
         return whole
@@ -111,9 +111,10 @@ def tell(ctrl: Group, whole: Manifest | tuple[int, str] | None, told: tuple[Any,
 
 
 def parts(whole: Manifest | tuple[int, str] | None, world: int) -> tuple[Any, list[Any]]:
-    """Rank 0: what every rank is told alike, and each rank's own entries (rank 0's: none)."""
+    """Rank 0: what every rank is told alike, and each rank's own entries (rank 0's: none),
+    pickled and framed for the scatter (`collectives.frame`)."""
     if not isinstance(whole, Manifest):
-        return whole, [()] * world
+        return whole, []  # not scattered: the ranks learn why from the broadcast
     own: list[list[tuple[str, FileEntry]]] = [[] for _ in range(world)]
     saved: dict[str, int] = {}
     named = True
@@ -128,7 +129,7 @@ def parts(whole: Manifest | tuple[int, str] | None, world: int) -> tuple[Any, li
     header = {f: getattr(whole, f) for f in ("step", "world_size", "created", "costs", "counters", "versions", "user", "schedule", "format", "format_version")}
     shared = {n: e for n, e in whole.files.items() if e.rank < 0}
     common = Partial(**header, files=shared, restoring_world=world, indexed=whole.indexed_for(world), saved=None if named else saved)
-    return common, [_rows(dict(x)) for x in own]
+    return common, frame([_rows(dict(x)) for x in own])
 
 
 def fetch(ctrl: Group, manifest: Manifest, wanted: set[str] | None) -> None:

@@ -108,6 +108,7 @@ class LeaseKeeper:
                 keeper = _HELD.get(store.identity)
                 if keeper is not None and keeper.lost is None and not keeper._closed:
                     keeper._users += 1
+                    keeper.as_seen = False  # another Checkpointer of this process holds it: it may have written there
                     log.info("the lease of %s is held by this process already: shared (%d users)", store.display, keeper._users)
                     return keeper
             keeper = cls._take(store, policy, seen)
