@@ -57,12 +57,14 @@ INDEX_DECODE_RATE = 14.8e6
 # The manifest rank 0 parses at a restore: an entry per file, a data file's with a checksum
 # per block (`ckpt.format.checksum.block_size`), and the rate `Manifest.from_json` parses and
 # checks it at, bytes/s. Measured on a synthetic manifest of 10,000 ranks of 98 MB (xxh3,
-# 2 MiB blocks): 15.6 MB, 0.16 s. It then tells each rank its part (`ckpt.restore.view`): 0.05
-# s of its CPU for those 10,000 ranks, about 1.4 KB each; the others parse nothing.
+# 2 MiB blocks): 15.6 MB, 0.16 s. It then tells each rank its part (`ckpt.restore.view`), each
+# pickled and framed for the scatter: 0.09 s of its CPU for those 10,000 ranks
+# (bench/manifest_view.py), about 2 KB each; the others parse nothing. `ckpt.prepare` does both
+# while the job sets up: the scatter's own sends are left (not priced, cold or prepared).
 MANIFEST_PER_FILE = 145.0
 MANIFEST_PER_BLOCK = 27.0
 MANIFEST_PARSE_RATE = 97e6
-TELL_PER_RANK_S = 5e-6
+TELL_PER_RANK_S = 9e-6
 # A save's and a restore's requests besides each rank's files (lease, manifest, events,
 # `.metadata` and `.index`, retention's deletes): bench/scale.py's fits, 15 + 2·N (a save
 # after the first, the oldest checkpoint deleted; the first claims its step directory with

@@ -240,11 +240,11 @@ def test_rank_0s_survey_grows_with_the_steps_kept_not_with_the_ranks(world, kept
 
 def test_the_survey_of_a_70b_job_on_10000_gpus_is_its_round_trips_and_the_manifest():
     """3 round trips at 30 ms, two manifests of 15.6 MB at a node's 12.5 GB/s, rank 0's parse of
-    one (0.16 s) and the parts it tells (0.05 s): 0.3 s. The store's bandwidth binds the
+    one (0.16 s) and the parts it tells, pickled and framed (0.09 s): 0.34 s. The store's bandwidth binds the
     restore, with each rank's own CPU at this machine's rate close behind."""
     got = at_scale(SEVENTY_B, Scale(world=10_000, nodes=1250, **CLUSTER))
     assert got.survey_round_trips == 3 and got.survey_keys == 5
-    assert got.restore_survey_s == pytest.approx(3 * 0.03 + 2 * 15.6e6 / 12.5e9 + 15.6e6 / 97e6 + 0.05, abs=0.02)
+    assert got.restore_survey_s == pytest.approx(3 * 0.03 + 2 * 15.6e6 / 12.5e9 + 15.6e6 / 97e6 + 0.09, abs=0.02)
     assert got.restore_binds == "bandwidth" and got.restore_s > 1.2 * got.restore_bytes_s
 
 
