@@ -108,12 +108,17 @@ class Group:
         before): each rank unpickles its own; the others pass None."""
         if self.pg is None:
             assert framed is not None
-            return _unframed(framed[0])
+            return self._unframed(framed[0])
         cap = torch.tensor([framed[0].numel() if self.rank == 0 and framed else 0], dtype=torch.long)
         dist.broadcast(cap, src=0, group=self.pg)
         out = torch.empty(int(cap.item()), dtype=torch.uint8)
         dist.scatter(out, framed if self.rank == 0 else None, src=0, group=self.pg)
-        return _unframed(out)
+        return self._unframed(out)
+
+    @staticmethod
+    def _unframed(framed: torch.Tensor) -> Any:
+        """What `frame` framed: from this job's rank 0 over ckpt's own group, never storage."""
+        return pickle.loads(framed.numpy()[8 : 8 + _length(framed)].tobytes())
 
     def gather_short(self, obj: Any) -> list[Any] | None:
         """`gather` in one collective: every rank sends `gather_bytes` bytes. Rank 0 gets, for
@@ -198,11 +203,6 @@ def frame(objs: list[Any]) -> list[torch.Tensor]:
     blobs = [pickle.dumps(o) for o in objs]
     cap = 8 + max(map(len, blobs), default=0)
     return [_framed(b, cap) for b in blobs]
-
-
-def _unframed(framed: torch.Tensor) -> Any:
-    n = _length(framed)
-    return pickle.loads(framed.numpy()[8 : 8 + n].tobytes())
 
 
 def _length(framed: torch.Tensor) -> int:

@@ -21,14 +21,18 @@ write lands, no job that keeps to the lease wrote to the root since, and the sur
 (its lines logged then). Otherwise (a live holder's fresh lease, under which it commits
 without writing it; the lease changed or was shared within this process; no lease kept; a
 node agent serves the job, which commits without it; or the restore mode, signing key or
-world size differ) the survey is dropped and made anew. Nothing more is taken on trust: each
-rank still checks every byte it reads against the manifest, and a checkpoint that fails
-falls back to the one before, as always. A prepare that fails leaves the Checkpointer to do
+world size differ) the survey is dropped and made anew. Nothing more is taken on trust: rank
+0 looks at the root again while the ranks read the pick (`restore.pick.second_look`), and
+where a newer checkpoint was committed without the lease since (a node agent finishing a dead
+job's save, a `lease=None` writer) or the pick's manifest changed, the restore starts over
+from a survey made then; each rank still checks every byte it reads against the manifest,
+and a checkpoint that fails falls back to the one before, as always. A prepare that fails leaves the Checkpointer to do
 all of it, and to say what went wrong.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import os
@@ -40,7 +44,7 @@ from ckpt.format.manifest import Manifest
 from ckpt.format.signing import SigningKey
 from ckpt.options import check_restore, check_seconds
 from ckpt.redact import redact
-from ckpt.restore.load import Prepared, restore_plan
+from ckpt.restore.pick import Prepared, restore_plan
 from ckpt.restore.view import checked_manifest, parts
 from ckpt.storage.lease_keeper import LeaseKeeper, Seen, seen_now
 from ckpt.storage.store import Store, Transfer
@@ -74,20 +78,21 @@ class Early:
             log.debug("the survey made at prepare is not used: made anew")
             return None
         log.debug("the survey made at prepare stands")
-        for record in self.records:
-            logging.getLogger(record.name).handle(record)
+        for record in self.records:  # at the levels set now
+            if (logger := logging.getLogger(record.name)).isEnabledFor(record.levelno):
+                logger.handle(record)
         return self.plan
 
     def hold_lines(self) -> None:
         """From now on this thread's lines on ckpt's loggers wait in `records`."""
         hold = _Hold(self, threading.current_thread())
         self.held = [(logging.getLogger(n), hold) for n in ("ckpt", *(n for n in list(logging.root.manager.loggerDict) if n.startswith("ckpt.")))]
-        for logger, f in self.held:
-            logger.addFilter(f)
+        for logger, f in self.held:  # a new list: another thread logging meanwhile goes through the old one whole
+            logger.filters = [*logger.filters, f]
 
     def release_lines(self) -> None:
         for logger, f in self.held:
-            logger.removeFilter(f)
+            logger.filters = [g for g in logger.filters if g is not f]
         self.held = []
 
 
@@ -167,10 +172,12 @@ def prepare(
     restore: str | int = "latest",
     signing_key: bytes | str | None = None,
 ) -> None:
-    """Begin the restore of the Checkpointer that this process makes next for `root`, before
-    the model exists: call it first thing, with the Checkpointer's own `root`,
-    `storage_options`, `transfer`, `timeout_s`, `restore` and `signing_key` (those that
-    differ make the work wasted, never wrong). Returns at once; see the module."""
+    """Begin the restore of the Checkpointer that this process makes next, before the model
+    exists: call it first thing, with that Checkpointer's own `root`, `storage_options`,
+    `transfer`, `timeout_s`, `restore` and `signing_key` (those that differ make the work
+    wasted, never wrong; so does a Checkpointer for another root made first, which drops
+    it, or another `prepare`, which replaces it). Returns once the arguments are checked,
+    the work on a thread of its own; see the module."""
     global _pending
     check_restore(restore)
     check_seconds("timeout_s", timeout_s)
@@ -181,8 +188,18 @@ def prepare(
     if transfer is not None and not isinstance(transfer, Transfer):
         raise ValueError(f"transfer must be a ckpt.Transfer (or None), not {type(transfer).__name__}")
     key = SigningKey.resolve(signing_key)
-    world = world_size()
-    early = Early(store_config(root, storage_options, transfer, timeout_s), restore, key, world, _rank(world) == 0 and restore != "none")
+    try:
+        world = world_size()
+    except ValueError:  # WORLD_SIZE unreadable: said where the job uses it
+        world = 1
+    try:  # as the options are now: changed later, they are other options (not taken over)
+        options = copy.deepcopy(storage_options)
+    except Exception as e:  # options that cannot be copied: no prepare, the Checkpointer does it all
+        log.debug("no prepare of %s: its storage options cannot be copied (%s)", redact(os.fspath(root)), type(e).__name__)
+        with _lock:
+            _pending = None
+        return
+    early = Early(store_config(root, options, transfer, timeout_s), restore, key, world, _rank(world) == 0 and restore != "none")
     with _lock:
         _pending = early
     threading.Thread(target=_run, args=(early,), name="ckpt-prepare", daemon=True).start()
@@ -202,6 +219,7 @@ def _run(early: Early) -> None:
                     got = dataclasses.replace(got, manifest=checked, told=parts(checked, early.world) if early.world > 1 else None)
             early.seen, early.plan = seen, got if seen is not None else None
     except Exception as e:  # the Checkpointer does it again, and says what fails
+        early.release_lines()
         log.debug("prepare of %s stopped: %s", redact(early.args[0]), type(e).__name__)
         early.seen = early.plan = None
     finally:

@@ -14,7 +14,9 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import threading
 import time
+from pathlib import Path
 
 import fsspec
 import pytest
@@ -22,6 +24,7 @@ import torch
 
 import ckpt
 from ckpt import early
+from ckpt.format.signing import SigningKey
 from ckpt.restore import load
 from ckpt.storage.store import step_dir_name
 
@@ -106,6 +109,14 @@ def _newer_since(root: str, prepared: early.Early) -> None:
     early._pending = prepared
 
 
+def _newer_without_the_lease(root: str, prepared: early.Early) -> None:
+    """A writer that keeps no lease (as a node agent finishing a dead job's save) commits
+    step 6 after the survey: the lease is as prepare saw it."""
+    early._pending = None
+    _train(root, 6, lease=None)
+    early._pending = prepared
+
+
 def _deleted_since(root: str, prepared: early.Early) -> None:
     """Step 4 removed behind the lease's back (a user's rm): the survey still names it."""
     fs, path = fsspec.core.url_to_fs(root)
@@ -121,21 +132,31 @@ def _damaged_since(root: str, prepared: early.Early) -> None:
 
 
 @pytest.mark.parametrize(
-    ("change", "step", "surveyed"),
-    [(_newer_since, 6, 2), (_deleted_since, 2, 1), (_damaged_since, 2, 1)],
-    ids=["newer-with-the-lease", "deleted-without-it", "damaged-without-it"],
+    ("change", "step", "surveyed", "said"),
+    [
+        (_newer_since, 6, 2, "not used"),
+        (_newer_without_the_lease, 6, 2, "changed since ckpt.prepare"),
+        (_deleted_since, 2, 1, "changed since ckpt.prepare"),
+        (_damaged_since, 2, 1, "falling back"),
+    ],
+    ids=["newer-with-the-lease", "newer-without-it", "deleted-without-it", "damaged-without-it"],
 )
-def test_a_root_changed_after_the_survey_restores_what_it_holds_now(root, surveys, change, step, surveyed):
-    """A run that took the lease since (its own survey counted): the lease write fails its
+def test_a_root_changed_after_the_survey_restores_what_it_holds_now(root, surveys, caplog, change, step, surveyed, said):
+    """A run that took the lease since, or kept none (its own survey counted): the lease write fails its
     condition and the survey is made anew. A change made without the lease: the survey
-    stands, the read finds the damage, and the restore falls back as always (its one survey:
-    the fallback's)."""
+    stands; rank 0's second look at the root, made while the ranks read, finds a newer
+    checkpoint or the pick's manifest gone, and the restore starts over from a survey made
+    then; a pick damaged where no listing shows it fails its read and falls back as always
+    (its one survey: the fallback's)."""
     _train(root, 4)
     prepared = _prepared(root)
     change(root, prepared)
-    got, _ = _restore(root)
+    with caplog.at_level(logging.DEBUG, logger="ckpt"):
+        got, _ = _restore(root)
     assert got == step
     assert len(surveys) == surveyed
+    assert said in caplog.text
+    assert ("the survey made at prepare stands" in caplog.text) == (said != "not used")
 
 
 @pytest.mark.parametrize(
@@ -202,14 +223,29 @@ def test_what_the_survey_says_is_logged_once_when_it_is_used(tmp_path, surveys, 
     assert len([r for r in caplog.records if "passing over" in r.getMessage()]) == 1
 
 
-def test_the_prepare_thread_holds_back_only_its_own_lines(tmp_path, surveys, caplog):
-    """Another thread's lines are logged as they come while prepare runs."""
+def test_the_prepare_thread_holds_back_only_its_own_lines(tmp_path, surveys, caplog, monkeypatch):
+    """Another thread's lines are logged as they come while prepare's survey runs (held up
+    here inside it), its own are held."""
     _train(str(tmp_path / "root"), 2)
+    inside, go = threading.Event(), threading.Event()
+    real = early.restore_plan
+
+    def held_up(*args, **kwargs):
+        logging.getLogger("ckpt.restore.load").warning("from the survey")
+        inside.set()
+        assert go.wait(60)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(early, "restore_plan", held_up)
     with caplog.at_level(logging.INFO, logger="ckpt"):
         ckpt.prepare(str(tmp_path / "root"))
-        logging.getLogger("ckpt.restore.load").info("from the main thread")
-        early._pending.done.wait(60)
-    assert "from the main thread" in caplog.text
+        assert inside.wait(60)
+        logging.getLogger("ckpt.restore.load").warning("from the main thread")
+        go.set()
+        assert early._pending.done.wait(60)
+    assert "from the main thread" in caplog.text and "from the survey" not in caplog.text
+    assert [r.getMessage() for r in early._pending.records] == ["from the survey"]
+    early._pending = None
 
 
 def test_restore_none_prepares_the_store_and_surveys_nothing(tmp_path, surveys):
@@ -315,3 +351,58 @@ def test_prepare_refuses_what_the_checkpointer_would_at_once(tmp_path, bad):
         ckpt.prepare(str(tmp_path), **bad)
     with pytest.raises(ValueError):
         ckpt.prepare(5)  # type: ignore[arg-type]
+
+
+def test_a_signed_restore_never_takes_a_survey_made_without_its_key(tmp_path, surveys):
+    """Step 2 signed, a newer step 4 not: prepare without the key picks 4; the Checkpointer
+    with the key must not (outside review: every other test passed without the key check)."""
+    root = str(tmp_path / "root")
+    _train(root, 2, signing_key=KEY)
+    early._pending = None
+    _train(root, 4)
+    assert _prepared(root).plan.steps == [4]
+    got, _ = _restore(root, signing_key=KEY)
+    assert got == 2 and len(surveys) == 1
+
+
+def test_a_root_with_nothing_to_restore_at_prepare_is_looked_at_again(tmp_path, surveys):
+    """Prepare found no checkpoint; one committed since without the lease is restored."""
+    root = str(tmp_path / "root")
+    Path(root).mkdir()
+    prepared = _prepared(root)
+    assert prepared.plan is not None and prepared.plan.steps == []
+    _newer_without_the_lease(root, prepared)
+    got, _ = _restore(root)
+    assert got == 6 and len(surveys) == 2  # the writer's, and the one made anew
+
+
+class _Keeper:
+    as_seen = True
+
+
+@pytest.mark.parametrize(
+    ("what", "stands"),
+    [("all", True), ("agents", False), ("world", False), ("mode", False), ("key", False), ("no-lease", False), ("not-as-seen", False)],
+)
+def test_the_survey_stands_only_where_everything_it_depends_on_is_as_prepared(tmp_path, what, stands):
+    prepared = _prepared_with_plan(tmp_path)
+    keeper = None if what == "no-lease" else _Keeper()
+    if what == "not-as-seen":
+        keeper.as_seen = False
+    got = prepared.survey(
+        mode=2 if what == "mode" else "latest",
+        key=SigningKey(KEY) if what == "key" else None,
+        world=2 if what == "world" else 1,
+        lease=keeper,
+        agents=what == "agents",
+    )
+    assert (got is not None) == stands
+
+
+def _prepared_with_plan(tmp_path) -> early.Early:
+    root = str(tmp_path / "root")
+    _train(root, 2)
+    prepared = _prepared(root)
+    early._pending = None
+    assert prepared.plan is not None
+    return prepared

@@ -37,11 +37,12 @@ from ckpt.errors import (
 from ckpt.format.manifest import MANIFEST_NAME, Manifest
 from ckpt.restore.dcp_read import make_reader
 from ckpt.restore.partial import metadata_of
+from ckpt.restore.pick import Prepared, held_by_strays, newest_commit, restore_plan, second_look
 from ckpt.restore.planner import SafeLoadPlanner
 from ckpt.restore.prefetch import Prefetch
 from ckpt.restore.view import checked_manifest, tell
 from ckpt.storage import catalog
-from ckpt.storage.store import StepListing, Store, Stray, step_dir_name
+from ckpt.storage.store import Store, step_dir_name
 
 if TYPE_CHECKING:
     from ckpt.format.signing import SigningKey
@@ -93,14 +94,20 @@ def restore(
         # collective (read again only if it did not keep it: it reads it, once, in
         # `_try_restore`, as the ranks build their templates meanwhile).
         plan: list[int] | str = []
+        look: Callable[[], bool] | None = None  # rank 0's: whether `prepared` still stands
         doc: Manifest | bytes | str | None = None
         told = None  # rank 0's: the parts of `doc` made by `ckpt.prepare`
         metadata = None  # rank 0's: the pick's `.metadata`, as the catalog checked it
         error: Exception | None = None  # rank 0's, told to every rank: none is left in the broadcast
         if ctrl.rank == 0:
             try:
-                # The first pick as `ckpt.prepare` made it, where it still stands.
-                got = prepared if prepared is not None and not tried else restore_plan(store, mode, key, tried, ctrl.world)
+                # The first pick as `ckpt.prepare` made it, where it still stands: looked at again
+                # while the ranks read it (at once where it found nothing to restore).
+                use = prepared if prepared is not None and not tried else None
+                if use is not None and not use.steps and not second_look(store, use)():
+                    use = None
+                got = use or restore_plan(store, mode, key, tried, ctrl.world)
+                look = second_look(store, use) if use is not None and use.steps else None
                 plan, passed = got.steps, got.passed
                 taken |= got.taken
                 newest = max(newest, got.created)
@@ -127,9 +134,16 @@ def restore(
         step = plan[0]
         tried.append(step)
         outcome, why, restored = _try_restore(store, ctrl, state, step, handoff, key, doc, metadata, told)
-        # One collective for the outcome, whether a spool was used, and whether any rank has
-        # values left unloaded (only then are they gathered, to be named).
-        worst, spooled, unasked = ctrl.max([outcome, int(handoff is not None and handoff.local is not None), _has_unasked(restored)])
+        # One collective for the outcome, whether a spool was used, whether any rank has values
+        # left unloaded (only then are they gathered, to be named), and whether the pick
+        # `ckpt.prepare` made went stale (then all of it again, from a survey made now).
+        stale = int(look is not None and not look())
+        worst, spooled, unasked, stale = ctrl.max([outcome, int(handoff is not None and handoff.local is not None), _has_unasked(restored), stale])
+        if stale:
+            log.info("%s changed since ckpt.prepare surveyed it (a newer checkpoint, or its manifest): surveying it again", store.display)
+            tried.pop()
+            prepared = None
+            continue
         if worst == 1 and spooled:  # a spool's copy may be what failed: the root's decides
             log.warning("restoring %s with the node spool's copies failed (%s); reading it all from %s", step_dir_name(step), why, store.display)
             outcome, why, restored = _try_restore(store, ctrl, state, step, None, key, doc, metadata, told)
@@ -175,7 +189,7 @@ def start_fresh(store: Store, ctrl: Group, key: SigningKey | None = None) -> tup
             store.check_reachable()
             listings, strays = store.survey(whole=False)
             taken = {s for s, lst in listings.items() if lst.has_manifest}
-            got = (taken | _held_by_strays(store, strays), newest_commit(store, key, listings) if taken else 0.0)
+            got = (taken | held_by_strays(store, strays), newest_commit(store, key, listings) if taken else 0.0)
         except Exception as e:
             got, error = (str(e) if isinstance(e, CheckpointError) else f"rank 0: {type(e).__name__}: {e}"), e
     got = ctrl.broadcast(got)
@@ -192,87 +206,6 @@ def start_fresh(store: Store, ctrl: Group, key: SigningKey | None = None) -> tup
             sorted(taken),
         )
     return taken, newest
-
-
-def newest_commit(store: Store, key: SigningKey | None, listings: dict[int, StepListing] | None = None) -> float:
-    """The newest commit time (`created`) among the root's checkpoints whose manifests check
-    (with `key`, those signed with it); 0 if none. This job's commits are dated after it
-    (`commit.persist`'s `after`), whatever this host's clock says: a restore picks the newest
-    commit, and a run that went on from an older step must win over the one it abandoned.
-    `listings`: the root's `scan()`, where the caller has one. The newest one's `.metadata` is
-    not read: a date after a checkpoint that turns out unusable is as good."""
-    good, _ = catalog.restore_candidates(store, key, listings=listings, check_first=False)
-    return _newest(good)
-
-
-def _newest(entries: list[catalog.Entry]) -> float:
-    return max((e.manifest.created for e in entries if e.manifest is not None), default=0.0)
-
-
-@dataclass(frozen=True)
-class Prepared:
-    """Rank 0's pick (`restore_plan`): the next step to try (none left: []); the steps that
-    hold a manifest; falling back, the corrupt ones passed over on the way; the newest commit
-    time it saw (`newest_commit`); the catalog's entry of the step to try (with the manifest
-    and `.metadata` it read and checked, where it kept them); and that manifest as
-    `view.checked_manifest` checked it (`ckpt.prepare`'s)."""
-
-    steps: list[int]
-    taken: set[int]
-    passed: list[str]
-    created: float
-    first: catalog.Entry | None
-    manifest: Manifest | None = None
-    told: tuple[Any, list[Any]] | None = None  # its parts, as `view.tell` tells them
-
-
-def restore_plan(store: Store, mode: str | int, key: SigningKey | None, tried: list[int], world: int) -> Prepared:
-    """Rank 0: the next pick (`Prepared`), after the `tried` ones failed."""
-    if isinstance(mode, int):
-        if tried:
-            return Prepared([], set(), [], 0.0, None)
-        store.check_reachable()
-        listings, strays = store.survey(whole=False)  # one survey for all three
-        entry = catalog.find(store, mode, key, keep=True, listings=listings, world=world)
-        taken = {s for s, lst in listings.items() if lst.has_manifest} | _held_by_strays(store, strays)
-        return Prepared([entry.step], taken, [], newest_commit(store, key, listings), entry)
-    if not tried:
-        store.check_reachable()
-    listings, strays = store.survey(whole=False)
-    good, skipped = catalog.restore_candidates(store, key, exclude=set(tried), keep=True, listings=listings, world=world)
-    taken = {e.step for e in good} | {e.step for e in skipped if e.state == catalog.CORRUPT} | set(tried)
-    taken |= _held_by_strays(store, strays, say=not tried)
-    if tried:  # falling back: the corrupt ones newer than the next candidate were said before
-        passed = [e for e in skipped if e.state == catalog.CORRUPT and (not good or e.step < good[0].step)]
-        for e in passed:
-            log.warning("passing over %s/%s: %s", store.display, e.dir, e.problem)
-        if good:
-            log.info("falling back to %s/%s", store.display, good[0].dir)
-        return Prepared([e.step for e in good[:1]], taken, [f"{e.dir}: {e.problem}" for e in passed], _newest(good), _first(good))
-    for e in skipped:
-        log.warning("passing over %s/%s: %s", store.display, e.dir, e.problem)
-    if not good and any(e.state == catalog.CORRUPT for e in skipped):
-        # Checkpoints were committed but none can be trusted: never silently start over.
-        raise RestoreFailed(
-            f"no checkpoint under {store.display} could be restored ("
-            + "; ".join(f"{e.dir}: {e.problem}" for e in skipped)
-            + "). The checkpoints are left as they are (the model may hold partly loaded "
-            + "values). To start fresh, pass restore='none' (the corrupt directories are kept "
-            + "and their steps skipped) or use a new root."
-        )
-    return Prepared([e.step for e in good[:1]], taken, [], _newest(good), _first(good))
-
-
-def _held_by_strays(store: Store, strays: list[Stray], say: bool = True) -> set[int]:
-    """The steps whose names something else holds (a link, a file): this run saves past them,
-    never into them. Said once, with the other entries named like steps that are none."""
-    for s in strays if say else ():
-        log.warning("%s/%s is not a checkpoint (%s): left alone", store.display, s.name, s.what)
-    return {s.step for s in strays if s.step is not None}
-
-
-def _first(good: list[catalog.Entry]) -> catalog.Entry | None:
-    return good[0] if good else None
 
 
 def _read_manifest(store: Store, step: int) -> bytes | str:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import ckpt
-from ckpt.restore.load import restore_plan
+from ckpt.restore.pick import restore_plan
 from ckpt.storage import fsspec_backend
 from ckpt.storage.store import Store
 
