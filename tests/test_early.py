@@ -406,3 +406,16 @@ def _prepared_with_plan(tmp_path) -> early.Early:
     early._pending = None
     assert prepared.plan is not None
     return prepared
+
+
+def test_storage_options_changed_after_prepare_are_other_options(s3_root, s3_options, surveys):
+    """The options as they were at prepare: a dict changed in place since makes another
+    store, not the prepared one with the old contents (outside review)."""
+    opts = dict(s3_options)
+    _train(s3_root, 2, storage_options=opts)
+    prepared = _prepared(s3_root, storage_options=opts)
+    opts["client_kwargs"] = {"region_name": "us-east-1"}
+    model, opt = _objects(seed=1)
+    with ckpt.Checkpointer(s3_root, model=model, optimizer=opt, interval=None, save_on_exit=False, handle_sigterm=False, storage_options=opts) as cp:
+        assert cp.store is not prepared.store and cp.step == 2
+    assert len(surveys) == 1
