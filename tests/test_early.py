@@ -419,3 +419,18 @@ def test_storage_options_changed_after_prepare_are_other_options(s3_root, s3_opt
     with ckpt.Checkpointer(s3_root, model=model, optimizer=opt, interval=None, save_on_exit=False, handle_sigterm=False, storage_options=opts) as cp:
         assert cp.store is not prepared.store and cp.step == 2
     assert len(surveys) == 1
+
+
+def test_a_root_emptied_while_its_prepared_pick_is_read_never_starts_fresh_from_it(tmp_path, surveys):
+    """The pick read into the objects (perhaps in part), then found gone with every other
+    checkpoint: the restore fails, saying why, where the cold restore would start fresh; the
+    next run starts fresh from an empty root."""
+    root = tmp_path / "root"
+    _train(str(root), 4)
+    _prepared(str(root))
+    for step in (2, 4):
+        shutil.rmtree(root / step_dir_name(step))
+    with pytest.raises(ckpt.RestoreFailed, match="changed while it was read"):
+        _restore(str(root))
+    got, _ = _restore(str(root))
+    assert got == 0

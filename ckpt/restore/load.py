@@ -143,6 +143,8 @@ def restore(
             log.info("%s changed since ckpt.prepare surveyed it (a newer checkpoint, or its manifest): surveying it again", store.display)
             tried.pop()
             prepared = None
+            # Read into the objects already, perhaps in part: never a fresh start from them.
+            problems.append(f"{step_dir_name(step)}, as ckpt.prepare found it: changed while it was read")
             continue
         if worst == 1 and spooled:  # a spool's copy may be what failed: the root's decides
             log.warning("restoring %s with the node spool's copies failed (%s); reading it all from %s", step_dir_name(step), why, store.display)
@@ -168,7 +170,7 @@ def restore(
                 "hold partly loaded values). restore='latest' restores the newest checkpoint that loads."
             )
         log.warning("could not restore %s (%s); falling back to the one before", step_dir_name(step), why)
-    if tried:
+    if tried or problems:
         raise RestoreFailed(
             f"no checkpoint under {store.display} could be restored ("
             + "; ".join(problems)
