@@ -113,11 +113,12 @@ EARLY_TRIPS = 2  # of RESTORE_ROUND_TRIPS, sent then too: its index's GET and it
 # conditional write and the ranks' own early GETs (RESTORE_ROUND_TRIPS_PREPARED), no survey,
 # and a rank's CPU of RESTORE_CPU_PREPARED_S and its pieces; rank 0 does no more than the
 # others (its share, RESTORE_CPU_RANK0_PREPARED_S). bench/early_reads.py --feature prepare
-# (2 ranks, moto on loopback, median of 7): a rank's CPU after entering 0.15 s against 0.61 s
-# cold, with rank 0's second look at the root on a thread (0.13 against 0.56 s before it;
-# bench/scale.py's mean at 2-8 ranks, 0.13 s), less its 144 pieces at RESTORE_CPU_PER_PIECE_S:
-# 0.13 s; rank 0's 0.14 s, no more than the mean.
-RESTORE_CPU_PREPARED_S = 0.13
+# (2 ranks, moto on loopback, median of 7) and bench/scale.py's calibration (the mean over
+# ranks at 2-8): a rank's CPU after entering, less its 144 pieces at their measured rate,
+# 0.13 and 0.11 s (early_reads, with and before rank 0's second look at the root; 0.15 and
+# 0.13 s in all, against 0.61 and 0.56 s cold) and 0.11 and 0.085 s (scale.py, before and
+# with it): their median, 0.11 s. Rank 0's no more than the mean.
+RESTORE_CPU_PREPARED_S = 0.11
 RESTORE_CPU_RANK0_PREPARED_S = 0.0
 RESTORE_ROUND_TRIPS_PREPARED = 1 + EARLY_TRIPS
 # Rank 0's survey before a restore: a LIST answers at most LIST_PAGE keys; the HEADs, GETs and
