@@ -10,7 +10,7 @@ thread of its own while the job sets up:
 - every rank: the store (its client stack imported) and its client;
 - rank 0 (as torch.distributed, `RANK` or the launcher's variable says; in a job of one
   process, that one): the root checked and its lease read as it stands, then the survey a
-  restore makes (`restore.load.restore_plan`: the candidates, the newest one's manifest read
+  restore makes (`restore.pick.restore_plan`: the candidates, the newest one's manifest read
   and checked, the part each rank is told made). What it would log is held back.
 
 The Checkpointer made with the same root, storage options, transfer and timeout takes the
@@ -22,7 +22,7 @@ write lands, no job that keeps to the lease wrote to the root since, and the sur
 without writing it; the lease changed or was shared within this process; no lease kept; a
 node agent serves the job, which commits without it; or the restore mode, signing key or
 world size differ) the survey is dropped and made anew. Nothing more is taken on trust: rank
-0 looks at the root again while the ranks read the pick (`restore.pick.second_look`), and
+0 looks at the root again as the ranks begin to read the pick (`restore.pick.second_look`), and
 where a newer checkpoint was committed without the lease since (a node agent finishing a dead
 job's save, a `lease=None` writer) or the pick's manifest changed, the restore starts over
 from a survey made then; each rank still checks every byte it reads against the manifest,

@@ -117,6 +117,23 @@ def _newer_without_the_lease(root: str, prepared: early.Early) -> None:
     early._pending = prepared
 
 
+def _older_step_since(root: str, prepared: early.Early) -> None:
+    """A run that went on from step 2 (restore=2, keeping no lease) commits step 3 after the
+    survey: the newest commit, at a lower step than the pick (outside review)."""
+    early._pending = None
+    _train(root, 3, lease=None, restore=2)
+    early._pending = prepared
+
+
+def _rewritten_since(root: str, prepared: early.Early) -> None:
+    """Step 4's manifest rewritten in place with other bytes of the same size (a store whose
+    times are whole seconds would not show it): the pick read by its bytes."""
+    fs, path = fsspec.core.url_to_fs(root)
+    name = f"{path}/{step_dir_name(4)}/manifest.json"
+    data = fs.cat_file(name)
+    fs.pipe_file(name, data.replace(b'"step"', b'"stEp"', 1))
+
+
 def _deleted_since(root: str, prepared: early.Early) -> None:
     """Step 4 removed behind the lease's back (a user's rm): the survey still names it."""
     fs, path = fsspec.core.url_to_fs(root)
@@ -136,10 +153,12 @@ def _damaged_since(root: str, prepared: early.Early) -> None:
     [
         (_newer_since, 6, 2, "not used"),
         (_newer_without_the_lease, 6, 2, "changed since ckpt.prepare"),
+        (_older_step_since, 3, 2, "changed since ckpt.prepare"),
+        (_rewritten_since, 2, 1, "changed since ckpt.prepare"),
         (_deleted_since, 2, 1, "changed since ckpt.prepare"),
         (_damaged_since, 2, 1, "falling back"),
     ],
-    ids=["newer-with-the-lease", "newer-without-it", "deleted-without-it", "damaged-without-it"],
+    ids=["newer-with-the-lease", "newer-without-it", "older-step-newer-commit", "manifest-rewritten", "deleted-without-it", "damaged-without-it"],
 )
 def test_a_root_changed_after_the_survey_restores_what_it_holds_now(root, surveys, caplog, change, step, surveyed, said):
     """A run that took the lease since, or kept none (its own survey counted): the lease write fails its
@@ -434,3 +453,16 @@ def test_a_root_emptied_while_its_prepared_pick_is_read_never_starts_fresh_from_
         _restore(str(root))
     got, _ = _restore(str(root))
     assert got == 0
+
+
+def test_a_step_asked_for_stands_whatever_was_committed_since(tmp_path, surveys, caplog):
+    """restore=STEP: only the pick's own manifest is looked at again; a newer commit does not
+    make the ranks read it twice (outside review)."""
+    root = str(tmp_path / "root")
+    _train(root, 4)
+    prepared = _prepared(root, restore=2)
+    _newer_without_the_lease(root, prepared)
+    with caplog.at_level(logging.DEBUG, logger="ckpt"):
+        got, _ = _restore(root, restore=2)
+    assert got == 2 and len(surveys) == 1  # the writer's own
+    assert "the survey made at prepare stands" in caplog.text and "changed since" not in caplog.text

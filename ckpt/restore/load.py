@@ -107,7 +107,7 @@ def restore(
                 if use is not None and not use.steps and not second_look(store, use)():
                     use = None
                 got = use or restore_plan(store, mode, key, tried, ctrl.world)
-                look = second_look(store, use) if use is not None and use.steps else None
+                look = second_look(store, use, latest=mode == "latest") if use is not None and use.steps else None
                 plan, passed = got.steps, got.passed
                 taken |= got.taken
                 newest = max(newest, got.created)
@@ -140,7 +140,8 @@ def restore(
         stale = int(look is not None and not look())
         worst, spooled, unasked, stale = ctrl.max([outcome, int(handoff is not None and handoff.local is not None), _has_unasked(restored), stale])
         if stale:
-            log.info("%s changed since ckpt.prepare surveyed it (a newer checkpoint, or its manifest): surveying it again", store.display)
+            if ctrl.rank == 0:
+                log.info("%s changed since ckpt.prepare surveyed it (a newer checkpoint, or its manifest): surveying it again", store.display)
             tried.pop()
             prepared = None
             # Read into the objects already, perhaps in part: never a fresh start from them.

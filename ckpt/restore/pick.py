@@ -10,8 +10,9 @@ find a file of the candidate missing or short as they read it.
 A survey made before the job entered its Checkpointer may be stale by then: a node agent
 finishing the last save of a job that died, or a writer that keeps no lease, may have
 committed a newer checkpoint since. So rank 0 looks at the root again (`second_look`: the same
-listing and HEADs) while the ranks read the pick, and where a step as new as the pick or newer
-appeared, or its manifest changed, the restore starts over with a survey made then.
+listing and HEADs, and the pick's manifest read) as the ranks begin to read the pick, and
+where a checkpoint was committed since or the pick's manifest changed, the restore starts
+over with a survey made then.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 from ckpt.errors import RestoreFailed
 from ckpt.format.manifest import MANIFEST_NAME, Manifest
 from ckpt.storage import catalog
-from ckpt.storage.store import StepListing, Store, Stray
+from ckpt.storage.store import StepListing, Store, Stray, step_dir_name
 
 if TYPE_CHECKING:
     from ckpt.format.signing import SigningKey
@@ -115,17 +116,27 @@ def _newest(entries: list[catalog.Entry]) -> float:
     return max((e.manifest.created for e in entries if e.manifest is not None), default=0.0)
 
 
-def second_look(store: Store, prepared: Prepared) -> Callable[[], bool]:
-    """Rank 0: whether the root still holds what `prepared`'s survey found from its pick on
-    (the same step directories as new as the pick or newer, their manifests of the same size
-    and time), looked at on a thread of its own; the call returned waits for the answer. A
-    look that fails says no: the survey is made again, and says what fails."""
+def second_look(store: Store, prepared: Prepared, latest: bool = True) -> Callable[[], bool]:
+    """Rank 0: whether the root still holds what `prepared`'s survey found, looked at once on a
+    thread of its own as the ranks begin to read (a commit after it is missed, as by a survey
+    made cold); the call returned waits for the answer. It stands where the pick's manifest
+    reads the same bytes as then, and (`latest`: the newest was asked for) no step directory
+    appeared or had its manifest written since, older or newer than the pick (the newest is
+    the newest commit, not the highest step); steps removed besides the pick do not matter.
+    A look that fails says no: the survey is made again, and says what fails."""
     answer: list[bool] = []
 
     def look() -> None:
         try:
-            listings, _ = store.survey(whole=False)
-            answer.append(_from_pick(listings, prepared) == _from_pick(prepared.listings or {}, prepared))
+            pick = prepared.steps[0] if prepared.steps else None
+            if latest:
+                now, then = store.survey(whole=False)[0], prepared.listings or {}
+                if any(s not in then or _stamp(then[s]) != _stamp(lst) for s, lst in now.items()) or (pick is not None and pick not in now):
+                    answer.append(False)
+                    return
+            # Its bytes, not only their size and time: a store's times may be whole seconds.
+            doc = prepared.first.doc if prepared.first is not None else None
+            answer.append(pick is None or (doc is not None and store.read_bytes(f"{step_dir_name(pick)}/{MANIFEST_NAME}") == doc))
         except Exception as e:
             log.debug("the second look at %s failed: %s", store.display, type(e).__name__)
 
@@ -139,6 +150,5 @@ def second_look(store: Store, prepared: Prepared) -> Callable[[], bool]:
     return stands
 
 
-def _from_pick(listings: dict[int, StepListing], prepared: Prepared) -> dict[int, tuple[int | None, float | None]]:
-    pick = prepared.steps[0] if prepared.steps else -1
-    return {s: (lst.files.get(MANIFEST_NAME), lst.manifest_mtime) for s, lst in listings.items() if s >= pick}
+def _stamp(listing: StepListing) -> tuple[int | None, float | None]:
+    return listing.files.get(MANIFEST_NAME), listing.manifest_mtime
