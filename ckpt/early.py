@@ -66,7 +66,8 @@ class Early:
     seen: Seen | None = None  # rank 0: the root before the survey
     plan: Prepared | None = None
     records: list[logging.LogRecord] = dataclasses.field(default_factory=list)  # held back
-    held: list[tuple[logging.Logger, logging.Filter]] = dataclasses.field(default_factory=list)
+    held: list[logging.Logger] = dataclasses.field(default_factory=list)  # where `hold` filters
+    hold: logging.Filter | None = None
 
     def __repr__(self) -> str:  # never the storage options: they may hold credentials
         return f"Early({redact(self.args[0])!r}, restore={self.mode!r}, world={self.world}, done={self.done.is_set()})"
@@ -85,14 +86,14 @@ class Early:
 
     def hold_lines(self) -> None:
         """From now on this thread's lines on ckpt's loggers wait in `records`."""
-        hold = _Hold(self, threading.current_thread())
-        self.held = [(logging.getLogger(n), hold) for n in ("ckpt", *(n for n in list(logging.root.manager.loggerDict) if n.startswith("ckpt.")))]
-        for logger, f in self.held:  # a new list: another thread logging meanwhile goes through the old one whole
-            logger.filters = [*logger.filters, f]
+        self.hold = _Hold(self, threading.current_thread())
+        self.held = [logging.getLogger(n) for n in ("ckpt", *(n for n in list(logging.root.manager.loggerDict) if n.startswith("ckpt.")))]
+        for logger in self.held:  # a new list: another thread logging meanwhile goes through the old one whole
+            logger.filters = [*logger.filters, self.hold]
 
     def release_lines(self) -> None:
-        for logger, f in self.held:
-            logger.filters = [g for g in logger.filters if g is not f]
+        for logger in self.held:
+            logger.filters = [f for f in logger.filters if f is not self.hold]
         self.held = []
 
 
