@@ -75,10 +75,18 @@ class Early:
     def survey(self, mode: str | int, key: SigningKey | None, world: int, lease: LeaseKeeper | None, agents: bool) -> Prepared | None:
         """Rank 0's survey, where it still stands (see the module); its lines logged now."""
         same_key = (key.key_id if key is not None else None) == (self.key.key_id if self.key is not None else None)
-        if self.plan is None or not (lease is not None and lease.as_seen and not agents and mode == self.mode and same_key and world == self.world):
-            log.debug("the survey made at prepare is not used: made anew")
+        why = (
+            "it found nothing it could use" if self.plan is None
+            else "this Checkpointer's restore, signing key or world size differ" if not (mode == self.mode and same_key and world == self.world)
+            else "no lease is kept" if lease is None
+            else "a node agent serves this job (it commits without the lease)" if agents
+            else "the root's lease was held, or written since" if not lease.as_seen
+            else ""
+        )  # fmt: skip
+        if why:
+            log.info("the survey made at prepare is not used (%s): the root is surveyed now", why)
             return None
-        log.debug("the survey made at prepare stands")
+        log.info("the survey made at prepare stands")
         for record in self.records:  # at the levels set now
             if (logger := logging.getLogger(record.name)).isEnabledFor(record.levelno):
                 logger.handle(record)
@@ -235,7 +243,10 @@ def take(args: tuple[str, dict[str, Any] | None, Transfer], timeout_s: float) ->
     global _pending
     with _lock:
         early, _pending = _pending, None
-    if early is None or early.args != args:
+    if early is None:
+        return None
+    if early.args != args:
+        log.info("ckpt.prepare was for %s with other store settings than this Checkpointer's (%s): not used", redact(early.args[0]), redact(args[0]))
         return None
     if not early.done.wait(timeout_s):
         log.warning("ckpt.prepare of %s still runs after %.0f s: the Checkpointer goes on without it", redact(args[0]), timeout_s)

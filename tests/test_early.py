@@ -199,11 +199,14 @@ def test_a_prepare_with_other_settings_changes_nothing(root, surveys, prepare_kw
     assert len(surveys) == 1
 
 
-def test_a_prepare_for_another_root_is_not_taken(tmp_path, surveys):
+def test_a_prepare_for_another_root_is_not_taken(tmp_path, surveys, caplog):
+    """Wasted, never wrong, and said (a new user could not tell before: outside review)."""
     _train(str(tmp_path / "a"), 4)
     _train(str(tmp_path / "b"), 2)
     prepared = _prepared(str(tmp_path / "a"))
-    got, _ = _restore(str(tmp_path / "b"))
+    with caplog.at_level(logging.INFO, logger="ckpt"):
+        got, _ = _restore(str(tmp_path / "b"))
+    assert "ckpt.prepare was for" in caplog.text and "not used" in caplog.text
     assert got == 2 and len(surveys) == 1
     assert early._pending is None and prepared.plan.steps == [4]  # dropped, not kept for later
 

@@ -141,7 +141,7 @@ def restore(
         worst, spooled, unasked, stale = ctrl.max([outcome, int(handoff is not None and handoff.local is not None), _has_unasked(restored), stale])
         if stale:
             if ctrl.rank == 0:
-                log.info("%s changed since ckpt.prepare surveyed it (a newer checkpoint, or its manifest): surveying it again", store.display)
+                log.info("%s changed since ckpt.prepare surveyed it (a checkpoint committed, removed or rewritten since): surveying it again", store.display)
             tried.pop()
             prepared = None
             # Read into the objects already, perhaps in part: never a fresh start from them.
