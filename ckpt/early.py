@@ -245,8 +245,9 @@ def take(args: tuple[str, dict[str, Any] | None, Transfer], timeout_s: float) ->
         early, _pending = _pending, None
     if early is None:
         return None
-    if early.args != args:
-        log.info("ckpt.prepare was for %s with other store settings than this Checkpointer's (%s): not used", redact(early.args[0]), redact(args[0]))
+    if early.args != args:  # a mistake of the script's, said before the console is set up: a warning, once
+        if _rank(early.world) == 0:
+            log.warning("ckpt.prepare was for %s with other store settings than this Checkpointer's (%s): not used", redact(early.args[0]), redact(args[0]))
         return None
     if not early.done.wait(timeout_s):
         log.warning("ckpt.prepare of %s still runs after %.0f s: the Checkpointer goes on without it", redact(args[0]), timeout_s)
